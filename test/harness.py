@@ -1,0 +1,230 @@
+"""Runs training configurations sharded on N real ranks (gloo processes or XLA:CPU device threads)
+and unsharded in one process, so tests can compare the two."""
+from __future__ import annotations
+
+import copy
+import functools
+import os
+import socket
+import tempfile
+import threading
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+import torch.nn as nn
+
+import models
+import xla_fsdp
+from xla_fsdp import XlaFullyShardedDataParallel as FSDP, checkpoint_module
+from xla_fsdp.state_dict import consolidate_sharded_state_dicts
+from xla_fsdp.wrap import (lambda_auto_wrap_policy, size_based_auto_wrap_policy,
+                           transformer_auto_wrap_policy)
+
+STEPS = 5
+
+
+def _wrap_children(model: nn.Module, names, **kw) -> nn.Module:
+    for n in names:
+        setattr(model, n, FSDP(getattr(model, n), **kw))
+    return model
+
+
+def _nested(**kw):
+    return lambda m: FSDP(_wrap_children(m, ["fc1", "fc2"], **kw), **kw)
+
+
+def _policy_linear(m):
+    return isinstance(m, nn.Linear)
+
+
+BLOCK_POLICY = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={models.Block})
+# Each config: model, optimizer, how to wrap (callable on the unwrapped model), extras.
+CONFIGS: Dict[str, Dict[str, Any]] = {
+    "zero3_nested_sgd": dict(model="mlp", opt="sgd", wrap=_nested(), check_freed=True),
+    "zero3_nested_adamw": dict(model="mlp", opt="adamw", wrap=_nested(), check_freed=True),
+    "zero2_nested_adamw": dict(model="mlp", opt="adamw", wrap=_nested(reshard_after_forward=False)),
+    "zero2_root_sgd": dict(model="mlp", opt="sgd", wrap=lambda m: FSDP(m, reshard_after_forward=False)),
+    "flatten_nested_adamw": dict(model="mlp", opt="adamw", wrap=_nested(flatten_parameters=True), check_freed=True),
+    "dim0_nested_sgd": dict(model="mlp", opt="sgd", wrap=_nested(shard_param_on_dim_0=True), check_freed=True),
+    "autowrap_size_flat_sgd": dict(model="mlp", opt="sgd", wrap=lambda m: FSDP(
+        m, flatten_parameters=True,
+        auto_wrap_policy=functools.partial(size_based_auto_wrap_policy, min_num_params=100))),
+    "autowrap_type_lm_adamw": dict(model="lm", opt="adamw", wrap=lambda m: FSDP(m, auto_wrap_policy=BLOCK_POLICY)),
+    "autowrap_type_lm_flat_sgd": dict(model="lm", opt="sgd", wrap=lambda m: FSDP(
+        m, flatten_parameters=True, auto_wrap_policy=BLOCK_POLICY)),
+    "checkpoint_lm_adamw": dict(model="lm", opt="adamw", wrap=lambda m: FSDP(
+        m, auto_wrap_policy=BLOCK_POLICY,
+        auto_wrapper_callable=lambda mod, *a, **kw: FSDP(checkpoint_module(mod), *a, **kw))),
+    "frozen_flat_adamw": dict(model="frozen", opt="adamw", wrap=_nested(flatten_parameters=True)),
+    "frozen_param_sgd": dict(model="frozen", opt="sgd", wrap=_nested()),
+    "tied_param_adamw": dict(model="tied", opt="adamw", wrap=lambda m: FSDP(m)),
+    "tied_flat_sgd": dict(model="tied", opt="sgd", wrap=lambda m: FSDP(m, flatten_parameters=True)),
+    "tiny_param_sgd": dict(model="tiny", opt="sgd", wrap=lambda m: FSDP(
+        m, auto_wrap_policy=functools.partial(lambda_auto_wrap_policy, lambda_fn=_policy_linear))),
+    "tiny_dim0_adamw": dict(model="tiny", opt="adamw", wrap=lambda m: FSDP(m, shard_param_on_dim_0=True)),
+    "convbn_sgd": dict(model="convbn", opt="sgd", wrap=lambda m: FSDP(
+        m, auto_wrap_policy=functools.partial(
+            lambda_auto_wrap_policy, lambda_fn=lambda x: isinstance(x, (nn.Conv2d, nn.BatchNorm2d))))),
+    "no_sync_adamw": dict(model="mlp", opt="adamw", wrap=_nested(), micro=2),
+    "no_sync_flat_sgd": dict(model="mlp", opt="sgd", wrap=_nested(flatten_parameters=True, reshard_after_forward=False), micro=2),
+    "clip_adamw": dict(model="mlp", opt="adamw", wrap=_nested(), clip=0.05),
+    "clip_lm_sgd": dict(model="lm", opt="sgd", wrap=lambda m: FSDP(m, auto_wrap_policy=BLOCK_POLICY), clip=0.5),
+}
+NO_SYNC_MICRO = 2
+
+
+def make_optimizer(name: str, params) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
+
+
+def state_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
+    """Bytes this rank holds persistently: parameters, gradients and optimizer state."""
+    total = 0
+    for p in model.parameters():
+        total += p.numel() * p.element_size()
+        if p.grad is not None:
+            total += p.grad.numel() * p.grad.element_size()
+    for st in opt.state.values():
+        for v in st.values():
+            if isinstance(v, torch.Tensor):
+                total += v.numel() * v.element_size()
+    return total
+
+
+_INIT_LOCK = threading.Lock()
+
+
+def train_sharded(name: str, rank: int, device: torch.device, sync: Callable[[], None]) -> Dict[str, Any]:
+    """One rank's run of config ``name``; returns losses, shards, metadata and memory figures."""
+    cfg = CONFIGS[name]
+    with _INIT_LOCK:  # XLA ranks are threads sharing the CPU RNG
+        model = models.make_model(cfg["model"])
+        wrapped = cfg["wrap"](model)
+    sync()
+    opt = make_optimizer(cfg["opt"], wrapped.parameters())
+    losses, freed, norms = [], [], []
+    for step in range(STEPS):
+        opt.zero_grad()
+        micro = cfg.get("micro", 1)
+        step_loss = 0.0
+        for k in range(micro):
+            x, y = models.batch(cfg["model"], step * micro + k, rank)
+            x, y = x.to(device), y.to(device)
+            ctx = wrapped.no_sync() if k < micro - 1 else _null()
+            with ctx:
+                out = wrapped(x)
+                if cfg.get("check_freed"):
+                    freed.append(_inner_units_freed(wrapped))
+                loss = models.loss_fn(cfg["model"], out, y)
+                loss.backward()
+            sync()
+            step_loss += loss.item()
+        if cfg.get("clip"):
+            norms.append(wrapped.clip_grad_norm_(cfg["clip"]))
+        opt.step()
+        sync()
+        losses.append(step_loss)
+    norms = [float(n.item()) for n in norms]
+    result = {
+        "losses": losses,
+        "norms": norms,
+        "state_dict": {k: v.detach().cpu().clone() for k, v in wrapped.state_dict().items()},
+        "metadata": wrapped.get_shard_metadata(),
+        "state_bytes": state_bytes(wrapped, opt),
+        "freed_after_forward": freed,
+    }
+    return result
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def _inner_units_freed(root: FSDP) -> bool:
+    units = [m for m in root.modules() if isinstance(m, FSDP) and m is not root]
+    return bool(units) and all(not g.is_unsharded() and not g.comms.is_allocated(g.full)
+                               for u in units for g in u._groups)
+
+
+def train_reference(name: str, world_size: int, init_state: Optional[dict] = None) -> Dict[str, Any]:
+    """The same training, unsharded, in this process: each step averages the per-rank losses."""
+    cfg = CONFIGS[name]
+    model = models.make_model(cfg["model"])
+    if init_state is not None:
+        model.load_state_dict(init_state)
+    opt = make_optimizer(cfg["opt"], model.parameters())
+    losses, norms = [], []
+    for step in range(STEPS):
+        opt.zero_grad()
+        micro = cfg.get("micro", 1)
+        step_loss = 0.0
+        for k in range(micro):
+            per_rank = []
+            for r in range(world_size):
+                x, y = models.batch(cfg["model"], step * micro + k, r)
+                per_rank.append(models.loss_fn(cfg["model"], model(x), y))
+            loss = torch.stack(per_rank).mean()
+            loss.backward()
+            step_loss += loss.item()
+        if cfg.get("clip"):
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["clip"])))
+        opt.step()
+        losses.append(step_loss)
+    ideal = sum(p.numel() * 4 for p in model.parameters())
+    return {"losses": losses, "norms": norms, "state_dict": model.state_dict(), "param_bytes": ideal}
+
+
+# ----------------------------------------------------------------------------- gloo transport
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _gloo_worker(rank: int, world_size: int, port: int, names: List[str], out_dir: str) -> None:
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        results = {}
+        for name in names:
+            results[name] = train_sharded(name, rank, torch.device("cpu"), lambda: None)
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_gloo(names: List[str], world_size: int) -> Dict[str, List[Dict[str, Any]]]:
+    """Spawn ``world_size`` gloo processes that run every config in ``names``; results per rank."""
+    import torch.multiprocessing as mp
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.spawn(_gloo_worker, args=(world_size, _free_port(), names, out_dir), nprocs=world_size)
+        per_rank = [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
+    return {n: [per_rank[r][n] for r in range(world_size)] for n in names}
+
+
+# ----------------------------------------------------------------------------- XLA transport
+def _xla_worker(names: List[str]) -> Dict[str, Any]:
+    import torch_xla
+    import torch_xla.runtime as xr
+    device, rank = torch_xla.device(), xr.global_ordinal()
+    return {name: train_sharded(name, rank, device, xla_fsdp.sync) for name in names}
+
+
+def run_xla(names: List[str], world_size: int) -> Dict[str, List[Dict[str, Any]]]:
+    """Run the configs on ``world_size`` XLA:CPU devices (threads of one spawned process)."""
+    from torch_xla._internal import pjrt
+    os.environ["PJRT_DEVICE"] = "CPU"
+    os.environ["CPU_NUM_DEVICES"] = str(world_size)
+    results = pjrt.run_multiprocess(_xla_worker, names)
+    return {n: [results[r][n] for r in range(world_size)] for n in names}
+
+
+def consolidate(rank_results: List[Dict[str, Any]]) -> Dict[str, torch.Tensor]:
+    return consolidate_sharded_state_dicts([r["state_dict"] for r in rank_results], rank_results[0]["metadata"])

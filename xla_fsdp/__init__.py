@@ -1,0 +1,14 @@
+"""xla_fsdp: Fully Sharded Data Parallel (ZeRO-2/ZeRO-3) for PyTorch/XLA, with a torch.distributed
+fallback, as a drop-in for ``torch_xla.distributed.fsdp``."""
+from .collectives.xla import configure_cpu_environment as _configure_cpu_environment
+
+# Before any XLA runtime starts: the XLA:CPU pool settings multi-device runs need (see collectives/xla.py).
+_configure_cpu_environment()
+
+__version__ = "0.1.0"
+
+from .checkpoint import checkpoint_module  # noqa: E402
+from .collectives.xla import sync  # noqa: E402
+from .fully_sharded_data_parallel import XlaFullyShardedDataParallel  # noqa: E402
+
+__all__ = ["XlaFullyShardedDataParallel", "checkpoint_module", "sync", "__version__"]

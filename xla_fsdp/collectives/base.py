@@ -1,0 +1,69 @@
+"""The small interface the sharding algorithm talks to, so it never knows which transport carries it."""
+from __future__ import annotations
+
+import abc
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import torch
+
+
+class Collectives(abc.ABC):
+    """Collectives over one sharding group, plus the few device-specific tensor operations FSDP needs.
+
+    ``channel`` arguments name one logical collective of a training step (the same integer on every
+    rank). Transports whose rendezvous needs such an identity (XLA:CPU with several devices in one
+    process) use it; the others ignore it.
+    """
+
+    name: str = "abstract"
+    #: rank and size of the sharding group (the ranks that split a parameter between them)
+    rank: int
+    world_size: int
+    #: the sharding groups, as global ranks (one group of all ranks when no groups were given)
+    groups: List[List[int]]
+
+    @property
+    @abc.abstractmethod
+    def device(self) -> torch.device:
+        """Device on which shards and full parameters live."""
+
+    @abc.abstractmethod
+    def all_gather(self, shard: torch.Tensor, channel: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Concatenate every rank's ``shard`` along dim 0 (into ``out`` when given)."""
+
+    @abc.abstractmethod
+    def reduce_scatter(self, full: torch.Tensor, channel: int) -> torch.Tensor:
+        """Sum ``full`` over ranks and return this rank's equal dim-0 block of the sum."""
+
+    @abc.abstractmethod
+    def all_reduce_sum(self, tensor: torch.Tensor, channel: int) -> torch.Tensor:
+        """Sum a small tensor over the sharding group (used for gradient norms)."""
+
+    # --- how a full parameter is filled and freed while staying the same autograd leaf ---
+    @abc.abstractmethod
+    def gather_into(self, full: torch.Tensor, shard: torch.Tensor, channel: int,
+                    padded_shape: Tuple[int, ...], unpad: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """All-gather ``shard`` (cast to ``full.dtype``) into the padded ``padded_shape`` buffer and
+        make ``full`` hold ``unpad(buffer)``."""
+
+    @abc.abstractmethod
+    def free(self, full: torch.Tensor) -> None:
+        """Release the memory behind ``full``; the next ``gather_into`` refills it."""
+
+    @abc.abstractmethod
+    def new_full(self, shape: Tuple[int, ...], padded_numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """An unallocated ``shape`` tensor that ``gather_into`` can fill from a padded buffer."""
+
+    @abc.abstractmethod
+    def is_allocated(self, full: torch.Tensor) -> bool:
+        """Whether ``full`` currently holds gathered data (for memory checks and tests)."""
+
+    def allocate_channels(self, count: int) -> int:
+        """Reserve ``count`` consecutive channel ids; returns the first (0 where unused)."""
+        return 0
+
+    def optimization_barrier(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Stop the compiler from moving work across this point (no-op for eager transports)."""
+
+    def sync(self) -> None:
+        """Run pending device work (no-op for eager transports)."""

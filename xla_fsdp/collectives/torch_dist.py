@@ -1,0 +1,90 @@
+"""Collectives over ``torch.distributed`` (gloo on CPU, NCCL on GPU): the eager transport."""
+from __future__ import annotations
+
+import math
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .base import Collectives
+
+
+def _sharding_group(groups: Optional[Sequence[Sequence[int]]]):
+    """The process group this rank shards in; every rank creates every group, as new_group requires."""
+    if not groups:
+        return None, [list(range(dist.get_world_size()))]
+    me = dist.get_rank()
+    mine = None
+    for g in groups:
+        pg = dist.new_group(ranks=list(g))
+        if me in g:
+            mine = pg
+    if mine is None:
+        raise ValueError(f"rank {me} is in none of the sharding_groups {groups}")
+    return mine, [list(g) for g in groups]
+
+
+class TorchDistCollectives(Collectives):
+    """Eager collectives; full parameters are freed by shrinking their storage to zero bytes so
+    every view autograd saved sees the data again once it is re-gathered into the same storage."""
+
+    name = "torch"
+
+    def __init__(self, groups: Optional[Sequence[Sequence[int]]] = None):
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                "xla_fsdp: torch.distributed is not initialized. Call "
+                "torch.distributed.init_process_group('gloo' or 'nccl') first (torchrun sets the "
+                "environment for it), or run under torch_xla.launch with PJRT_DEVICE set to use XLA.")
+        self.group, self.groups = _sharding_group(groups)
+        self.rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
+        backend = dist.get_backend()
+        if backend == "nccl":
+            self._device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            self._device = torch.device("cpu")
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def all_gather(self, shard: torch.Tensor, channel: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if out is None:
+            out = shard.new_empty((shard.shape[0] * self.world_size,) + tuple(shard.shape[1:]))
+        dist.all_gather_into_tensor(out, shard.contiguous(), group=self.group)
+        return out
+
+    def reduce_scatter(self, full: torch.Tensor, channel: int) -> torch.Tensor:
+        out = full.new_empty((full.shape[0] // self.world_size,) + tuple(full.shape[1:]))
+        dist.reduce_scatter_tensor(out, full.contiguous(), group=self.group)
+        return out
+
+    def all_reduce_sum(self, tensor: torch.Tensor, channel: int) -> torch.Tensor:
+        tensor = tensor.clone()
+        dist.all_reduce(tensor, group=self.group)
+        return tensor
+
+    def new_full(self, shape: Tuple[int, ...], padded_numel: int, dtype: torch.dtype) -> torch.Tensor:
+        numel = math.prod(shape)
+        full = torch.empty(padded_numel, dtype=dtype, device=self._device)[:numel].view(shape)
+        full.untyped_storage().resize_(0)
+        return full
+
+    def gather_into(self, full: torch.Tensor, shard: torch.Tensor, channel: int,
+                    padded_shape: Tuple[int, ...], unpad: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        # Gather straight into the parameter's re-grown storage: views autograd saved during forward
+        # share this storage, so they see the data again, and no extra full-size copy is made.
+        storage = full.untyped_storage()
+        nbytes = math.prod(padded_shape) * full.element_size()
+        if storage.size() != nbytes:
+            storage.resize_(nbytes)
+        buffer = full.new_empty(0).set_(storage, 0, padded_shape)
+        self.all_gather(shard.detach().to(full.dtype), channel, out=buffer)
+
+    def free(self, full: torch.Tensor) -> None:
+        full.untyped_storage().resize_(0)
+
+    def is_allocated(self, full: torch.Tensor) -> bool:
+        return full.untyped_storage().size() > 0

@@ -1,0 +1,198 @@
+"""Collectives over PJRT/XLA (TPU, and XLA:CPU with one thread per device).
+
+XLA:CPU pairs the ranks of a collective by an ``op_id``. Without a channel id that id is the
+compiled module's unique id, which differs whenever two rank threads compile the same graph, so
+the ranks never meet (../notes: xla_cpu_multidevice). Here every collective carries a channel id
+that names the logical operation (the same integer on every rank) and global device ids, so
+separately compiled executables rendezvous whatever the compile order. ``all_reduce`` has no
+channel id in torch_xla, so sums are built from all-gathers.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import torch
+
+from .base import Collectives
+
+ENV_DEFAULTS_CPU = {
+    # Executions blocked in a rendezvous occupy pool threads: size the pools above the device count
+    # so the other ranks' executions can still start (the default is the number of cores).
+    "XLA_THREAD_POOL_SIZE": "32",
+    # The async client runs executions on a worker pool sized by the cores; with more devices than
+    # cores a waiting rank starves the others. The synchronous client uses torch_xla's own pool.
+    "PJRT_CPU_ASYNC_CLIENT": "false",
+}
+
+
+def configure_cpu_environment() -> None:
+    """Set the XLA:CPU defaults multi-device FSDP needs (only where the user has not set them).
+
+    Called when ``xla_fsdp`` is imported with ``PJRT_DEVICE=CPU``, before the runtime starts.
+    """
+    if os.environ.get("PJRT_DEVICE", "").upper() == "CPU":
+        for key, value in ENV_DEFAULTS_CPU.items():
+            os.environ.setdefault(key, value)
+
+
+def sync(wait: bool = False) -> None:
+    """Run pending XLA work; safe when several XLA:CPU devices are threads of one process.
+
+    ``torch_xla.sync()`` drops the collective token while holding the GIL, which deadlocks when
+    another rank thread still needs the GIL to reach its own collective. Here the launch and the wait
+    for this device's execution happen with the GIL released, and the token is dropped only after.
+    On TPU it behaves like ``torch_xla.sync(wait)``.
+    """
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    xlac = torch_xla._XLAC
+    dev = xlac._xla_get_default_device()
+    xlac._xla_step_marker(dev, [], wait=wait, reset_scope=True)
+    if _is_threaded_cpu():
+        xlac._xla_wait_device_ops(xlac._xla_real_devices([dev]))
+    xm._run_step_closures()
+    xlac._set_all_reduce_token(dev, None)
+
+
+_PATCH_LOCK = threading.Lock()
+_patched = False
+
+
+def _is_threaded_cpu() -> bool:
+    import torch_xla.runtime as xr
+    return xr.device_type() == "CPU" and xr.addressable_runtime_device_count() > 1
+
+
+def install_safe_sync() -> None:
+    """Route ``torch_xla.sync`` and ``xm.mark_step`` (also used by ``xm.optimizer_step``) through
+    :func:`sync`, so user loops written for TPU work unchanged with several XLA:CPU devices."""
+    global _patched
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    with _PATCH_LOCK:
+        if _patched:
+            return
+        torch_xla.sync = lambda wait=False, reset_scope=True: sync(wait)
+        xm.mark_step = lambda wait=False, reset_scope=True: sync(wait)
+        _patched = True
+
+
+class _ChannelAllocator:
+    """Hands out channel ids in construction order; each rank thread has its own counter, so the
+    n-th unit built on every rank gets the same ids."""
+
+    def __init__(self):
+        self._local = threading.local()
+
+    def take(self, count: int) -> int:
+        start = getattr(self._local, "next", 1)
+        self._local.next = start + count
+        return start
+
+
+CHANNELS = _ChannelAllocator()
+
+
+class XlaCollectives(Collectives):
+    """Collectives on the current XLA device; full parameters are swapped in place with
+    ``_replace_xla_tensor`` so the autograd leaf survives and its dtype stays the compute dtype."""
+
+    name = "xla"
+
+    def __init__(self, groups: Optional[Sequence[Sequence[int]]] = None,
+                 rank: Optional[int] = None, world_size: Optional[int] = None,
+                 pin_layout: bool = True, use_channel_ids: Optional[bool] = None):
+        import torch_xla
+        import torch_xla.runtime as xr
+
+        self._device = torch_xla.device()
+        global_ws, global_rank = xr.world_size(), xr.global_ordinal()
+        if groups:
+            if rank is None or world_size is None:
+                raise ValueError("sharding_groups needs sharding_rank and sharding_world_size "
+                                 "(this rank's position in its group and the group size)")
+            self.groups = [list(g) for g in groups]
+            self.rank, self.world_size = rank, world_size
+            if any(len(g) != world_size for g in self.groups):
+                raise ValueError(f"every sharding group must have {world_size} ranks: {self.groups}")
+        else:
+            self.groups = [list(range(global_ws))]
+            self.rank, self.world_size = global_rank, global_ws
+        if use_channel_ids is None:
+            env = os.environ.get("XLA_FSDP_CHANNEL_IDS")
+            use_channel_ids = (env == "1") if env in ("0", "1") else xr.device_type() == "CPU"
+        self.use_channel_ids = use_channel_ids
+        # A pinned all-gather is lowered per rank (pad by ordinal + all-reduce): never pin on the
+        # channel-id path, whose point is identical, id-matched collectives.
+        self.pin_layout = pin_layout and not use_channel_ids
+        if xr.device_type() == "CPU" and global_ws > 1:
+            install_safe_sync()
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def allocate_channels(self, count: int) -> int:
+        return CHANNELS.take(count)
+
+    def _channel_kwargs(self, channel: int) -> dict:
+        if not self.use_channel_ids:
+            return {}
+        return {"channel_id": int(channel), "use_global_device_ids": True}
+
+    def all_gather(self, shard: torch.Tensor, channel: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        import torch_xla.core.xla_model as xm
+
+        groups = self.groups if (self.use_channel_ids or len(self.groups) > 1) else None
+        result = xm.all_gather(shard, 0, groups=groups, pin_layout=self.pin_layout,
+                               **self._channel_kwargs(channel))
+        if out is not None:
+            out.copy_(result)
+            return out
+        return result
+
+    def reduce_scatter(self, full: torch.Tensor, channel: int) -> torch.Tensor:
+        import torch_xla.core.xla_model as xm
+
+        groups = self.groups if (self.use_channel_ids or len(self.groups) > 1) else None
+        return xm.reduce_scatter(xm.REDUCE_SUM, full, 1.0, 0, self.world_size, groups=groups,
+                                 pin_layout=self.pin_layout, **self._channel_kwargs(channel))
+
+    def all_reduce_sum(self, tensor: torch.Tensor, channel: int) -> torch.Tensor:
+        flat = tensor.reshape(1, -1)
+        gathered = self.all_gather(flat, channel)
+        return gathered.sum(dim=0).view(tensor.shape)
+
+    def new_full(self, shape: Tuple[int, ...], padded_numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(1, dtype=dtype, device=self._device)
+
+    def gather_into(self, full: torch.Tensor, shard: torch.Tensor, channel: int,
+                    padded_shape: Tuple[int, ...], unpad: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        import torch_xla
+
+        gathered = self.all_gather(shard.detach().to(full.dtype), channel).view(padded_shape)
+        torch_xla._XLAC._replace_xla_tensor(full, unpad(gathered))
+
+    def free(self, full: torch.Tensor) -> None:
+        import torch_xla
+
+        torch_xla._XLAC._replace_xla_tensor(full, torch.zeros(1, dtype=full.dtype, device=self._device))
+
+    def is_allocated(self, full: torch.Tensor) -> bool:
+        return full.numel() > 1 or full.dim() != 1
+
+    def optimization_barrier(self, tensors: Sequence[torch.Tensor]) -> None:
+        import torch_xla.core.xla_model as xm
+
+        # Barriers on integer tensors abort XLA:CPU (seen with nn.Embedding ids); they are only
+        # needed on floating tensors, whose liveness is what the barrier controls.
+        floats = [t for t in tensors if t is not None and t.is_floating_point()]
+        if floats:
+            xm.optimization_barrier_(floats)
+
+    def sync(self) -> None:
+        sync()

@@ -1,0 +1,489 @@
+"""``XlaFullyShardedDataParallel``: the public wrapper and the life cycle of one FSDP unit.
+
+A unit owns the parameters of its module that no nested unit owns, split into
+:class:`~xla_fsdp.param_group.ParamGroup` s. Per step it moves through explicit states:
+
+    IDLE --forward--> FORWARD --(reshard if ZeRO-3)--> IDLE
+         --first output grad--> BACKWARD_PRE (re-gather) --grads ready--> BACKWARD_POST
+         (reduce-scatter, free) --root's end-of-backward callback--> IDLE
+"""
+from __future__ import annotations
+
+import contextlib
+import enum
+import functools
+import warnings
+from typing import Any, Callable, Dict, Generator, Iterator, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+from torch.autograd import Variable
+
+from . import unit_init
+from .collectives import Collectives, select_collectives
+from .param_group import ParamGroup
+from .wrap import recursive_wrap
+
+SHARD_SEPARATOR = "_FSDP_SHARD_SEPARATOR_"
+WRAPPED = "_fsdp_wrapped_module"
+METADATA_VERSION = 1
+
+
+class TrainingState(enum.Enum):
+    IDLE = "idle"
+    FORWARD = "forward"
+    BACKWARD_PRE = "backward_pre"
+    BACKWARD_POST = "backward_post"
+
+
+_COMMS_CACHE: Dict[Tuple, Collectives] = {}
+
+
+def _collectives_for(transport, groups, rank, world_size, pin_layout) -> Collectives:
+    """One collectives object per (transport, grouping), shared by the units of a model."""
+    import threading
+    key = (threading.get_ident(), transport, tuple(map(tuple, groups or [])), rank, world_size, pin_layout)
+    comms = _COMMS_CACHE.get(key)
+    if comms is None:
+        comms = select_collectives(transport, groups, rank, world_size, pin_layout)
+        _COMMS_CACHE[key] = comms
+    return comms
+
+
+def _apply_to_tensors(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return {k: _apply_to_tensors(fn, v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        return type(obj)(_apply_to_tensors(fn, v) for v in obj)
+    if isinstance(obj, tuple):  # namedtuple
+        return type(obj)(*(_apply_to_tensors(fn, v) for v in obj))
+    return obj
+
+
+def _default_predivide_factor(world_size: int) -> float:
+    factor = 1
+    while world_size % factor == 0 and world_size / factor > factor:
+        factor *= 2
+    return float(factor)
+
+
+class XlaFullyShardedDataParallel(nn.Module):
+    """Shard a module's parameters, gradients and optimizer state across ranks (ZeRO-3/ZeRO-2).
+
+    Drop-in for ``torch_xla.distributed.fsdp.XlaFullyShardedDataParallel``: same keywords and
+    defaults, same public methods. Runs on XLA (TPU; XLA:CPU with several devices in one process)
+    and on ``torch.distributed`` (gloo/NCCL), chosen automatically.
+
+    Args:
+        module: the module to shard. Its float32 parameters become 1-D (or dim-0) shards owned by
+            this wrapper; build the optimizer from the wrapper's ``parameters()`` after wrapping.
+        reshard_after_forward: free full parameters after forward and re-gather them in backward
+            (ZeRO-3, least memory). ``False`` keeps them until after backward (ZeRO-2, one
+            all-gather less per step).
+        flatten_parameters: put this unit's trainable parameters into one flat shard (and frozen
+            ones into a second), so each unit does one all-gather and one reduce-scatter.
+        execute_sharding_on_init: run the sharding graph right away on XLA (avoids one huge
+            first graph); ignored by eager transports.
+        optimization_barrier_in_forward / optimization_barrier_in_backward: on XLA, keep the
+            compiler from fusing gathers across units, which would keep full parameters alive.
+            Only floating tensors get barriers (integer ones crash XLA:CPU).
+        sync_on_finalization: run ``sync`` at the end of the root's backward (XLA).
+        mark_step_on_finalization: deprecated alias of ``sync_on_finalization``.
+        disable_reshard_on_root: keep the root unit's parameters gathered after forward, since
+            backward needs them first.
+        compute_dtype: dtype of the gathered parameters and of floating inputs (float32 default,
+            bfloat16 or float16 for mixed precision). Master shards stay float32.
+        buffer_dtype: dtype for floating buffers (defaults to ``compute_dtype``); their original
+            dtypes are recorded in the shard metadata so consolidation restores them.
+        fp32_reduce_scatter: reduce-scatter gradients in float32 even when computing in low precision.
+        sharding_groups / sharding_rank / sharding_world_size: shard within these groups of ranks
+            (global ranks); rank and size are this rank's place in its group.
+        shard_param_on_dim_0: split each (unflattened) parameter along dim 0 instead of flattening.
+        pin_layout_in_collective_ops: pin collective layouts on XLA (never on XLA:CPU, whose
+            channel-id collectives need no pinning).
+        reduce_scatter_bucket_size_mb, coalesce_all_gather_ops: accepted for compatibility and
+            passed to child units; with ``flatten_parameters=True`` a unit already issues one
+            collective of each kind.
+        auto_wrap_policy: ``policy(module, recurse, unwrapped_params) -> bool`` deciding which
+            children become their own units (see :mod:`xla_fsdp.wrap`); every keyword of this
+            constructor is passed on to them.
+        auto_wrapper_callable: ``fn(module, *args, **kwargs)`` used instead of this class for
+            auto-wrapped children, e.g. to apply ``checkpoint_module`` first.
+        param_init_fn: ``fn(module)`` materializing meta-device parameters; default is
+            ``to_empty`` plus each submodule's ``reset_parameters()``.
+        transport: ``'xla'`` or ``'torch'`` to override the automatic choice.
+        _shard_size_multiple: pad flat shards to a multiple of this many elements per rank
+            (default 128 on TPU, for all-gather efficiency; 1 elsewhere, to waste no memory).
+        _use_xla_patched_linear: on XLA, make ``nn.Linear`` save its weight (not a transposed
+            copy) for backward, so ZeRO-3 can free full weights after forward.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        reshard_after_forward: bool = True,
+        flatten_parameters: bool = False,
+        execute_sharding_on_init: bool = True,
+        optimization_barrier_in_forward: bool = True,
+        optimization_barrier_in_backward: bool = True,
+        sync_on_finalization: bool = False,
+        disable_reshard_on_root: bool = True,
+        compute_dtype: Optional[torch.dtype] = None,
+        buffer_dtype: Optional[torch.dtype] = None,
+        fp32_reduce_scatter: bool = False,
+        sharding_groups: Optional[List[List[int]]] = None,
+        sharding_rank: Optional[int] = None,
+        sharding_world_size: Optional[int] = None,
+        shard_param_on_dim_0: bool = False,
+        pin_layout_in_collective_ops: bool = True,
+        reduce_scatter_bucket_size_mb: Optional[int] = 0,
+        coalesce_all_gather_ops: bool = False,
+        auto_wrap_policy: Optional[Callable] = None,
+        auto_wrapper_callable: Optional[Callable] = None,
+        param_init_fn: Optional[Callable[[nn.Module], None]] = None,
+        _shard_size_multiple: Optional[int] = None,
+        _use_xla_patched_linear: bool = True,
+        _debug_dummy_forward_pass: bool = False,
+        _debug_msg: str = "xla_fsdp",
+        _debug_print: bool = False,
+        _debug_dummy_all_gather_op: bool = False,
+        _debug_dummy_all_reduce_op: bool = False,
+        _debug_dummy_reduce_scatter_op: bool = False,
+        _debug_dummy_optimization_barrier_op: bool = False,
+        transport: Optional[str] = None,
+        mark_step_on_finalization: Optional[bool] = None,
+    ):
+        super().__init__()
+        unit_init.validate_module(module)
+        if mark_step_on_finalization is not None:
+            warnings.warn("mark_step_on_finalization is deprecated; use sync_on_finalization",
+                          DeprecationWarning, stacklevel=2)
+            sync_on_finalization = mark_step_on_finalization
+        if any((_debug_dummy_forward_pass, _debug_dummy_all_gather_op, _debug_dummy_all_reduce_op,
+                _debug_dummy_reduce_scatter_op, _debug_dummy_optimization_barrier_op)):
+            raise ValueError("xla_fsdp runs real collectives only; to test without a TPU use "
+                             "PJRT_DEVICE=CPU with CPU_NUM_DEVICES=N, or transport='torch' with gloo.")
+        if compute_dtype not in (None, torch.float32, torch.float16, torch.bfloat16):
+            raise ValueError(f"compute_dtype must be float32, float16 or bfloat16, got {compute_dtype}")
+        if (sharding_groups is None) != (sharding_rank is None) or (sharding_groups is None) != (sharding_world_size is None):
+            raise ValueError("sharding_groups, sharding_rank and sharding_world_size go together: "
+                             "give all three or none")
+
+        # Every keyword, as given, for child units (auto-wrap) and for inspection.
+        self._fsdp_kwargs: Dict[str, Any] = dict(
+            reshard_after_forward=reshard_after_forward, flatten_parameters=flatten_parameters,
+            execute_sharding_on_init=execute_sharding_on_init,
+            optimization_barrier_in_forward=optimization_barrier_in_forward,
+            optimization_barrier_in_backward=optimization_barrier_in_backward,
+            sync_on_finalization=sync_on_finalization, disable_reshard_on_root=disable_reshard_on_root,
+            compute_dtype=compute_dtype, buffer_dtype=buffer_dtype,
+            fp32_reduce_scatter=fp32_reduce_scatter, sharding_groups=sharding_groups,
+            sharding_rank=sharding_rank, sharding_world_size=sharding_world_size,
+            shard_param_on_dim_0=shard_param_on_dim_0,
+            pin_layout_in_collective_ops=pin_layout_in_collective_ops,
+            reduce_scatter_bucket_size_mb=reduce_scatter_bucket_size_mb,
+            coalesce_all_gather_ops=coalesce_all_gather_ops, param_init_fn=param_init_fn,
+            _shard_size_multiple=_shard_size_multiple, _use_xla_patched_linear=_use_xla_patched_linear,
+            _debug_msg=_debug_msg, _debug_print=_debug_print, transport=transport)
+
+        self.comms = _collectives_for(transport, sharding_groups, sharding_rank,
+                                      sharding_world_size, pin_layout_in_collective_ops)
+        self.rank, self.world_size = self.comms.rank, self.comms.world_size
+        self.reshard_after_forward = reshard_after_forward
+        self.flatten_parameters = flatten_parameters
+        self.optimization_barrier_in_forward = optimization_barrier_in_forward
+        self.optimization_barrier_in_backward = optimization_barrier_in_backward
+        self.sync_on_finalization = sync_on_finalization
+        self.disable_reshard_on_root = disable_reshard_on_root
+        self.compute_dtype = compute_dtype or torch.float32
+        self.buffer_dtype = buffer_dtype or compute_dtype
+        self.fp32_reduce_scatter = fp32_reduce_scatter
+        self.sharding_groups = sharding_groups
+        self._shard_param_on_dim_0 = shard_param_on_dim_0 and not flatten_parameters
+        self.reduce_scatter_bucket_size_mb = reduce_scatter_bucket_size_mb
+        self.coalesce_all_gather_ops = coalesce_all_gather_ops
+        if _shard_size_multiple is None:
+            _shard_size_multiple = 128 if self._on_tpu() else 1
+        self._shard_size_multiple = 1 if self._shard_param_on_dim_0 else _shard_size_multiple
+        self._debug_print = _debug_print
+        self._debug_msg = _debug_msg
+
+        if auto_wrap_policy is not None:
+            child_kwargs = {k: v for k, v in self._fsdp_kwargs.items()}
+            recursive_wrap(module, auto_wrap_policy=auto_wrap_policy,
+                           wrapper_cls=auto_wrapper_callable or XlaFullyShardedDataParallel,
+                           only_wrap_children=True, **child_kwargs)
+
+        unit_init.materialize_meta(module, param_init_fn, torch.device("cpu"))
+        if _use_xla_patched_linear and self.comms.name == "xla":
+            from .xla_patched_linear import patch_linear_layers
+            patch_linear_layers(module)
+        refs = unit_init.collect_params(module)
+        self._fsdp_wrapped_module = module
+        self._groups: List[ParamGroup] = self._build_groups(refs)
+        self._shard_names: List[str] = []
+        for group in self._groups:
+            name = self._shard_param_name(group)
+            self.register_parameter(name, group.shard)
+            self._shard_names.append(name)
+            if group.requires_grad:
+                group.full.register_post_accumulate_grad_hook(
+                    functools.partial(self._on_full_grad_ready, group))
+        self.buffer_info = {k: {"_orig_dtype": v} for k, v in
+                            unit_init.cast_buffers(module, self.buffer_dtype, "").items()}
+        module.to(self.comms.device)
+
+        self.training_state = TrainingState.IDLE
+        self._is_root: Optional[bool] = None
+        self._units_in_tree: List[XlaFullyShardedDataParallel] = []
+        self._require_backward_grad_sync = True
+        self._pre_backward_done = False
+        self._grads_reduced: set = set()
+        self.gradient_predivide_factor = _default_predivide_factor(self.world_size)
+        self.gradient_postdivide_factor = self.world_size / self.gradient_predivide_factor
+        self._norm_channel = self.comms.allocate_channels(1)
+        if execute_sharding_on_init:
+            self.comms.sync()
+
+    # ------------------------------------------------------------------ construction helpers
+    def _on_tpu(self) -> bool:
+        if self.comms.name != "xla":
+            return False
+        import torch_xla.runtime as xr
+        return xr.device_type() not in ("CPU",)
+
+    def _build_groups(self, refs) -> List[ParamGroup]:
+        if self.flatten_parameters:
+            parts = [[r for r in refs if r.param.requires_grad], [r for r in refs if not r.param.requires_grad]]
+            parts = [p for p in parts if p]
+        else:
+            parts = [[r] for r in refs]
+        channel = self.comms.allocate_channels(3 * len(parts))
+        groups = []
+        for i, part in enumerate(parts):
+            groups.append(ParamGroup(part, self.comms, flat=self.flatten_parameters,
+                                     dim0=self._shard_param_on_dim_0, pad_multiple=self._shard_size_multiple,
+                                     compute_dtype=self.compute_dtype, channel=channel + 3 * i))
+        return groups
+
+    def _shard_param_name(self, group: ParamGroup) -> str:
+        if self.flatten_parameters:
+            index = 0 if group.requires_grad else 1
+            path = f"{WRAPPED}.flat_param_{index}"
+        else:
+            path = f"{WRAPPED}.{group.refs[0].fqn}"
+        return "_fsdp_shard" + SHARD_SEPARATOR + path.replace(".", SHARD_SEPARATOR)
+
+    # ------------------------------------------------------------------ public properties
+    @property
+    def module(self) -> nn.Module:
+        """The wrapped module."""
+        return self._fsdp_wrapped_module
+
+    @property
+    def params_with_grad(self) -> List[nn.Parameter]:
+        return [p for p in self.parameters() if p.grad is not None]
+
+    @property
+    def sharded_params(self) -> List[nn.Parameter]:
+        return [g.shard for g in self._groups]
+
+    @property
+    def full_params(self) -> List[nn.Parameter]:
+        return [g.full for g in self._groups]
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == WRAPPED:
+                raise
+            return getattr(self._fsdp_wrapped_module, name)
+
+    def __getitem__(self, key: int) -> nn.Module:
+        return self._fsdp_wrapped_module.__getitem__(key)
+
+    def extra_repr(self) -> str:
+        return (f"world_size={self.world_size}, rank={self.rank}, transport={self.comms.name}, "
+                f"flatten_parameters={self.flatten_parameters}, "
+                f"reshard_after_forward={self.reshard_after_forward}, compute_dtype={self.compute_dtype}")
+
+    # ------------------------------------------------------------------ lazy root set-up
+    def _lazy_init(self) -> None:
+        if self._is_root is not None:
+            return
+        self._is_root = True
+        self._units_in_tree = [m for m in self.modules() if isinstance(m, XlaFullyShardedDataParallel)]
+        for unit in self._units_in_tree:
+            if unit is not self:
+                if unit._is_root:
+                    raise RuntimeError("xla_fsdp: a nested unit already ran as a root; call the "
+                                       "outermost wrapper only")
+                unit._is_root = False
+        if self.disable_reshard_on_root:
+            self.reshard_after_forward = False
+
+    def _assert_state(self, *states: TrainingState) -> None:
+        if self.training_state not in states:
+            raise RuntimeError(f"xla_fsdp: unit in state {self.training_state.value}, expected one of "
+                               f"{[s.value for s in states]}")
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._lazy_init()
+        # Called from inside backward: a checkpoint recompute. Use the backward gather and keep
+        # the parameters until their gradients are reduced.
+        in_backward = torch._C._current_graph_task_id() != -1
+        if not in_backward:
+            self._assert_state(TrainingState.IDLE)
+            self.training_state = TrainingState.FORWARD
+        if self.compute_dtype != torch.float32:
+            cast = lambda t: t.to(self.compute_dtype) if t.is_floating_point() else t
+            args, kwargs = _apply_to_tensors(cast, args), _apply_to_tensors(cast, kwargs)
+        if self.optimization_barrier_in_forward:
+            self.comms.optimization_barrier([g.shard for g in self._groups])
+        self._unshard(backward=in_backward)
+        outputs = self.module(*args, **kwargs)
+        if in_backward:  # a checkpoint recompute: parameters stay for this backward
+            return outputs
+        if self.reshard_after_forward or not torch.is_grad_enabled():
+            self._reshard()
+        self.training_state = TrainingState.IDLE
+        if torch.is_grad_enabled():
+            outputs = self._register_pre_backward_hooks(outputs)
+        return outputs
+
+    def _unshard(self, backward: bool = False) -> None:
+        for group in self._groups:
+            group.unshard(backward=backward)
+
+    def _reshard(self) -> None:
+        for group in self._groups:
+            group.reshard()
+
+    # ------------------------------------------------------------------ backward
+    def _register_pre_backward_hooks(self, outputs: Any) -> Any:
+        self._pre_backward_done = False
+
+        def hook(grad: torch.Tensor) -> None:
+            self._pre_backward(grad)
+
+        def register(t: torch.Tensor) -> torch.Tensor:
+            if t.requires_grad:
+                t.register_hook(hook)
+            return t
+
+        return _apply_to_tensors(register, outputs)
+
+    def _pre_backward(self, grad: torch.Tensor) -> None:
+        if self._pre_backward_done:
+            return
+        self._pre_backward_done = True
+        if self._is_root:
+            Variable._execution_engine.queue_callback(self._finalize_backward)
+        self.training_state = TrainingState.BACKWARD_PRE
+        if self.optimization_barrier_in_backward:
+            # Make the re-gather depend on the incoming gradient, so XLA does not hoist every
+            # unit's gather to the start of backward.
+            self.comms.optimization_barrier([g.shard for g in self._groups] + [grad])
+        self._unshard(backward=True)
+
+    @torch.no_grad()
+    def _on_full_grad_ready(self, group: ParamGroup, full: torch.Tensor) -> None:
+        """All gradient for ``group`` has been accumulated into ``full.grad``: reduce-scatter it."""
+        self.training_state = TrainingState.BACKWARD_POST
+        grad = full.grad
+        if grad is None:
+            return
+        if not self._require_backward_grad_sync:
+            return  # no_sync: keep accumulating the full gradient
+        full.grad = None
+        if self.optimization_barrier_in_backward:
+            self.comms.optimization_barrier([grad])
+        reduced = group.reduce_grad(grad, self.gradient_predivide_factor, self.gradient_postdivide_factor,
+                                    self.fp32_reduce_scatter)
+        group.accumulate_shard_grad(reduced)
+        self._grads_reduced.add(id(group))
+        group.reshard()
+
+    def _finalize_backward(self) -> None:
+        """Runs once at the end of the root's backward: free what backward left gathered."""
+        for unit in self._units_in_tree:
+            # Under no_sync a ZeRO-2 unit keeps its parameters for the next micro-batch.
+            if unit._require_backward_grad_sync or unit.reshard_after_forward:
+                unit._reshard()
+            unit._grads_reduced.clear()
+            unit._pre_backward_done = False
+            unit.training_state = TrainingState.IDLE
+        if self.sync_on_finalization:
+            self.comms.sync()
+
+    # ------------------------------------------------------------------ public methods
+    @contextlib.contextmanager
+    def no_sync(self) -> Generator[None, None, None]:
+        """Accumulate full (unsharded) gradients locally, without reduce-scatter, inside this
+        context; the first backward outside it reduces the accumulated sum. Uses full-size
+        gradient memory on every rank while active."""
+        self._lazy_init()
+        if not self._is_root:
+            raise RuntimeError("xla_fsdp: no_sync() must be called on the root unit")
+        old = [(u, u._require_backward_grad_sync) for u in self._units_in_tree]
+        for unit, _ in old:
+            unit._require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            for unit, value in old:
+                unit._require_backward_grad_sync = value
+
+    def set_gradient_divide_factors(self, pre: float, post: float, recursive: bool = True) -> None:
+        """Divide gradients by ``pre`` before and ``post`` after the reduce-scatter; the product
+        should be the world size for an average. Splitting it avoids fp16/bf16 overflow."""
+        units = [m for m in self.modules() if isinstance(m, XlaFullyShardedDataParallel)] if recursive else [self]
+        for unit in units:
+            unit.gradient_predivide_factor = pre
+            unit.gradient_postdivide_factor = post
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        groups: Optional[List[List[int]]] = None) -> torch.Tensor:
+        """Clip the gradient norm of the whole model, computed over all shards; returns the norm."""
+        from .grad_norm import clip_sharded_grad_norm_
+        self._lazy_init()
+        if not self._is_root:
+            raise RuntimeError("xla_fsdp: clip_grad_norm_() must be called on the root unit")
+        return clip_sharded_grad_norm_(self, max_norm, norm_type)
+
+    def get_original_names_and_sharded_parameters(self) -> List[Tuple[str, nn.Parameter]]:
+        """(original name relative to this wrapper, shard) for every shard in this unit's tree.
+        For a flattened group the name is the first original parameter's."""
+        out = []
+        for prefix, unit in self._named_units():
+            for group in unit._groups:
+                out.append((prefix + group.refs[0].fqn if not unit.flatten_parameters
+                            else prefix + ("flat_param_0" if group.requires_grad else "flat_param_1"),
+                            group.shard))
+        return out
+
+    def _named_units(self) -> Iterator[Tuple[str, "XlaFullyShardedDataParallel"]]:
+        """(original-name prefix, unit) for this unit and the nested ones."""
+        for name, m in self.named_modules():
+            if isinstance(m, XlaFullyShardedDataParallel):
+                clean = _clean_name(name)
+                yield (clean + "." if clean else ""), m
+
+    def get_shard_metadata(self) -> Dict[str, Any]:
+        """What consolidation needs to rebuild full parameters from every rank's ``state_dict()``.
+
+        A superset of torch_xla's five keys (``shard_info``, ``flatten_info``, ``buffer_info``,
+        ``world_size``, ``rank``) plus the layout of every group.
+        """
+        from .metadata import shard_metadata
+        return shard_metadata(self)
+
+
+def _clean_name(name: str) -> str:
+    parts = [p for p in name.split(".") if p and p != WRAPPED]
+    return ".".join(parts)

@@ -1,0 +1,79 @@
+"""Shard metadata: everything needed to rebuild full tensors from per-rank state dicts.
+
+Keeps torch_xla's five keys (so its consumers keep working) and adds a versioned, self-describing
+``layout`` section: every shard's original names, shapes, padding, mode and tied aliases.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict
+
+import torch
+
+METADATA_VERSION = 1
+
+
+def _library_versions() -> Dict[str, str]:
+    versions = {"torch": torch.__version__}
+    try:
+        import torch_xla
+        versions["torch_xla"] = torch_xla.__version__
+    except ImportError:
+        pass
+    from . import __version__
+    versions["xla_fsdp"] = __version__
+    return versions
+
+
+def shard_metadata(root) -> Dict[str, Any]:
+    from .fully_sharded_data_parallel import WRAPPED, XlaFullyShardedDataParallel, _clean_name
+
+    shard_info: Dict[str, Dict[str, Any]] = {}
+    flatten_info: Dict[str, Any] = {}
+    buffer_info: Dict[str, Any] = {}
+    layout: Dict[str, Any] = {}
+    for unit_path, unit in root.named_modules():
+        if not isinstance(unit, XlaFullyShardedDataParallel):
+            continue
+        key_prefix = unit_path + "." if unit_path else ""
+        name_prefix = _clean_name(unit_path)
+        name_prefix = name_prefix + "." if name_prefix else ""
+        shard_info[unit_path] = {}
+        for index, (group, shard_name) in enumerate(zip(unit._groups, unit._shard_names)):
+            if group.flat:
+                orig_name = f"{WRAPPED}.flat_param_{0 if group.requires_grad else 1}"
+                orig_size = torch.Size([group.layout.numel])
+                flatten_info[key_prefix + orig_name] = (
+                    [f"{WRAPPED}.{n}" for n in group.names], [torch.Size(s) for s in group.layout.shapes],
+                    list(group.layout.numels))
+            else:
+                orig_name = f"{WRAPPED}.{group.refs[0].fqn}"
+                orig_size = torch.Size(group.full_shape)
+            shard_info[unit_path][shard_name] = {"_orig_size": orig_size, "_orig_name": orig_name}
+            layout[key_prefix + shard_name] = {
+                "mode": "dim0" if group.dim0 else ("flat" if group.flat else "param"),
+                "names": [name_prefix + n for n in group.names],
+                "shapes": [list(s) for s in (group.layout.shapes if group.flat or not group.dim0
+                                             else [group.layout.shape])],
+                "aliases": {name_prefix + r.fqn: [name_prefix + a for a in r.aliases]
+                            for r in group.refs if r.aliases},
+                "padded_numel": group.layout.padded_numel,
+                "shard_shape": list(group.shard.shape),
+                "requires_grad": group.requires_grad,
+            }
+        for buffer_key, info in unit.buffer_info.items():
+            buffer_info[f"{key_prefix}{WRAPPED}.{buffer_key}"] = dict(info)
+    return {
+        "shard_info": shard_info,
+        "flatten_info": flatten_info,
+        "buffer_info": buffer_info,
+        "world_size": root.world_size,
+        "rank": root.rank,
+        "version": METADATA_VERSION,
+        "layout": layout,
+        "flatten_parameters": root.flatten_parameters,
+        "shard_param_on_dim_0": root._shard_param_on_dim_0,
+        "shard_size_multiple": root._shard_size_multiple,
+        "sharding_groups": root.comms.groups,
+        "transport": root.comms.name,
+        "library_versions": _library_versions(),
+    }

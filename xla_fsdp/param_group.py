@@ -1,0 +1,151 @@
+"""One all-gather unit of parameters: the sharded fp32 master and the full compute-dtype copy.
+
+A group is either several parameters flattened into one padded buffer (``flatten_parameters``) or
+a single parameter (padded flat, or split on dim 0). The optimizer sees only ``shard``; the wrapped
+module sees ``full`` (or views of it) through plain attributes that replace its original
+``nn.Parameter`` registrations, so ``state_dict()`` and ``parameters()`` of the wrapper hold shards.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import List, Optional, Tuple, Union
+
+import torch
+import torch.nn as nn
+
+from .collectives import Collectives
+from .sharding import Dim0Layout, FlatLayout, flatten_and_pad, pad_dim0, shard_of
+
+
+class ShardedState(enum.Enum):
+    SHARDED = "sharded"      # only the shard exists; full data freed
+    UNSHARDED = "unsharded"  # full data gathered and visible to the module
+
+
+@dataclass
+class ParamRef:
+    """An original parameter and every (module, attribute) that refers to it (tied weights)."""
+
+    param: nn.Parameter
+    fqn: str                                     # first name, relative to the unit's module
+    slots: List[Tuple[nn.Module, str]]
+    aliases: List[str]                           # further names of the same parameter
+
+
+class ParamGroup:
+    """Owns one shard parameter and the matching full parameter for a unit."""
+
+    def __init__(self, refs: List[ParamRef], comms: Collectives, *, flat: bool, dim0: bool,
+                 pad_multiple: int, compute_dtype: torch.dtype, channel: int):
+        if dim0 and (flat or len(refs) != 1):
+            raise ValueError("dim-0 sharding applies to one unflattened parameter at a time")
+        self.refs = refs
+        self.comms = comms
+        self.flat = flat
+        self.dim0 = dim0
+        self.compute_dtype = compute_dtype
+        self.channel_forward, self.channel_backward, self.channel_reduce = channel, channel + 1, channel + 2
+        self.requires_grad = refs[0].param.requires_grad
+        ws, rank = comms.world_size, comms.rank
+        sources = [r.param.detach() for r in refs]
+
+        self.layout: Union[FlatLayout, Dim0Layout]
+        if dim0:
+            self.layout = Dim0Layout(tuple(sources[0].shape), ws)
+            padded = pad_dim0(sources[0], self.layout)
+            self.padded_shape: Tuple[int, ...] = (self.layout.padded_rows,) + self.layout.row_shape
+            self.full_shape: Tuple[int, ...] = tuple(sources[0].shape)
+        else:
+            self.layout = FlatLayout(tuple(tuple(s.shape) for s in sources), ws, pad_multiple)
+            padded = flatten_and_pad(sources, self.layout)
+            self.padded_shape = (self.layout.padded_numel,)
+            self.full_shape = self.padded_shape if flat else tuple(sources[0].shape)
+        shard = shard_of(padded, rank, ws).detach().clone().to(torch.float32)
+        self.shard = nn.Parameter(shard.to(comms.device), requires_grad=self.requires_grad)
+        self.full = nn.Parameter(comms.new_full(self.full_shape, self.layout.padded_numel, compute_dtype),
+                                 requires_grad=self.requires_grad)
+        self.state = ShardedState.SHARDED
+        # The originals stop being registered parameters; the module reads full data through
+        # plain attributes that ``install`` refreshes after every gather.
+        for ref in refs:
+            for module, attr in ref.slots:
+                module._parameters.pop(attr, None)
+                object.__setattr__(module, attr, None)
+            ref.param._xla_fsdp_sharded = True
+        self.install()
+
+    # --- layout helpers -------------------------------------------------------------------
+    def _unpad(self, padded: torch.Tensor) -> torch.Tensor:
+        if self.dim0:
+            return padded[:self.layout.rows].view(self.full_shape)
+        if self.flat:
+            return padded
+        return padded[:self.layout.numel].view(self.full_shape)
+
+    def _pad_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        if self.dim0:
+            return pad_dim0(grad, self.layout)
+        if self.flat:
+            return grad
+        return flatten_and_pad([grad], self.layout)
+
+    # --- lifecycle ------------------------------------------------------------------------
+    def unshard(self, backward: bool = False) -> None:
+        """All-gather the shard into ``full`` (idempotent)."""
+        if self.state is ShardedState.UNSHARDED:
+            return
+        channel = self.channel_backward if backward else self.channel_forward
+        self.comms.gather_into(self.full, self.shard, channel, self.padded_shape, self._unpad)
+        self.state = ShardedState.UNSHARDED
+        self.install()
+
+    def reshard(self) -> None:
+        """Free the full data; the shard stays."""
+        if self.state is ShardedState.SHARDED:
+            return
+        self.comms.free(self.full)
+        self.state = ShardedState.SHARDED
+
+    def install(self) -> None:
+        """Point the module's attributes at the full data (views of the flat buffer if flattened)."""
+        if self.flat:
+            if self.state is ShardedState.UNSHARDED:
+                values = [self.full[off:off + n].view(shape) for off, n, shape in
+                          zip(self.layout.offsets, self.layout.numels, self.layout.shapes)]
+            else:
+                values = [None] * len(self.refs)
+        else:
+            values = [self.full]
+        for ref, value in zip(self.refs, values):
+            for module, attr in ref.slots:
+                object.__setattr__(module, attr, value)
+
+    def reduce_grad(self, grad: torch.Tensor, pre_divide: float, post_divide: float,
+                    fp32_reduce_scatter: bool) -> torch.Tensor:
+        """Reduce-scatter a full gradient into this rank's fp32 shard gradient."""
+        padded = self._pad_grad(grad)
+        if pre_divide != 1:
+            padded = padded / pre_divide
+        if fp32_reduce_scatter and padded.dtype != torch.float32:
+            padded = padded.to(torch.float32)
+        reduced = self.comms.reduce_scatter(padded, self.channel_reduce)
+        if reduced.dtype != torch.float32:
+            reduced = reduced.to(torch.float32)
+        if post_divide != 1:
+            reduced = reduced / post_divide
+        return reduced.view(self.shard.shape)
+
+    def accumulate_shard_grad(self, reduced: torch.Tensor) -> None:
+        if self.shard.grad is None:
+            self.shard.grad = reduced
+        else:
+            self.shard.grad += reduced
+
+    # --- introspection --------------------------------------------------------------------
+    @property
+    def names(self) -> List[str]:
+        return [r.fqn for r in self.refs]
+
+    def is_unsharded(self) -> bool:
+        return self.state is ShardedState.UNSHARDED

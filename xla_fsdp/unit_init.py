@@ -1,0 +1,119 @@
+"""What a unit does once, at construction: validate the module, materialize meta parameters,
+find the parameters it owns (tied ones once), and record buffer dtypes."""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.nn as nn
+
+from .param_group import ParamRef
+
+
+def validate_module(module: nn.Module) -> None:
+    """Reject modules that cannot be a unit, with the fix in the message."""
+    from .fully_sharded_data_parallel import XlaFullyShardedDataParallel
+
+    if isinstance(module, XlaFullyShardedDataParallel):
+        raise RuntimeError(
+            "xla_fsdp: the module is already wrapped by XlaFullyShardedDataParallel; wrap it once "
+            "(use auto_wrap_policy or nested wrapping of submodules instead of wrapping twice).")
+    if isinstance(module, (nn.ModuleList, nn.ModuleDict)) or type(module).forward is nn.Module.forward:
+        raise RuntimeError(
+            f"xla_fsdp: {type(module).__name__} has no forward() and cannot be an FSDP unit; wrap "
+            "its elements, or the module that calls them, instead.")
+
+
+def is_unit(module: nn.Module) -> bool:
+    from .fully_sharded_data_parallel import XlaFullyShardedDataParallel
+    return isinstance(module, XlaFullyShardedDataParallel)
+
+
+def owned_modules(root: nn.Module):
+    """(prefix, module) for ``root``'s subtree, not entering nested FSDP units."""
+    stack = [("", root)]
+    while stack:
+        prefix, module = stack.pop(0)
+        yield prefix, module
+        for name, child in module._modules.items():
+            if child is None or is_unit(child):
+                continue
+            stack.append((f"{prefix}{name}.", child))
+
+
+def materialize_meta(module: nn.Module, param_init_fn: Optional[Callable[[nn.Module], None]],
+                     device: torch.device) -> None:
+    """Give meta-device parameters and buffers real storage, then initialize them.
+
+    With ``param_init_fn`` it is called on the module; otherwise the module is moved with
+    ``to_empty`` and every owned submodule's ``reset_parameters()`` is called. Nested units were
+    materialized when they were built, so they are left alone.
+    """
+    has_meta = any(t.is_meta for _, m in owned_modules(module)
+                   for t in list(m._parameters.values()) + list(m._buffers.values()) if t is not None)
+    if not has_meta:
+        return
+    if param_init_fn is not None:
+        param_init_fn(module)
+    else:
+        for _, m in owned_modules(module):
+            for name, p in list(m._parameters.items()):
+                if p is not None and p.is_meta:
+                    m._parameters[name] = nn.Parameter(torch.empty_like(p, device=device),
+                                                       requires_grad=p.requires_grad)
+            for name, b in list(m._buffers.items()):
+                if b is not None and b.is_meta:
+                    m._buffers[name] = torch.empty_like(b, device=device)
+            reset = getattr(m, "reset_parameters", None)
+            if callable(reset):
+                with torch.no_grad():
+                    reset()
+    still_meta = [f"{prefix}{n}" for prefix, m in owned_modules(module)
+                  for n, p in m._parameters.items() if p is not None and p.is_meta]
+    if still_meta:
+        raise RuntimeError(f"xla_fsdp: parameters still on the meta device after initialization: "
+                           f"{still_meta[:5]}; make param_init_fn materialize them (e.g. to_empty + init).")
+
+
+def collect_params(module: nn.Module) -> List[ParamRef]:
+    """The parameters this unit owns, each once, with all the places that refer to it."""
+    refs: "OrderedDict[int, ParamRef]" = OrderedDict()
+    for prefix, m in owned_modules(module):
+        for name, p in m._parameters.items():
+            if p is None:
+                continue
+            fqn = prefix + name
+            if getattr(p, "_xla_fsdp_sharded", False):
+                raise RuntimeError(
+                    f"xla_fsdp: parameter '{fqn}' is shared with another FSDP unit. Tied parameters "
+                    "must live in one unit: wrap the modules that share it together (e.g. leave "
+                    "the embedding and the output head in the root unit).")
+            if not p.is_floating_point():
+                raise TypeError(
+                    f"xla_fsdp: parameter '{fqn}' has dtype {p.dtype}; only float32 parameters can "
+                    "be sharded. Register non-trainable integer tensors as buffers instead.")
+            if p.dtype != torch.float32:
+                raise TypeError(
+                    f"xla_fsdp: parameter '{fqn}' is {p.dtype}; only float32 parameters are "
+                    "supported (they are the master copy). Call module.float() before wrapping "
+                    "and use compute_dtype=torch.bfloat16 for low-precision compute.")
+            if id(p) in refs:
+                refs[id(p)].slots.append((m, name))
+                refs[id(p)].aliases.append(fqn)
+            else:
+                refs[id(p)] = ParamRef(p, fqn, [(m, name)], [])
+    return list(refs.values())
+
+
+def cast_buffers(module: nn.Module, buffer_dtype: Optional[torch.dtype], module_prefix: str) -> Dict[str, torch.dtype]:
+    """Cast floating buffers to ``buffer_dtype``; return their original dtypes by state-dict key."""
+    original: Dict[str, torch.dtype] = {}
+    if buffer_dtype is None:
+        return original
+    for prefix, m in owned_modules(module):
+        for name, b in list(m._buffers.items()):
+            if b is not None and b.is_floating_point() and b.dtype != buffer_dtype:
+                original[module_prefix + prefix + name] = b.dtype
+                m._buffers[name] = b.to(buffer_dtype)
+    return original

@@ -1,0 +1,41 @@
+"""``nn.Linear`` that saves its weight, not a transposed copy, for backward (XLA only).
+
+On XLA ``F.linear`` saves ``weight.t()`` for the weight gradient, a value computed from the
+forward-time gather; that keeps a ZeRO-3 unit's full weights alive until backward. Saving the
+weight leaf itself lets backward read the re-gathered parameter instead (pytorch/xla#3811).
+"""
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class _LinearSavingWeight(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        grad_x = grad_out.matmul(weight) if ctx.needs_input_grad[0] else None
+        flat_grad = grad_out.reshape(-1, grad_out.shape[-1])
+        grad_w = flat_grad.t().matmul(x.reshape(-1, x.shape[-1])) if ctx.needs_input_grad[1] else None
+        grad_b = flat_grad.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_x, grad_w, grad_b
+
+
+def _patched_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return _LinearSavingWeight.apply(x, self.weight, self.bias)
+
+
+def patch_linear_layers(module: nn.Module) -> None:
+    """Switch every plain ``nn.Linear`` in ``module`` to the weight-saving forward."""
+    for m in module.modules():
+        if type(m) is nn.Linear and "forward" not in m.__dict__:
+            m.forward = types.MethodType(_patched_forward, m)
