@@ -69,7 +69,9 @@ class Block(nn.Module):
     def __init__(self, d=16, heads=2):
         super().__init__()
         self.ln1 = nn.LayerNorm(d)
-        self.qkv = nn.Linear(d, 3 * d)
+        # No bias: the key bias gets an exactly-zero gradient (softmax shift invariance), which
+        # AdamW would turn into rounding noise of size lr.
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
         self.proj = nn.Linear(d, d)
         self.ln2 = nn.LayerNorm(d)
         self.mlp = nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))

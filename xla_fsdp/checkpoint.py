@@ -13,15 +13,17 @@ import torch.nn as nn
 import torch.utils.checkpoint as torch_checkpoint
 
 
-def _on_xla(args: Any) -> bool:
-    return any(isinstance(a, torch.Tensor) and a.device.type == "xla" for a in args)
+def _tensors(args: Any, kwargs: Any):
+    return [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
 
 
 def checkpoint_module(module: nn.Module) -> nn.Module:
     """Make ``module`` drop its activations after forward and recompute them in backward.
 
-    Uses PyTorch's non-reentrant checkpoint, so it also works when no input requires grad (the
-    first layer of a model fed integer token ids), which the reentrant variant silently skips.
+    Eager devices use PyTorch's non-reentrant checkpoint, which also works when no input requires
+    grad. PyTorch's checkpoint cannot run on XLA devices, so there torch_xla's (reentrant,
+    barrier-fenced, XLA-RNG-preserving) checkpoint is used; it needs an input that requires grad,
+    and without one the module runs without rematerialization (correct gradients, no saving).
     """
     if getattr(module, "_xla_fsdp_checkpointed", False):
         return module
@@ -30,9 +32,13 @@ def checkpoint_module(module: nn.Module) -> nn.Module:
     def checkpointed_forward(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return original_forward(*args, **kwargs)
-        # torch.utils.checkpoint cannot capture the RNG state of XLA devices.
-        return torch_checkpoint.checkpoint(original_forward, *args, use_reentrant=False,
-                                           preserve_rng_state=not _on_xla(args), **kwargs)
+        tensors = _tensors(args, kwargs)
+        if any(t.device.type == "xla" for t in tensors):
+            if not any(t.requires_grad for t in tensors):
+                return original_forward(*args, **kwargs)
+            import torch_xla.utils.checkpoint as xla_checkpoint
+            return xla_checkpoint.checkpoint(original_forward, *args, **kwargs)
+        return torch_checkpoint.checkpoint(original_forward, *args, use_reentrant=False, **kwargs)
 
     module._xla_checkpointed_forward_original = original_forward  # name kept from torch_xla
     module.forward = checkpointed_forward

@@ -65,6 +65,7 @@ class ParamGroup:
         self.shard = nn.Parameter(shard.to(comms.device), requires_grad=self.requires_grad)
         self.full = nn.Parameter(comms.new_full(self.full_shape, self.layout.padded_numel, compute_dtype),
                                  requires_grad=self.requires_grad)
+        comms.free(self.full)
         self.state = ShardedState.SHARDED
         # The originals stop being registered parameters; the module reads full data through
         # plain attributes that ``install`` refreshes after every gather.

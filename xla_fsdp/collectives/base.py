@@ -52,7 +52,8 @@ class Collectives(abc.ABC):
 
     @abc.abstractmethod
     def new_full(self, shape: Tuple[int, ...], padded_numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """An unallocated ``shape`` tensor that ``gather_into`` can fill from a padded buffer."""
+        """A ``shape`` tensor that ``gather_into`` can fill from a padded buffer; the caller
+        wraps it in a Parameter and calls :meth:`free` before its data is ever used."""
 
     @abc.abstractmethod
     def is_allocated(self, full: torch.Tensor) -> bool:

@@ -168,7 +168,11 @@ class XlaCollectives(Collectives):
         return gathered.sum(dim=0).view(tensor.shape)
 
     def new_full(self, shape: Tuple[int, ...], padded_numel: int, dtype: torch.dtype) -> torch.Tensor:
-        return torch.zeros(1, dtype=dtype, device=self._device)
+        # Born at its real shape from host data: a tensor born with the placeholder's shape keeps
+        # reporting that shape to some ops (mm), and one born as a device-side constant
+        # (torch.zeros(device=xla)) ignores later _replace_xla_tensor calls. The host buffer is
+        # transient (one group at a time); the caller frees the device copy right away.
+        return torch.empty(shape, dtype=dtype).to(self._device)
 
     def gather_into(self, full: torch.Tensor, shard: torch.Tensor, channel: int,
                     padded_shape: Tuple[int, ...], unpad: Callable[[torch.Tensor], torch.Tensor]) -> None:
@@ -176,14 +180,17 @@ class XlaCollectives(Collectives):
 
         gathered = self.all_gather(shard.detach().to(full.dtype), channel).view(padded_shape)
         torch_xla._XLAC._replace_xla_tensor(full, unpad(gathered))
+        full._xla_fsdp_freed = False
 
     def free(self, full: torch.Tensor) -> None:
         import torch_xla
 
         torch_xla._XLAC._replace_xla_tensor(full, torch.zeros(1, dtype=full.dtype, device=self._device))
+        full._xla_fsdp_freed = True
 
     def is_allocated(self, full: torch.Tensor) -> bool:
-        return full.numel() > 1 or full.dim() != 1
+        # A freed parameter holds the 1-element placeholder (its reported shape follows the data).
+        return tuple(full.shape) != (1,) or not getattr(full, "_xla_fsdp_freed", False)
 
     def optimization_barrier(self, tensors: Sequence[torch.Tensor]) -> None:
         import torch_xla.core.xla_model as xm
