@@ -1,0 +1,192 @@
+"""Public API behaviour, misuse errors and the torch_xla defects fixed here (single rank)."""
+import functools
+import os
+import tempfile
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import harness
+import models
+from xla_fsdp import XlaFullyShardedDataParallel as FSDP, checkpoint_module
+from xla_fsdp.collectives import select_collectives
+from xla_fsdp.state_dict import consolidate_sharded_state_dicts
+from xla_fsdp.wrap import enable_wrap, size_based_auto_wrap_policy, wrap
+
+
+@pytest.fixture(scope="module")
+def gloo():
+    """A one-rank gloo group in this process (multi-rank cases live in test_equivalence)."""
+    if not dist.is_initialized():
+        path = tempfile.mktemp()
+        dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_no_backend_initialized_is_a_clear_error(monkeypatch):
+    monkeypatch.delenv("PJRT_DEVICE", raising=False)
+    if dist.is_initialized():
+        pytest.skip("needs no process group")  # ordering guard: runs before the gloo fixture
+    with pytest.raises(RuntimeError, match="no collective backend is initialized"):
+        select_collectives()
+
+
+def test_misuse_errors(gloo):
+    with pytest.raises(RuntimeError, match="already wrapped"):
+        FSDP(FSDP(nn.Linear(2, 2)))
+    with pytest.raises(RuntimeError, match="ModuleList has no forward"):
+        FSDP(nn.ModuleList([nn.Linear(2, 2)]))
+    m = nn.Linear(2, 2)
+    m.register_parameter("counts", nn.Parameter(torch.zeros(2, dtype=torch.int64), requires_grad=False))
+    with pytest.raises(TypeError, match="'counts' has dtype torch.int64.*buffers"):
+        FSDP(m)
+    with pytest.raises(TypeError, match="only float32.*module.float"):
+        FSDP(nn.Linear(2, 2).half())
+    with pytest.raises(ValueError, match="give all three or none"):
+        FSDP(nn.Linear(2, 2), sharding_groups=[[0]])
+    with pytest.raises(ValueError, match="runs real collectives"):
+        FSDP(nn.Linear(2, 2), _debug_dummy_all_gather_op=True)
+    with pytest.raises(ValueError, match="unknown transport"):
+        FSDP(nn.Linear(2, 2), transport="mpi")
+
+
+def test_tied_across_units_is_rejected(gloo):
+    model = models.TiedMLP()
+    model.inp = FSDP(model.inp)
+    with pytest.raises(RuntimeError, match="shared with another FSDP unit"):
+        FSDP(model)
+
+
+def test_mark_step_on_finalization_is_a_deprecated_alias(gloo):
+    with pytest.warns(DeprecationWarning, match="sync_on_finalization"):
+        m = FSDP(nn.Linear(2, 2), mark_step_on_finalization=True)
+    assert m.sync_on_finalization is True
+
+
+def test_auto_wrap_passes_every_keyword_to_children(gloo):
+    model = models.MLP()
+    root = FSDP(model, auto_wrap_policy=functools.partial(size_based_auto_wrap_policy, min_num_params=100),
+                flatten_parameters=True, reduce_scatter_bucket_size_mb=25, coalesce_all_gather_ops=True,
+                fp32_reduce_scatter=True, reshard_after_forward=False)
+    children = [m for m in root.modules() if isinstance(m, FSDP) and m is not root]
+    assert len(children) >= 2
+    for child in children:
+        assert child._fsdp_kwargs == root._fsdp_kwargs
+
+
+def test_enable_wrap_context(gloo):
+    with enable_wrap(flatten_parameters=True):
+        layer = wrap(nn.Linear(3, 3))
+    assert isinstance(layer, FSDP) and layer.flatten_parameters
+    assert not isinstance(wrap(nn.Linear(3, 3)), FSDP)
+
+
+def test_original_names_for_nested_units(gloo):
+    model = models.ConvBN()
+    root = FSDP(model, auto_wrap_policy=functools.partial(
+        harness.lambda_auto_wrap_policy, lambda_fn=lambda m: isinstance(m, (nn.Conv2d, nn.Linear))))
+    names = [n for n, _ in root.get_original_names_and_sharded_parameters()]
+    assert sorted(names) == sorted(n for n, _ in models.ConvBN().named_parameters())
+
+
+def test_bf16_compute_with_conv2d_and_buffers(gloo):
+    """torch_xla defect: bf16 compute with an unflattened Conv2d failed on a dtype mismatch."""
+    torch.manual_seed(0)
+    model = models.ConvBN()
+    wrapped = FSDP(model, compute_dtype=torch.bfloat16)  # buffers follow: bf16
+    x, y = models.batch("convbn", 0, 0)
+    out = wrapped(x)
+    assert out.dtype == torch.bfloat16
+    loss = models.loss_fn("convbn", out, y)
+    loss.backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in wrapped.parameters())
+    torch.manual_seed(0)
+    ref = models.ConvBN()
+    meta = wrapped.get_shard_metadata()["buffer_info"]
+    assert meta["_fsdp_wrapped_module.bn1.running_mean"]["_orig_dtype"] == torch.float32
+    assert abs(loss.item() - models.loss_fn("convbn", ref(x), y).item()) < 0.05  # bf16 vs fp32
+
+
+def test_submodule_used_only_in_forward(gloo):
+    """torch_xla#4670: a unit whose output gets no gradient must not break the next step."""
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.used = FSDP(nn.Linear(4, 4))
+            self.aux = FSDP(nn.Linear(4, 4))
+
+        def forward(self, x):
+            with torch.no_grad():
+                self.aux(x)
+            return self.used(x).sum() + self.aux(x).detach().sum()
+
+    model = FSDP(Model())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(2, 4)).backward()
+        opt.step()
+    aux = model.module.aux
+    assert all(g.shard.grad is None for g in aux._groups)
+    assert all(u.training_state.value == "idle" for u in model.modules() if isinstance(u, FSDP))
+    assert not any(g.comms.is_allocated(g.full) for u in model.modules() if isinstance(u, FSDP)
+                   for g in u._groups if u is not model)
+
+
+def test_meta_device_init(gloo):
+    def init_fn(module):
+        for name, p in list(module.named_parameters(recurse=False)):
+            pass
+        module.to_empty(device="cpu", recurse=True)
+        g = torch.Generator().manual_seed(7)
+        with torch.no_grad():
+            for _, p in sorted(module.named_parameters(), key=lambda kv: kv[0]):
+                p.copy_(torch.randn(p.shape, generator=g))
+
+    with torch.device("meta"):
+        meta_model = models.MLP()
+    wrapped = FSDP(meta_model, param_init_fn=init_fn)
+    full = consolidate_sharded_state_dicts([wrapped.state_dict()], wrapped.get_shard_metadata())
+    ref = models.MLP()
+    init_fn(ref)
+    for k, v in ref.state_dict().items():
+        assert torch.equal(full[k], v), k
+    # Default path: to_empty + reset_parameters, nothing left on meta, forward works.
+    with torch.device("meta"):
+        meta_model = models.MLP()
+    wrapped = FSDP(meta_model)
+    assert not any(p.is_meta for p in wrapped.parameters())
+    assert torch.isfinite(wrapped(torch.randn(2, 12))).all()
+
+
+def test_checkpoint_module_runs_no_extra_gather(gloo, monkeypatch):
+    """Rematerialization inside a unit: one forward gather per unit per step, none in recompute."""
+    model = models.TinyLM()
+    root = FSDP(model, auto_wrap_policy=harness.BLOCK_POLICY,
+                auto_wrapper_callable=lambda m, *a, **kw: FSDP(checkpoint_module(m), *a, **kw))
+    calls = []
+    comms = root.comms
+    original = comms.all_gather
+    monkeypatch.setattr(comms, "all_gather", lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    x, y = models.batch("lm", 0, 0)
+    models.loss_fn("lm", root(x), y).backward()
+    groups = sum(len(u._groups) for u in root.modules() if isinstance(u, FSDP))
+    block_groups = sum(len(u._groups) for u in root.modules() if isinstance(u, FSDP) and u is not root)
+    # every group gathered in forward; block units (ZeRO-3) once more for backward; no others
+    assert len(calls) == groups + block_groups
+
+
+def test_clear_error_for_non_float_params_names_the_fix(gloo):
+    class WithInt(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(2, dtype=torch.int32), requires_grad=False)
+
+        def forward(self, x):
+            return x
+    with pytest.raises(TypeError, match="buffers instead"):
+        FSDP(WithInt())

@@ -1,0 +1,61 @@
+"""The sharding math alone: flatten, pad, shard, unshard and dim-0 splits, with no process group."""
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from xla_fsdp.sharding import (Dim0Layout, FlatLayout, consolidate_dim0, consolidate_flat,
+                               flatten_and_pad, pad_dim0, round_up, shard_of, unflatten)
+
+shapes = st.lists(st.lists(st.integers(0, 5), min_size=0, max_size=3).map(tuple), min_size=1, max_size=5)
+
+
+@settings(max_examples=200, deadline=None)
+@given(shapes=shapes, world_size=st.integers(1, 8), multiple=st.sampled_from([1, 2, 128]))
+def test_flat_round_trip(shapes, world_size, multiple):
+    tensors = [torch.randn(s) for s in shapes]
+    layout = FlatLayout(tuple(shapes), world_size, multiple)
+    flat = flatten_and_pad(tensors, layout)
+    assert flat.numel() == layout.padded_numel
+    assert layout.padded_numel % (world_size * multiple) == 0
+    assert layout.padded_numel - layout.numel < world_size * multiple or layout.numel == 0
+    shards = [shard_of(flat, r, world_size) for r in range(world_size)]
+    assert all(s.numel() == layout.shard_numel for s in shards)
+    assert torch.equal(flat[layout.numel:], torch.zeros(layout.padding))
+    for got, want in zip(consolidate_flat(shards, layout), tensors):
+        assert torch.equal(got, want)
+    for view, want in zip(unflatten(flat, layout), tensors):
+        assert view.shape == want.shape
+
+
+@settings(max_examples=200, deadline=None)
+@given(shape=st.lists(st.integers(0, 6), min_size=0, max_size=3).map(tuple), world_size=st.integers(1, 8))
+def test_dim0_round_trip(shape, world_size):
+    t = torch.randn(shape)
+    layout = Dim0Layout(tuple(shape), world_size)
+    padded = pad_dim0(t, layout)
+    assert padded.shape[0] == layout.padded_rows and layout.padded_rows % world_size == 0
+    shards = [shard_of(padded, r, world_size) for r in range(world_size)]
+    assert all(tuple(s.shape) == layout.shard_shape for s in shards)
+    assert torch.equal(consolidate_dim0(shards, layout), t)
+
+
+def test_fewer_elements_than_ranks_get_a_padded_shard_each():
+    layout = FlatLayout(((),), 4, 1)  # a scalar parameter on 4 ranks
+    assert (layout.numel, layout.padded_numel, layout.shard_numel) == (1, 4, 1)
+    layout = Dim0Layout((3, 2), 4)
+    assert layout.shard_shape == (1, 2) and layout.padding == 2
+
+
+def test_round_up_and_errors():
+    assert round_up(0, 4) == 0 and round_up(5, 4) == 8 and round_up(8, 4) == 8
+    with pytest.raises(ValueError):
+        round_up(3, 0)
+    with pytest.raises(ValueError, match="does not divide"):
+        shard_of(torch.zeros(5), 0, 2)
+    with pytest.raises(ValueError, match="expected 2 shards"):
+        consolidate_flat([torch.zeros(2)], FlatLayout(((3,),), 2, 1))
+    with pytest.raises(ValueError, match="do not match"):
+        flatten_and_pad([torch.zeros(2)], FlatLayout(((3,),), 2, 1))
+    assert math.prod(()) == 1
