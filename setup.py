@@ -1,0 +1,17 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="xla_fsdp",
+    version="0.1.0",
+    description="Fully Sharded Data Parallel (ZeRO-2/3) for PyTorch/XLA with a torch.distributed fallback",
+    long_description=open("README.md").read(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["xla_fsdp", "xla_fsdp.*"]),
+    python_requires=">=3.10",
+    # torch_xla is a binary built against one torch release: these three move together.
+    install_requires=["torch==2.9.0", "torch_xla==2.9.0", "torchvision==0.24.0", "absl-py", "tqdm"],
+    extras_require={
+        "test": ["pytest", "pytest-timeout", "hypothesis"],
+        "tpu": ["torch_xla[tpu]==2.9.0"],
+    },
+)
