@@ -24,7 +24,7 @@ def parse_args(argv=None):
     p.add_argument("--image_size", type=int, default=224 if ON_TPU else 32)
     p.add_argument("--num_classes", type=int, default=1000 if ON_TPU else 10)
     p.add_argument("--num_steps", type=int, default=300 if ON_TPU else 8)
-    p.add_argument("--lr", type=float, default=0.1)
+    p.add_argument("--lr", type=float, default=0.1 if ON_TPU else 0.01)
     p.add_argument("--auto_wrap_policy", choices=["size_based", "type_based"], default="size_based")
     p.add_argument("--auto_wrap_min_num_params", type=int, default=int(1e6) if ON_TPU else int(1e5))
     p.add_argument("--compute_dtype", choices=["float32", "bfloat16"], default="float32")
