@@ -5,3 +5,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def pytest_terminal_summary(terminalreporter):
+    module = sys.modules.get("test_equivalence")
+    if module is not None and module.DEVIATIONS:
+        terminalreporter.write_line("largest deviation from unsharded training, per transport:")
+        for transport, worst in sorted(module.DEVIATIONS.items()):
+            terminalreporter.write_line(f"  {transport}: loss {worst['loss']:.2e}, parameters {worst['param']:.2e}")

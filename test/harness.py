@@ -98,13 +98,17 @@ def state_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
 _INIT_LOCK = threading.Lock()
 
 
-def train_sharded(name: str, rank: int, device: torch.device, sync: Callable[[], None]) -> Dict[str, Any]:
+def train_sharded(name: str, rank: int, device: torch.device, sync: Callable[[], None],
+                  barrier: Callable[[], None] = lambda: None) -> Dict[str, Any]:
     """One rank's run of config ``name``; returns losses, shards, metadata and memory figures."""
     cfg = CONFIGS[name]
     with _INIT_LOCK:  # XLA ranks are threads sharing the CPU RNG
         model = models.make_model(cfg["model"])
         wrapped = cfg["wrap"](model)
     sync()
+    # No rank trains before every rank has built its model: torch_xla's checkpoint forks the
+    # process-wide CPU RNG during backward, which would change a slower thread's initialization.
+    barrier()
     opt = make_optimizer(cfg["opt"], wrapped.parameters())
     losses, freed, norms = [], [], []
     for step in range(STEPS):
@@ -196,7 +200,7 @@ def _gloo_worker(rank: int, world_size: int, port: int, names: List[str], out_di
     try:
         results = {}
         for name in names:
-            results[name] = train_sharded(name, rank, torch.device("cpu"), lambda: None)
+            results[name] = train_sharded(name, rank, torch.device("cpu"), lambda: None, dist.barrier)
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -212,11 +216,20 @@ def run_gloo(names: List[str], world_size: int) -> Dict[str, List[Dict[str, Any]
 
 
 # ----------------------------------------------------------------------------- XLA transport
+_BARRIERS: Dict[int, threading.Barrier] = {}
+
+
+def _thread_barrier(world_size: int) -> threading.Barrier:
+    with _INIT_LOCK:
+        return _BARRIERS.setdefault(world_size, threading.Barrier(world_size))
+
+
 def _xla_worker(names: List[str]) -> Dict[str, Any]:
     import torch_xla
     import torch_xla.runtime as xr
     device, rank = torch_xla.device(), xr.global_ordinal()
-    return {name: train_sharded(name, rank, device, xla_fsdp.sync) for name in names}
+    barrier = _thread_barrier(xr.world_size()).wait  # the ranks are threads of this process
+    return {name: train_sharded(name, rank, device, xla_fsdp.sync, barrier) for name in names}
 
 
 def run_xla(names: List[str], world_size: int) -> Dict[str, List[Dict[str, Any]]]:
