@@ -37,6 +37,10 @@ def configure_cpu_environment() -> None:
             os.environ.setdefault(key, value)
 
 
+_PATCH_LOCK = threading.Lock()
+_COMPILE_LOCK = threading.Lock()
+
+
 def sync(wait: bool = False) -> None:
     """Run pending XLA work; safe when several XLA:CPU devices are threads of one process.
 
@@ -50,14 +54,22 @@ def sync(wait: bool = False) -> None:
 
     xlac = torch_xla._XLAC
     dev = xlac._xla_get_default_device()
-    xlac._xla_step_marker(dev, [], wait=wait, reset_scope=True)
-    if _is_threaded_cpu():
+    threaded = _is_threaded_cpu()
+    if threaded and os.environ.get("PJRT_CPU_ASYNC_CLIENT", "").lower() in ("false", "0"):
+        # One rank thread compiles, the others find the executable in the shared cache: no rank
+        # waits in a collective while a peer is still compiling (XLA:CPU aborts a rendezvous after
+        # 10 s). With the synchronous client the launch returns before execution, so the lock is
+        # never held across a collective.
+        with _COMPILE_LOCK:
+            xlac._xla_step_marker(dev, [], wait=False, reset_scope=True)
+    else:
+        xlac._xla_step_marker(dev, [], wait=wait, reset_scope=True)
+    if threaded:
         xlac._xla_wait_device_ops(xlac._xla_real_devices([dev]))
     xm._run_step_closures()
     xlac._set_all_reduce_token(dev, None)
 
 
-_PATCH_LOCK = threading.Lock()
 _patched = False
 
 
