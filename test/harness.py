@@ -39,7 +39,7 @@ def _policy_linear(m):
 
 BLOCK_POLICY = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={models.Block})
 # Each config: model, optimizer, how to wrap (callable on the unwrapped model), extras.
-CONFIGS: Dict[str, Dict[str, Any]] = {
+CONFIGS: Dict[str, Dict[str, Any]] = {  # noqa: E501
     "zero3_nested_sgd": dict(model="mlp", opt="sgd", wrap=_nested(), check_freed=True),
     "zero3_nested_adamw": dict(model="mlp", opt="adamw", wrap=_nested(), check_freed=True),
     "zero2_nested_adamw": dict(model="mlp", opt="adamw", wrap=_nested(reshard_after_forward=False)),
@@ -68,6 +68,11 @@ CONFIGS: Dict[str, Dict[str, Any]] = {
     "no_sync_adamw": dict(model="mlp", opt="adamw", wrap=_nested(), micro=2),
     "no_sync_flat_sgd": dict(model="mlp", opt="sgd", wrap=_nested(flatten_parameters=True, reshard_after_forward=False), micro=2),
     "clip_adamw": dict(model="mlp", opt="adamw", wrap=_nested(), clip=0.05),
+    # bf16 compute with BatchNorm buffers stored in bf16: for checkpoint round trips (buffer dtypes
+    # restored); its losses follow bf16 numerics, so it is not in the fp32 equivalence set.
+    "convbn_bf16_sgd": dict(model="convbn", opt="sgd", equivalence=False, wrap=lambda m: FSDP(
+        m, compute_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16, auto_wrap_policy=functools.partial(
+            lambda_auto_wrap_policy, lambda_fn=lambda x: isinstance(x, nn.Conv2d)))),
     "clip_lm_sgd": dict(model="lm", opt="sgd", wrap=lambda m: FSDP(m, auto_wrap_policy=BLOCK_POLICY), clip=0.5),
 }
 NO_SYNC_MICRO = 2
@@ -99,9 +104,17 @@ _INIT_LOCK = threading.Lock()
 
 
 def train_sharded(name: str, rank: int, device: torch.device, sync: Callable[[], None],
-                  barrier: Callable[[], None] = lambda: None) -> Dict[str, Any]:
-    """One rank's run of config ``name``; returns losses, shards, metadata and memory figures."""
+                  barrier: Callable[[], None] = lambda: None, steps: int = STEPS, start: int = 0,
+                  per_rank: int = 4, save_prefix: Optional[str] = None,
+                  load_prefix: Optional[str] = None, load_full_path: Optional[str] = None,
+                  full_state: bool = False) -> Dict[str, Any]:
+    """One rank's run of config ``name`` for steps [start, start + steps); optionally loads a
+    sharded checkpoint first and saves one at the end (``save_prefix + '_init'`` before training).
+    Returns losses, shards, metadata and memory figures."""
     cfg = CONFIGS[name]
+    # Paths may name the config: "{name}" is replaced, so one launch can run several configs.
+    save_prefix, load_prefix, load_full_path = (p.format(name=name) if p else p
+                                                for p in (save_prefix, load_prefix, load_full_path))
     with _INIT_LOCK:  # XLA ranks are threads sharing the CPU RNG
         model = models.make_model(cfg["model"])
         wrapped = cfg["wrap"](model)
@@ -110,13 +123,22 @@ def train_sharded(name: str, rank: int, device: torch.device, sync: Callable[[],
     # process-wide CPU RNG during backward, which would change a slower thread's initialization.
     barrier()
     opt = make_optimizer(cfg["opt"], wrapped.parameters())
+    if load_full_path:
+        from xla_fsdp.checkpoints import load_full_optim_state_dict, load_full_state_dict
+        full = torch.load(load_full_path, weights_only=True)
+        load_full_state_dict(wrapped, full["model"])
+        load_full_optim_state_dict(wrapped, opt, full["optimizer"])
+    elif load_prefix:
+        xla_fsdp.load_sharded_checkpoint(wrapped, opt, load_prefix)
+    elif save_prefix:
+        xla_fsdp.save_sharded_checkpoint(wrapped, opt, save_prefix + "_init")
     losses, freed, norms = [], [], []
-    for step in range(STEPS):
+    for step in range(start, start + steps):
         opt.zero_grad()
         micro = cfg.get("micro", 1)
         step_loss = 0.0
         for k in range(micro):
-            x, y = models.batch(cfg["model"], step * micro + k, rank)
+            x, y = models.batch(cfg["model"], step * micro + k, rank, per_rank)
             x, y = x.to(device), y.to(device)
             ctx = wrapped.no_sync() if k < micro - 1 else _null()
             with ctx:
@@ -133,14 +155,21 @@ def train_sharded(name: str, rank: int, device: torch.device, sync: Callable[[],
         sync()
         losses.append(step_loss)
     norms = [float(n.item()) for n in norms]
-    result = {
+    if save_prefix:
+        xla_fsdp.save_sharded_checkpoint(wrapped, opt, save_prefix)
+    result = {}
+    if full_state:
+        from xla_fsdp.checkpoints import full_optim_state_dict, full_state_dict
+        result["full"] = full_state_dict(wrapped, rank0_only=False)
+        result["full_optim"] = full_optim_state_dict(wrapped, opt, rank0_only=False)
+    result.update({
         "losses": losses,
         "norms": norms,
         "state_dict": {k: v.detach().cpu().clone() for k, v in wrapped.state_dict().items()},
         "metadata": wrapped.get_shard_metadata(),
         "state_bytes": state_bytes(wrapped, opt),
         "freed_after_forward": freed,
-    }
+    })
     return result
 
 
@@ -158,7 +187,8 @@ def _inner_units_freed(root: FSDP) -> bool:
                                for u in units for g in u._groups)
 
 
-def train_reference(name: str, world_size: int, init_state: Optional[dict] = None) -> Dict[str, Any]:
+def train_reference(name: str, world_size: int, init_state: Optional[dict] = None, steps: int = STEPS,
+                    per_rank: int = 4) -> Dict[str, Any]:
     """The same training, unsharded, in this process: each step averages the per-rank losses."""
     cfg = CONFIGS[name]
     model = models.make_model(cfg["model"])
@@ -166,14 +196,14 @@ def train_reference(name: str, world_size: int, init_state: Optional[dict] = Non
         model.load_state_dict(init_state)
     opt = make_optimizer(cfg["opt"], model.parameters())
     losses, norms = [], []
-    for step in range(STEPS):
+    for step in range(steps):
         opt.zero_grad()
         micro = cfg.get("micro", 1)
         step_loss = 0.0
         for k in range(micro):
             per_rank = []
             for r in range(world_size):
-                x, y = models.batch(cfg["model"], step * micro + k, r)
+                x, y = models.batch(cfg["model"], step * micro + k, r, per_rank)
                 per_rank.append(models.loss_fn(cfg["model"], model(x), y))
             loss = torch.stack(per_rank).mean()
             loss.backward()
@@ -193,24 +223,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _gloo_worker(rank: int, world_size: int, port: int, names: List[str], out_dir: str) -> None:
+def _gloo_worker(rank: int, world_size: int, port: int, names: List[str], out_dir: str, kwargs: dict) -> None:
     import torch.distributed as dist
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
         results = {}
         for name in names:
-            results[name] = train_sharded(name, rank, torch.device("cpu"), lambda: None, dist.barrier)
+            results[name] = train_sharded(name, rank, torch.device("cpu"), lambda: None, dist.barrier, **kwargs)
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
-def run_gloo(names: List[str], world_size: int) -> Dict[str, List[Dict[str, Any]]]:
-    """Spawn ``world_size`` gloo processes that run every config in ``names``; results per rank."""
+def run_gloo(names: List[str], world_size: int, **kwargs: Any) -> Dict[str, List[Dict[str, Any]]]:
+    """Spawn ``world_size`` gloo processes that run every config in ``names``; results per rank.
+    ``kwargs`` go to :func:`train_sharded` (steps, start, per_rank, save/load prefixes)."""
     import torch.multiprocessing as mp
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_gloo_worker, args=(world_size, _free_port(), names, out_dir), nprocs=world_size)
+        mp.spawn(_gloo_worker, args=(world_size, _free_port(), names, out_dir, kwargs), nprocs=world_size)
         per_rank = [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
     return {n: [per_rank[r][n] for r in range(world_size)] for n in names}
 
@@ -224,20 +255,20 @@ def _thread_barrier(world_size: int) -> threading.Barrier:
         return _BARRIERS.setdefault(world_size, threading.Barrier(world_size))
 
 
-def _xla_worker(names: List[str]) -> Dict[str, Any]:
+def _xla_worker(names: List[str], kwargs: dict) -> Dict[str, Any]:
     import torch_xla
     import torch_xla.runtime as xr
     device, rank = torch_xla.device(), xr.global_ordinal()
     barrier = _thread_barrier(xr.world_size()).wait  # the ranks are threads of this process
-    return {name: train_sharded(name, rank, device, xla_fsdp.sync, barrier) for name in names}
+    return {name: train_sharded(name, rank, device, xla_fsdp.sync, barrier, **kwargs) for name in names}
 
 
-def run_xla(names: List[str], world_size: int) -> Dict[str, List[Dict[str, Any]]]:
+def run_xla(names: List[str], world_size: int, **kwargs: Any) -> Dict[str, List[Dict[str, Any]]]:
     """Run the configs on ``world_size`` XLA:CPU devices (threads of one spawned process)."""
     from torch_xla._internal import pjrt
     os.environ["PJRT_DEVICE"] = "CPU"
     os.environ["CPU_NUM_DEVICES"] = str(world_size)
-    results = pjrt.run_multiprocess(_xla_worker, names)
+    results = pjrt.run_multiprocess(_xla_worker, names, kwargs)
     return {n: [results[r][n] for r in range(world_size)] for n in names}
 
 

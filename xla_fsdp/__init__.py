@@ -8,7 +8,10 @@ _configure_cpu_environment()
 __version__ = "0.1.0"
 
 from .checkpoint import checkpoint_module  # noqa: E402
+from .checkpoints import (consolidate_sharded_model_checkpoints, load_sharded_checkpoint,  # noqa: E402
+                          reshard_checkpoint, save_sharded_checkpoint)
 from .collectives.xla import sync  # noqa: E402
 from .fully_sharded_data_parallel import XlaFullyShardedDataParallel  # noqa: E402
 
-__all__ = ["XlaFullyShardedDataParallel", "checkpoint_module", "sync", "__version__"]
+__all__ = ["XlaFullyShardedDataParallel", "checkpoint_module", "consolidate_sharded_model_checkpoints",
+           "load_sharded_checkpoint", "reshard_checkpoint", "save_sharded_checkpoint", "sync", "__version__"]

@@ -244,6 +244,7 @@ class XlaFullyShardedDataParallel(nn.Module):
         self.gradient_predivide_factor = _default_predivide_factor(self.world_size)
         self.gradient_postdivide_factor = self.world_size / self.gradient_predivide_factor
         self._norm_channel = self.comms.allocate_channels(1)
+        self._aux_channel = self.comms.allocate_channels(1)  # small control collectives (checkpoints)
         if execute_sharding_on_init:
             self.comms.sync()
 

@@ -76,4 +76,6 @@ def shard_metadata(root) -> Dict[str, Any]:
         "sharding_groups": root.comms.groups,
         "transport": root.comms.name,
         "library_versions": _library_versions(),
+        # shard state-dict keys in parameters() order: maps optimizer state indices to shards
+        "param_keys": [name for name, _ in root.named_parameters()],
     }

@@ -1,0 +1,191 @@
+"""Sharded checkpoints: round trips, resharding, resume, full state dicts, crash safety, bad input."""
+import hashlib
+import os
+import shutil
+
+import pytest
+import torch
+
+import harness
+import models
+from xla_fsdp.consolidate_sharded_ckpts import main as consolidate_cli
+from xla_fsdp.reshard import main as reshard_cli
+
+ROUND_TRIP = ["zero3_nested_adamw", "zero2_nested_adamw", "flatten_nested_adamw", "dim0_nested_sgd",
+              "tied_param_adamw", "tied_flat_sgd", "frozen_flat_adamw", "autowrap_type_lm_adamw",
+              "convbn_bf16_sgd"]
+GLOBAL_BATCH = 8  # divisible by every world size used, so resumed runs see the same global batch
+
+
+def consolidate(prefix, *extra):
+    out = prefix + "_full.pth"
+    assert consolidate_cli(["--ckpt_prefix", prefix, "--save_path", out, *extra]) == 0
+    return torch.load(out, weights_only=True)
+
+
+def assert_bit_exact(got, want):
+    assert set(got) == set(want), set(got) ^ set(want)
+    for k, v in want.items():
+        assert got[k].dtype == v.dtype and torch.equal(got[k], v), k
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize("transport", ["torch", "xla"])
+def test_round_trip_is_bit_exact(transport, world_size, tmp_path):
+    """consolidate(checkpoint) == the unsharded model's state dict, key for key, bit for bit: at save
+    time against the original model; after training against the live model's gathered full state."""
+    run = harness.run_gloo if transport == "torch" else harness.run_xla
+    prefix = str(tmp_path / "{name}")
+    results = run(ROUND_TRIP, world_size, steps=2, save_prefix=prefix, full_state=True)
+    for name in ROUND_TRIP:
+        initial = consolidate(prefix.format(name=name) + "_init")["model"]
+        assert_bit_exact(initial, models.make_model(harness.CONFIGS[name]["model"]).state_dict())
+        final = consolidate(prefix.format(name=name), "--optimizer")
+        assert_bit_exact(final["model"], results[name][0]["full"])  # gathered in-process, all ranks
+        last = {k: v for k, v in results[name][world_size - 1]["full"].items()
+                if "running_" not in k and "num_batches" not in k}  # BatchNorm statistics are per rank
+        assert all(torch.equal(final["model"][k], v) for k, v in last.items())
+        want_opt = results[name][0]["full_optim"]
+        assert final["optimizer"]["param_groups"] == want_opt["param_groups"]
+        for pname, st in want_opt["state"].items():
+            assert_bit_exact(final["optimizer"]["state"][pname], st)
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    """3 training steps at world sizes 1, 2 and 4 (global batch 8), each saved."""
+    root = tmp_path_factory.mktemp("src")
+    out = {}
+    for n in (1, 2, 4):
+        prefix = str(root / f"ws{n}_{{name}}")
+        harness.run_gloo(["zero3_nested_adamw", "flatten_nested_adamw"], n, steps=3,
+                         per_rank=GLOBAL_BATCH // n, save_prefix=prefix)
+        out[n] = prefix
+    return out
+
+
+@pytest.mark.parametrize("n,m", [(2, 4), (4, 2), (4, 1), (1, 4)])
+def test_reshard_then_resume(sources, n, m, tmp_path):
+    """consolidate(reshard(ckpt, M)) == consolidate(ckpt), optimizer included, and training resumed
+    on M ranks continues the uninterrupted run (same global batch) within 1e-5."""
+    resumed_prefix = str(tmp_path / "{name}_to_m")
+    for name in ["zero3_nested_adamw", "flatten_nested_adamw"]:
+        src = sources[n].format(name=name)
+        dst = resumed_prefix.format(name=name)
+        assert reshard_cli(["--ckpt_prefix", src, "--world_size", str(m), "--out_prefix", dst]) == 0
+        assert all(os.path.exists(harness_rank(dst, r, m)) for r in range(m))
+        a, b = consolidate(src, "--optimizer"), consolidate(dst, "--optimizer")
+        assert_bit_exact(b["model"], a["model"])
+        for pname, st in a["optimizer"]["state"].items():
+            assert_bit_exact(b["optimizer"]["state"][pname], st)
+    resumed = harness.run_gloo(["zero3_nested_adamw", "flatten_nested_adamw"], m, steps=3, start=3,
+                               per_rank=GLOBAL_BATCH // m, load_prefix=resumed_prefix)
+    for name in ["zero3_nested_adamw", "flatten_nested_adamw"]:
+        ref = harness.train_reference(name, m, steps=6, per_rank=GLOBAL_BATCH // m)
+        losses = [sum(r["losses"][i] for r in resumed[name]) / m for i in range(3)]
+        assert max(abs(x - y) for x, y in zip(losses, ref["losses"][3:])) <= 1e-5
+        full = harness.consolidate(resumed[name])
+        for k, v in ref["state_dict"].items():
+            assert (full[k] - v).abs().max().item() <= 1e-5, k
+
+
+def harness_rank(prefix, rank, ws):
+    from xla_fsdp.checkpoints import rank_path
+    return rank_path(prefix, rank, ws)
+
+
+def test_resume_is_bit_exact_and_full_checkpoint_resumes_too(tmp_path):
+    """k steps + save + new processes + load + k steps == 2k uninterrupted steps, bit for bit (gloo);
+    resuming from the consolidated full checkpoint (load_full_*) gives the same bits."""
+    names = ["zero3_nested_adamw", "flatten_nested_adamw", "dim0_nested_sgd"]
+    whole = harness.run_gloo(names, 2, steps=4)
+    prefix = str(tmp_path / "{name}")
+    harness.run_gloo(names, 2, steps=2, save_prefix=prefix)
+    resumed = harness.run_gloo(names, 2, steps=2, start=2, load_prefix=prefix)
+    for name in names:
+        consolidate(prefix.format(name=name), "--optimizer")
+    from_full = harness.run_gloo(names, 2, steps=2, start=2, load_full_path=prefix + "_full.pth")
+    for name in names:
+        for run in (resumed, from_full):
+            for r in range(2):
+                assert run[name][r]["losses"] == whole[name][r]["losses"][2:]
+                for k, v in whole[name][r]["state_dict"].items():
+                    assert torch.equal(run[name][r]["state_dict"][k], v), (name, k)
+
+
+def _sha(path):
+    return hashlib.sha256(open(path, "rb").read()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def good_ckpt(tmp_path_factory):
+    root = tmp_path_factory.mktemp("good")
+    prefix = str(root / "a")
+    harness.run_gloo(["zero3_nested_adamw"], 2, steps=1, save_prefix=prefix)
+    harness.run_gloo(["zero3_nested_adamw"], 2, steps=1, save_prefix=str(root / "b"))  # another run
+    harness.run_gloo(["zero3_nested_adamw"], 4, steps=1, save_prefix=str(root / "c"))  # another size
+    return root
+
+
+def _bad_case(case, root, work):
+    """Build a damaged copy of checkpoint 'a' in ``work``; returns (prefix, words the error must name)."""
+    for f in os.listdir(root):
+        shutil.copy(root / f, work / f)
+    a0, a1 = work / "a_rank-00000000-of-00000002.pth", work / "a_rank-00000001-of-00000002.pth"
+    if case == "missing_rank":
+        os.unlink(a1)
+        return str(work / "a"), ["missing", "a_rank-00000001-of-00000002.pth"]
+    if case == "mixed_world_sizes":
+        shutil.copy(work / "c_rank-00000003-of-00000004.pth", work / "a_rank-00000003-of-00000004.pth")
+        return str(work / "a"), ["different world sizes", "a_rank-00000003-of-00000004.pth"]
+    if case == "two_runs":
+        shutil.copy(work / "b_rank-00000001-of-00000002.pth", a1)
+        return str(work / "a"), ["different saves", "a_rank-00000001-of-00000002.pth"]
+    if case == "duplicate_rank":
+        shutil.copy(a0, a1)  # rank 0's data under rank 1's name
+        return str(work / "a"), ["a_rank-00000001-of-00000002.pth", "rank 0"]
+    if case == "flipped_byte":
+        data = bytearray(open(a1, "rb").read())
+        ckpt = torch.load(a1, weights_only=False)
+        biggest = max(ckpt["model"].values(), key=lambda t: t.numel())
+        needle = biggest.numpy().tobytes()[:16]
+        at = bytes(data).find(needle)
+        assert at > 0
+        data[at + 5] ^= 0x01
+        open(a1, "wb").write(bytes(data))
+        return str(work / "a"), ["a_rank-00000001-of-00000002.pth"]
+    if case == "no_match":
+        return str(work / "zzz"), ["no rank files match", "zzz"]
+    raise ValueError(case)
+
+
+@pytest.mark.parametrize("case", ["missing_rank", "mixed_world_sizes", "two_runs", "duplicate_rank",
+                                  "flipped_byte", "no_match"])
+def test_bad_input_fails_clearly_and_touches_nothing(case, good_ckpt, tmp_path, capsys):
+    prefix, words = _bad_case(case, good_ckpt, tmp_path)
+    before = {f: _sha(tmp_path / f) for f in os.listdir(tmp_path)}
+    for argv in (["--ckpt_prefix", prefix, "--verify"], ["--ckpt_prefix", prefix],
+                 ["--ckpt_prefix", prefix, "--format", "safetensors"]):
+        assert consolidate_cli(argv) != 0
+        err = capsys.readouterr().err
+        for w in words:
+            assert w in err, (case, err)
+    assert reshard_cli(["--ckpt_prefix", prefix, "--world_size", "3", "--out_prefix", str(tmp_path / "out")]) != 0
+    after = {f: _sha(tmp_path / f) for f in os.listdir(tmp_path) if f in before}
+    assert before == after
+    assert not any(f.startswith("out") or f.endswith(".tmp") for f in os.listdir(tmp_path))
+
+
+def test_unwritable_output_and_default_suffix_never_rereads_output(good_ckpt, tmp_path, capsys):
+    for f in os.listdir(good_ckpt):
+        shutil.copy(good_ckpt / f, tmp_path / f)
+    prefix = str(tmp_path / "a")
+    assert consolidate_cli(["--ckpt_prefix", prefix, "--save_path", str(tmp_path / "no" / "x.pth")]) != 0
+    assert "not a writable directory" in capsys.readouterr().err
+    # torch_xla's default suffix '*.pth' re-read its own output; twice in a row must work here
+    from xla_fsdp import consolidate_sharded_model_checkpoints
+    first, path = consolidate_sharded_model_checkpoints(prefix)
+    second, path2 = consolidate_sharded_model_checkpoints(prefix)
+    assert path == path2 == prefix + "_consolidated.pth"
+    assert_bit_exact(second, first)
+    assert consolidate_cli(["--ckpt_prefix", prefix, "--verify"]) == 0

@@ -1,0 +1,245 @@
+"""Consolidate a sharded checkpoint into one full state dict, streaming one tensor at a time.
+
+Rank files are memory-mapped, each full tensor is assembled from its slices, written, and dropped;
+the mappings are reopened every ``REOPEN_BYTES`` so pages already written out can be released.
+Peak memory stays near the largest tensor plus the reopen window, not the model size.
+"""
+from __future__ import annotations
+
+import gc
+import os
+from collections import OrderedDict
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
+
+import torch
+
+from .files import (DEFAULT_SUFFIX, CheckpointError, atomic_write, check_consistent, find_rank_files,
+                    load_rank_file, tensor_checksum)
+from .layout_ops import unshard_entry
+from .migrate import is_torch_xla_metadata, torch_xla_layout
+from .stream_save import PthStreamWriter, SafetensorsStreamWriter
+from ..state_dict import clean_key
+
+REOPEN_BYTES = 256 * 1024 * 1024
+
+
+class ShardedCheckpoint:
+    """A complete, validated set of rank files, read lazily."""
+
+    def __init__(self, ckpt_prefix: str, ckpt_suffix: str = DEFAULT_SUFFIX):
+        self.prefix = ckpt_prefix
+        self.files = find_rank_files(ckpt_prefix, ckpt_suffix)
+        self.world_size = len(self.files)
+        self._ckpts: Optional[List[Dict[str, Any]]] = None
+        self._read_since_open = 0
+        ckpts = self._open()
+        self.metadatas = [c["shard_metadata"] for c in ckpts]
+        check_consistent(self.files, self.metadatas)
+        md0 = self.metadatas[0]
+        self.from_torch_xla = is_torch_xla_metadata(md0)
+        self.layout: Dict[str, Any] = (torch_xla_layout(md0, ckpts[0]["model"]) if self.from_torch_xla
+                                       else md0["layout"])
+        for f, ckpt in zip(self.files, ckpts):
+            missing = [k for k in self.layout if k not in ckpt["model"]]
+            if missing:
+                raise CheckpointError(f"'{f.path}' lacks shards named in the metadata: {missing[:3]}")
+        self.buffer_keys = [k for k in ckpts[0]["model"] if k not in self.layout and "_fsdp_shard" not in k]
+
+    @property
+    def metadata(self) -> Dict[str, Any]:
+        return self.metadatas[0]
+
+    def _open(self) -> List[Dict[str, Any]]:
+        if self._ckpts is None:
+            self._ckpts = [load_rank_file(f.path, mmap=True) for f in self.files]
+            self._read_since_open = 0
+        return self._ckpts
+
+    def release(self) -> None:
+        """Drop the memory maps (pages read so far stop counting against this process)."""
+        self._ckpts = None
+        gc.collect()
+
+    def _account(self, nbytes: int) -> None:
+        self._read_since_open += nbytes
+        if self._read_since_open > REOPEN_BYTES:
+            self.release()
+
+    def shards(self, key: str) -> List[torch.Tensor]:
+        """Every rank's tensor ``key`` of the model section, each checked against its checksum."""
+        ckpts = self._open()
+        out = []
+        for f, md, c in zip(self.files, self.metadatas, ckpts):
+            t = c["model"][key]
+            self._check(f.path, md.get("checksums", {}).get("model", {}), key, t)
+            out.append(t)
+        return out
+
+    def optimizer_states(self, index: int) -> List[Dict[str, Any]]:
+        """Every rank's optimizer state for parameter ``index``, checked against checksums."""
+        out = []
+        for f, md, c in zip(self.files, self.metadatas, self._open()):
+            st = c["optimizer"]["state"].get(index, {})
+            sums = md.get("checksums", {}).get("optimizer", {})
+            for field, v in st.items():
+                if isinstance(v, torch.Tensor):
+                    self._check(f.path, sums, f"{index}.{field}", v)
+            out.append(st)
+        return out
+
+    @staticmethod
+    def _check(path: str, sums: Mapping[str, int], key: str, tensor: torch.Tensor) -> None:
+        if key in sums and tensor_checksum(tensor) != sums[key]:
+            raise CheckpointError(f"'{path}': tensor '{key}' is corrupted (checksum mismatch); restore this "
+                                  "file from a backup or use an earlier checkpoint")
+
+    # ------------------------------------------------------------------ model
+    def model_specs(self) -> List[Tuple[str, torch.dtype, Tuple[int, ...]]]:
+        """(name, dtype, shape) of every tensor of the full state dict, in output order."""
+        ckpt0 = self._open()[0]["model"]
+        specs = []
+        for key, entry in self.layout.items():
+            dtype = ckpt0[key].dtype
+            for name, shape in zip(entry["names"], entry["shapes"]):
+                specs.append((name, dtype, tuple(shape)))
+                for alias in entry.get("aliases", {}).get(name, []):
+                    specs.append((alias, dtype, tuple(shape)))
+        buffer_info = self.metadata.get("buffer_info", {})
+        for key in self.buffer_keys:
+            t = ckpt0[key]
+            dtype = buffer_info.get(key, {}).get("_orig_dtype", t.dtype)
+            specs.append((clean_key(key), dtype, tuple(t.shape)))
+        return specs
+
+    def iter_model(self) -> Iterator[Tuple[str, torch.Tensor]]:
+        """(original name, full tensor) for parameters (tied aliases repeated), then buffers."""
+        for key, entry in self.layout.items():
+            shards = self.shards(key)
+            tensors = unshard_entry(entry, shards)
+            self._account(sum(s.numel() * s.element_size() for s in shards))
+            for name, tensor in zip(entry["names"], tensors):
+                yield name, tensor
+                for alias in entry.get("aliases", {}).get(name, []):
+                    yield alias, tensor
+        buffer_info = self.metadata.get("buffer_info", {})
+        for key in self.buffer_keys:
+            t = self.shards(key)[0].clone()
+            original = buffer_info.get(key, {}).get("_orig_dtype")
+            yield clean_key(key), (t.to(original) if original is not None else t)
+
+    # ------------------------------------------------------------------ optimizer
+    def full_optimizer_state(self) -> Dict[str, Any]:
+        """A plain ``torch.optim`` state dict keyed by original parameter names."""
+        ckpts = self._open()
+        if any(c.get("optimizer") is None for c in ckpts):
+            raise CheckpointError("the checkpoint holds no optimizer state")
+        keys = self.metadata.get("optimizer_param_keys")
+        if keys is None:
+            raise CheckpointError("the checkpoint's metadata has no optimizer_param_keys (written by torch_xla?); "
+                                  "optimizer consolidation needs a checkpoint saved by xla_fsdp")
+        state: Dict[str, Any] = OrderedDict()
+        osds = [c["optimizer"] for c in ckpts]
+        for idx, key in enumerate(keys):
+            entry = self.layout[key]
+            per_rank = self.optimizer_states(idx)
+            full: Dict[str, List[Any]] = {}
+            for field, value in per_rank[0].items():
+                if isinstance(value, torch.Tensor) and list(value.shape) == list(entry["shard_shape"]):
+                    full[field] = unshard_entry(entry, [st[field] for st in per_rank])
+                else:
+                    full[field] = [value.clone() if isinstance(value, torch.Tensor) else value] * len(entry["names"])
+            for i, name in enumerate(entry["names"]):
+                state[name] = {field: values[i] for field, values in full.items()}
+        groups = []
+        for group in osds[0]["param_groups"]:
+            g = {k: v for k, v in group.items() if k != "params"}
+            g["params"] = [name for idx in group["params"] for name in self.layout[keys[idx]]["names"]]
+            groups.append(g)
+        return {"state": state, "param_groups": groups}
+
+    # ------------------------------------------------------------------ verification
+    def verify(self) -> List[str]:
+        """Check every tensor against its checksum and its layout; return a line per rank file."""
+        report = []
+        for f, md in zip(self.files, self.metadatas):
+            ckpt = load_rank_file(f.path, mmap=True)
+            sums = md.get("checksums", {})
+            checked = 0
+            for key, expected in sums.get("model", {}).items():
+                if key not in ckpt["model"]:
+                    raise CheckpointError(f"'{f.path}': tensor '{key}' is missing")
+                if tensor_checksum(ckpt["model"][key]) != expected:
+                    raise CheckpointError(f"'{f.path}': tensor '{key}' is corrupted (checksum mismatch)")
+                checked += 1
+            osd = ckpt.get("optimizer") or {}
+            for name, expected in sums.get("optimizer", {}).items():
+                idx, field = name.split(".", 1)
+                value = osd.get("state", {}).get(int(idx), {}).get(field)
+                if value is None or tensor_checksum(value) != expected:
+                    raise CheckpointError(f"'{f.path}': optimizer tensor '{name}' is corrupted or missing")
+                checked += 1
+            for key, entry in self.layout.items():
+                if list(ckpt["model"][key].shape) != list(entry["shard_shape"]):
+                    raise CheckpointError(f"'{f.path}': shard '{key}' has shape {list(ckpt['model'][key].shape)}, "
+                                          f"metadata says {entry['shard_shape']}")
+            report.append(f"{os.path.basename(f.path)}: ok ({checked} checksums"
+                          f"{'' if sums else ', none recorded'})")
+            del ckpt
+        return report
+
+
+def default_save_path(ckpt_prefix: str, fmt: str = "pth") -> str:
+    return ckpt_prefix + ("_consolidated.pth" if fmt == "pth" else "_consolidated.safetensors")
+
+
+def write_consolidated(ckpt: ShardedCheckpoint, save_path: str, fmt: str = "pth",
+                       include_optimizer: bool = False) -> str:
+    """Stream the full state dict to ``save_path`` (atomically) in ``fmt`` ('pth' or 'safetensors')."""
+    directory = os.path.dirname(os.path.abspath(save_path))
+    if not os.path.isdir(directory) or not os.access(directory, os.W_OK):
+        raise CheckpointError(f"cannot write '{save_path}': '{directory}' is not a writable directory")
+    if fmt == "pth":
+        optimizer = ckpt.full_optimizer_state() if include_optimizer else None
+
+        def write(tmp: str) -> None:
+            with PthStreamWriter(tmp) as w:
+                for name, tensor in ckpt.iter_model():
+                    w.add(name, tensor)
+                optimizer_refs = w.add_nested(optimizer) if optimizer else None
+                w.set_structure(lambda t: {"model": OrderedDict(t), **({"optimizer": optimizer_refs} if optimizer else {})})
+    elif fmt == "safetensors":
+        specs = ckpt.model_specs()
+
+        def write(tmp: str) -> None:
+            with SafetensorsStreamWriter(tmp, specs, {"format": "pt"}) as w:
+                for name, tensor in ckpt.iter_model():
+                    w.add(name, tensor)
+        if include_optimizer:
+            opt_path = save_path + ".optimizer.pth"
+            optimizer = ckpt.full_optimizer_state()
+            from .files import atomic_torch_save
+            atomic_torch_save({"optimizer": optimizer}, opt_path)
+    else:
+        raise ValueError(f"unknown format {fmt!r}: use 'pth' or 'safetensors'")
+    atomic_write(save_path, write)
+    ckpt.release()
+    return save_path
+
+
+def consolidate_sharded_model_checkpoints(ckpt_prefix: str, ckpt_suffix: str = "*.pth", save_path: str = "",
+                                          save_model: bool = True) -> Tuple[Dict[str, torch.Tensor], str]:
+    """torch_xla's signature and return value: ``(full_state_dict, actual_save_path)``.
+
+    The rank files are found with ``ckpt_prefix + ckpt_suffix`` but only ``_rank-*-of-*.pth`` names
+    count (a consolidated file is never re-read). With ``save_model`` the full state dict is
+    streamed to ``save_path`` (default ``ckpt_prefix + '_consolidated.pth'``) as ``{'model': ...}``
+    and returned memory-mapped from it.
+    """
+    ckpt = ShardedCheckpoint(ckpt_prefix, ckpt_suffix)
+    if not save_model:
+        full = OrderedDict(ckpt.iter_model())
+        ckpt.release()
+        return full, ""
+    path = save_path or default_save_path(ckpt_prefix)
+    write_consolidated(ckpt, path)
+    return torch.load(path, mmap=True, weights_only=True)["model"], path

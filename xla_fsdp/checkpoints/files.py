@@ -1,0 +1,143 @@
+"""Per-rank checkpoint files: names, atomic writes, checksums, and finding a complete set.
+
+A checkpoint is ``{prefix}_rank-{rank:08d}-of-{world_size:08d}.pth`` for every rank, each holding
+``{'model', 'shard_metadata', 'optimizer'}``. Every write goes to a temporary file in the same
+directory, is flushed and fsynced, then renamed over the final name, so a crash never leaves a
+partial file under a final name and never damages the previous checkpoint.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import re
+import tempfile
+import zlib
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Mapping, Optional
+
+import torch
+
+RANK_FILE = re.compile(r"_rank-(\d{8})-of-(\d{8})\.pth")
+DEFAULT_SUFFIX = "_rank-*-of-*.pth"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint set is incomplete, inconsistent or corrupted (the message names the file)."""
+
+
+def rank_path(prefix: str, rank: int, world_size: int) -> str:
+    return f"{prefix}_rank-{rank:08d}-of-{world_size:08d}.pth"
+
+
+def tensor_checksum(tensor: torch.Tensor) -> int:
+    """CRC32 of a tensor's bytes (any dtype), with its dtype and shape folded in."""
+    t = tensor.detach().cpu().contiguous()
+    data = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    header = f"{t.dtype}:{tuple(t.shape)}".encode()
+    return zlib.crc32(data, zlib.crc32(header))
+
+
+def atomic_write(path: str, write: Callable[[str], None]) -> None:
+    """Run ``write(tmp_path)`` then move the finished, fsynced file to ``path``."""
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise CheckpointError(f"cannot write '{path}': directory '{directory}' does not exist")
+    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=directory)
+    os.close(fd)
+    try:
+        write(tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    dir_fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def atomic_torch_save(obj: Any, path: str) -> None:
+    atomic_write(path, lambda tmp: torch.save(obj, tmp))
+
+
+@dataclass
+class RankFile:
+    path: str
+    rank: int
+    world_size: int
+
+
+def load_rank_file(path: str, mmap: bool = True) -> Dict[str, Any]:
+    """Load one rank file (memory-mapped: tensors are read from disk when touched)."""
+    try:
+        ckpt = torch.load(path, map_location="cpu", mmap=mmap, weights_only=False)
+    except Exception as e:  # torch raises several types for damaged zip files
+        raise CheckpointError(f"'{path}' is not a readable checkpoint ({type(e).__name__}: {e})") from e
+    if not isinstance(ckpt, dict) or "model" not in ckpt or "shard_metadata" not in ckpt:
+        raise CheckpointError(f"'{path}' is not a sharded checkpoint: it has no 'model' and "
+                              "'shard_metadata' entries (is it a consolidated file?)")
+    return ckpt
+
+
+def find_rank_files(ckpt_prefix: str, ckpt_suffix: str = DEFAULT_SUFFIX) -> List[RankFile]:
+    """The complete, consistent set of rank files for ``ckpt_prefix``, sorted by rank.
+
+    Only names of the form ``*_rank-XXXXXXXX-of-YYYYYYYY.pth`` count, so a consolidated output in
+    the same folder is never picked up.
+    """
+    paths = sorted(glob.glob(glob.escape(ckpt_prefix) + ckpt_suffix))
+    files = []
+    for p in paths:
+        m = RANK_FILE.fullmatch(p[len(ckpt_prefix):])
+        if m:
+            files.append(RankFile(p, int(m.group(1)), int(m.group(2))))
+    if not files:
+        raise CheckpointError(f"no rank files match '{ckpt_prefix}{ckpt_suffix}' (expected names like "
+                              f"'{rank_path(ckpt_prefix, 0, 2)}')")
+    sizes = sorted({f.world_size for f in files})
+    if len(sizes) > 1:
+        raise CheckpointError(f"rank files for '{ckpt_prefix}' come from different world sizes {sizes}: "
+                              + ", ".join(os.path.basename(f.path) for f in files))
+    world_size = sizes[0]
+    by_rank: Dict[int, RankFile] = {}
+    for f in files:
+        if f.rank in by_rank:
+            raise CheckpointError(f"rank {f.rank} appears twice: '{by_rank[f.rank].path}' and '{f.path}'")
+        by_rank[f.rank] = f
+    missing = [r for r in range(world_size) if r not in by_rank]
+    if missing:
+        raise CheckpointError(f"checkpoint '{ckpt_prefix}' (world size {world_size}) is missing rank files "
+                              f"for ranks {missing}, e.g. '{rank_path(ckpt_prefix, missing[0], world_size)}'")
+    extra = [r for r in by_rank if r >= world_size]
+    if extra:
+        raise CheckpointError(f"rank files {extra} are outside world size {world_size}")
+    return [by_rank[r] for r in range(world_size)]
+
+
+def check_consistent(files: List[RankFile], metadatas: List[Mapping[str, Any]]) -> None:
+    """Every file belongs to the same save of the same run and says the rank its name says."""
+    run_ids = {md.get("run_id") for md in metadatas}
+    if len(run_ids) > 1:
+        raise CheckpointError("rank files come from different saves (run ids differ): " + ", ".join(
+            f"{os.path.basename(f.path)}={md.get('run_id')}" for f, md in zip(files, metadatas)))
+    for f, md in zip(files, metadatas):
+        if md.get("world_size") != f.world_size or md.get("rank") != f.rank:
+            raise CheckpointError(f"'{f.path}' holds metadata of rank {md.get('rank')} of "
+                                  f"{md.get('world_size')}, but its name says rank {f.rank} of {f.world_size}")
+
+
+def verify_checksums(path: str, state: Mapping[str, torch.Tensor], checksums: Optional[Mapping[str, int]],
+                     keys: Optional[List[str]] = None) -> None:
+    """Raise if a tensor's bytes no longer match the checksum recorded at save time."""
+    if not checksums:
+        return
+    for key in keys if keys is not None else list(checksums):
+        if key not in state:
+            raise CheckpointError(f"'{path}': tensor '{key}' listed in the metadata is missing")
+        if tensor_checksum(state[key]) != checksums[key]:
+            raise CheckpointError(f"'{path}': tensor '{key}' is corrupted (checksum mismatch); restore this "
+                                  "file from a backup or use an earlier checkpoint")

@@ -1,0 +1,145 @@
+"""Full (unsharded) model and optimizer state dicts, gathered from or scattered to a live model.
+
+Gathering runs one all-gather per shard (every rank must call); loading a full state dict needs no
+communication: each rank cuts its own shard out of the full tensors with the same layout math.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Dict, Mapping, Optional
+
+import torch
+
+from ..state_dict import clean_key
+from .files import CheckpointError
+from .layout_ops import reshard_entry, unshard_entry
+
+
+def _shard_of_layout(model):
+    metadata = model.get_shard_metadata()
+    params = dict(model.named_parameters())
+    return metadata, params
+
+
+@torch.no_grad()
+def full_state_dict(model, rank0_only: bool = True) -> Optional[Dict[str, torch.Tensor]]:
+    """The full model state dict on CPU, keyed by original names (on rank 0 only by default)."""
+    metadata, params = _shard_of_layout(model)
+    comms, ws = model.comms, model.world_size
+    gathered = {}
+    for key in metadata["layout"]:
+        shard = params[key].detach()
+        gathered[key] = comms.all_gather(shard.reshape((-1,) + tuple(shard.shape[1:])), model._aux_channel)
+        comms.sync()  # one control channel: one collective per executed graph
+    if rank0_only and model.rank != 0:
+        return None
+    out: Dict[str, torch.Tensor] = OrderedDict()
+    for key, entry in metadata["layout"].items():
+        tensors = unshard_entry(entry, list(gathered[key].cpu().chunk(ws)))
+        for name, t in zip(entry["names"], tensors):
+            out[name] = t
+            for alias in entry.get("aliases", {}).get(name, []):
+                out[alias] = t
+    for key, value in model.state_dict().items():
+        if key not in metadata["layout"]:
+            original = metadata["buffer_info"].get(key, {}).get("_orig_dtype")
+            t = value.detach().cpu().clone()
+            out[clean_key(key)] = t.to(original) if original is not None else t
+    return out
+
+
+@torch.no_grad()
+def load_full_state_dict(model, state_dict: Mapping[str, torch.Tensor]) -> None:
+    """Load a full (unsharded) state dict, keyed by original names, into a wrapped model."""
+    metadata, params = _shard_of_layout(model)
+    multiple = metadata["shard_size_multiple"]
+    for key, entry in metadata["layout"].items():
+        missing = [n for n in entry["names"] if n not in state_dict]
+        if missing:
+            raise CheckpointError(f"full state dict lacks {missing[:3]} (needed for shard '{key}')")
+        tensors = [state_dict[n].detach().cpu().to(torch.float32) for n in entry["names"]]
+        for n, t, shape in zip(entry["names"], tensors, entry["shapes"]):
+            if list(t.shape) != list(shape):
+                raise CheckpointError(f"'{n}' has shape {list(t.shape)}, the model expects {shape}")
+        shard = reshard_entry(entry, tensors, model.world_size, multiple)[1][model.rank]
+        params[key].copy_(shard.view(params[key].shape).to(params[key].device))
+    buffers = {k: v for k, v in model.state_dict().items() if k not in metadata["layout"]}
+    for key, value in buffers.items():
+        name = clean_key(key)
+        if name not in state_dict:
+            raise CheckpointError(f"full state dict lacks buffer '{name}'")
+        value.copy_(state_dict[name].to(value.dtype).to(value.device))
+
+
+def _optimizer_keys(model, optimizer):
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
+
+
+@torch.no_grad()
+def full_optim_state_dict(model, optimizer, rank0_only: bool = True) -> Optional[Dict[str, Any]]:
+    """Optimizer state keyed by original parameter names, full tensors on CPU."""
+    metadata, _ = _shard_of_layout(model)
+    keys = _optimizer_keys(model, optimizer)
+    osd = optimizer.state_dict()
+    comms, ws = model.comms, model.world_size
+    gathered: Dict[int, Dict[str, Any]] = {}
+    for idx, key in enumerate(keys):
+        entry = metadata["layout"][key]
+        st = osd["state"].get(idx, {})
+        gathered[idx] = {}
+        for f, v in st.items():
+            if isinstance(v, torch.Tensor) and list(v.shape) == list(entry["shard_shape"]):
+                v = comms.all_gather(v.reshape((-1,) + tuple(v.shape[1:])), model._aux_channel)
+                comms.sync()
+            gathered[idx][f] = v
+    if rank0_only and model.rank != 0:
+        return None
+    state: Dict[str, Any] = OrderedDict()
+    for idx, key in enumerate(keys):
+        entry = metadata["layout"][key]
+        per_field = {}
+        for f, v in gathered[idx].items():
+            original = osd["state"][idx][f]
+            if isinstance(original, torch.Tensor) and list(original.shape) == list(entry["shard_shape"]):
+                per_field[f] = unshard_entry(entry, list(v.cpu().chunk(ws)))
+            else:
+                per_field[f] = [v.clone() if isinstance(v, torch.Tensor) else v] * len(entry["names"])
+        for i, name in enumerate(entry["names"]):
+            state[name] = {f: vals[i] for f, vals in per_field.items()}
+    groups = []
+    for g in osd["param_groups"]:
+        new = {k: v for k, v in g.items() if k != "params"}
+        new["params"] = [n for idx in g["params"] for n in metadata["layout"][keys[idx]]["names"]]
+        groups.append(new)
+    return {"state": state, "param_groups": groups}
+
+
+@torch.no_grad()
+def load_full_optim_state_dict(model, optimizer, full_osd: Mapping[str, Any]) -> None:
+    """Load optimizer state keyed by original names (from full_optim_state_dict or consolidation)."""
+    metadata, _ = _shard_of_layout(model)
+    keys = _optimizer_keys(model, optimizer)
+    multiple = metadata["shard_size_multiple"]
+    state = {}
+    for idx, key in enumerate(keys):
+        entry = metadata["layout"][key]
+        per_name = [full_osd["state"].get(n) for n in entry["names"]]
+        if all(s is None for s in per_name):
+            continue
+        if any(s is None for s in per_name):
+            raise CheckpointError(f"optimizer state covers only part of shard '{key}' ({entry['names']})")
+        st = {}
+        for f, v in per_name[0].items():
+            if isinstance(v, torch.Tensor) and list(v.shape) == list(entry["shapes"][0]) and v.dim() > 0:
+                full = [s[f].detach().cpu() for s in per_name]
+                st[f] = reshard_entry(entry, full, model.world_size, multiple)[1][model.rank].view(entry["shard_shape"])
+            else:
+                st[f] = v.clone() if isinstance(v, torch.Tensor) else v
+        state[idx] = st
+    groups = []
+    for g, current in zip(full_osd["param_groups"], optimizer.state_dict()["param_groups"]):
+        new = {k: v for k, v in g.items() if k != "params"}
+        new["params"] = current["params"]
+        groups.append(new)
+    optimizer.load_state_dict({"state": state, "param_groups": groups})

@@ -1,0 +1,119 @@
+"""Save and load this rank's part of a checkpoint, in torch_xla's documented per-rank layout."""
+from __future__ import annotations
+
+import glob
+import os
+from typing import Any, Dict, Mapping, Optional
+
+import torch
+
+from .files import (CheckpointError, atomic_torch_save, load_rank_file, rank_path, tensor_checksum,
+                    verify_checksums)
+
+
+def _cpu(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu().clone()
+    if isinstance(obj, dict):
+        return {k: _cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cpu(v) for v in obj)
+    return obj
+
+
+def _optimizer_checksums(osd: Mapping[str, Any]) -> Dict[str, int]:
+    return {f"{idx}.{name}": tensor_checksum(v) for idx, st in osd.get("state", {}).items()
+            for name, v in st.items() if isinstance(v, torch.Tensor)}
+
+
+def _agree_on_run_id(model) -> str:
+    """A random id chosen by rank 0 and shared with all ranks, so files of one save match."""
+    comms = model.comms
+    # os.urandom, not torch's RNG: seeded runs would otherwise reuse the same id.
+    words = [int.from_bytes(os.urandom(4), "little") >> 1 for _ in range(2)] if comms.rank == 0 else [0, 0]
+    mine = torch.tensor(words, dtype=torch.int32)
+    gathered = comms.all_gather(mine.to(comms.device), model._aux_channel)
+    comms.sync()
+    first = gathered.cpu()[:2].tolist()
+    return f"{first[0]:08x}{first[1]:08x}"
+
+
+def _optimizer_param_keys(model, optimizer) -> list:
+    names = {id(p): n for n, p in model.named_parameters()}
+    keys = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) not in names:
+                raise CheckpointError("the optimizer holds a parameter that is not a shard of this model; "
+                                      "build the optimizer from the wrapped model's parameters()")
+            keys.append(names[id(p)])
+    return keys
+
+
+def save_sharded_checkpoint(model, optimizer: Optional[torch.optim.Optimizer], ckpt_prefix: str,
+                            extra: Optional[Mapping[str, Any]] = None) -> str:
+    """Write ``{prefix}_rank-RRRRRRRR-of-WWWWWWWW.pth`` for this rank, atomically; returns its path.
+
+    Call on every rank (it runs one small collective to agree on the save's id). Holds
+    ``{'model', 'shard_metadata', 'optimizer'}`` (plus ``'extra'`` if given); the metadata carries
+    CRC32 checksums of every tensor.
+    """
+    run_id = _agree_on_run_id(model)
+    model.comms.sync()
+    metadata = model.get_shard_metadata()
+    state = _cpu(model.state_dict())
+    osd = _cpu(optimizer.state_dict()) if optimizer is not None else None
+    metadata["run_id"] = run_id
+    metadata["checksums"] = {"model": {k: tensor_checksum(v) for k, v in state.items()},
+                             "optimizer": _optimizer_checksums(osd) if osd else {}}
+    if optimizer is not None:
+        metadata["optimizer_param_keys"] = _optimizer_param_keys(model, optimizer)
+    ckpt: Dict[str, Any] = {"model": state, "shard_metadata": metadata, "optimizer": osd}
+    if extra is not None:
+        ckpt["extra"] = dict(extra)
+    path = rank_path(ckpt_prefix, model.rank, model.world_size)
+    atomic_torch_save(ckpt, path)
+    return path
+
+
+def _check_matches_model(path: str, saved: Mapping[str, Any], current: Mapping[str, Any]) -> None:
+    if saved.get("world_size") != current["world_size"]:
+        raise CheckpointError(f"'{path}' was written for world size {saved.get('world_size')}, this run has "
+                              f"{current['world_size']}; reshard it first: python -m xla_fsdp.reshard "
+                              f"--ckpt_prefix PREFIX --world_size {current['world_size']} --out_prefix NEW")
+    s_layout, c_layout = saved.get("layout", {}), current["layout"]
+    if set(s_layout) != set(c_layout):
+        diff = sorted(set(s_layout) ^ set(c_layout))[:3]
+        raise CheckpointError(f"'{path}' does not match the model: shard keys differ (e.g. {diff}); the model "
+                              "must be wrapped exactly as when the checkpoint was saved")
+    for key, info in c_layout.items():
+        other = s_layout[key]
+        if other["names"] != info["names"] or other["shapes"] != info["shapes"] or other["mode"] != info["mode"]:
+            raise CheckpointError(f"'{path}' does not match the model at '{key}': saved {other['names']} "
+                                  f"{other['shapes']} ({other['mode']}), model {info['names']} {info['shapes']} "
+                                  f"({info['mode']})")
+
+
+def load_sharded_checkpoint(model, optimizer: Optional[torch.optim.Optimizer], ckpt_prefix: str) -> Optional[dict]:
+    """Load this rank's file into ``model`` (and ``optimizer``), after checking it; returns ``extra``."""
+    path = rank_path(ckpt_prefix, model.rank, model.world_size)
+    if not os.path.exists(path):
+        others = sorted(glob.glob(f"{ckpt_prefix}_rank-*-of-*.pth"))
+        hint = (f" Found files for another world size (e.g. '{os.path.basename(others[0])}'): reshard with "
+                f"python -m xla_fsdp.reshard --world_size {model.world_size}.") if others else ""
+        raise CheckpointError(f"missing rank file '{path}' for rank {model.rank} of {model.world_size}.{hint}")
+    ckpt = load_rank_file(path, mmap=False)
+    saved = ckpt["shard_metadata"]
+    _check_matches_model(path, saved, model.get_shard_metadata())
+    checksums = saved.get("checksums", {})
+    verify_checksums(path, ckpt["model"], checksums.get("model"))
+    model.load_state_dict(ckpt["model"])
+    if optimizer is not None:
+        if ckpt.get("optimizer") is None:
+            raise CheckpointError(f"'{path}' holds no optimizer state")
+        osd = ckpt["optimizer"]
+        flat = {f"{idx}.{name}": v for idx, st in osd["state"].items() for name, v in st.items()
+                if isinstance(v, torch.Tensor)}
+        verify_checksums(path, flat, checksums.get("optimizer"))
+        optimizer.load_state_dict(osd)
+    return ckpt.get("extra")

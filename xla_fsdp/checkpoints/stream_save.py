@@ -1,0 +1,155 @@
+"""Write a state dict one tensor at a time, so a model larger than memory can be saved.
+
+``PthStreamWriter`` produces an ordinary ``torch.save`` zip file (``torch.load`` reads it, with or
+without ``mmap=True``): each tensor's bytes are written as soon as it is added, and the small
+pickle that names them is written last. ``SafetensorsStreamWriter`` does the same for the
+safetensors format (header first, computed from the shapes given up front).
+"""
+from __future__ import annotations
+
+import collections
+import io
+import json
+import pickle
+import struct
+import sys
+from typing import Dict, List, Mapping, Sequence, Tuple
+
+import torch
+
+
+class _StorageRef:
+    def __init__(self, key: str, dtype: torch.dtype, numel: int):
+        self.key, self.dtype, self.numel = key, dtype, numel
+
+
+class _TensorRef:
+    """Stands for a written tensor in the pickle: rebuilt by torch.load like a saved tensor."""
+
+    def __init__(self, storage: _StorageRef, shape: Tuple[int, ...]):
+        self.storage, self.shape = storage, shape
+
+    def __reduce_ex__(self, protocol):
+        stride = torch.empty(self.shape, device="meta").stride()
+        return (torch._utils._rebuild_tensor_v2,
+                (self.storage, 0, self.shape, stride, False, collections.OrderedDict()))
+
+
+class _Pickler(pickle.Pickler):
+    def persistent_id(self, obj):
+        if isinstance(obj, _StorageRef):
+            storage_type = getattr(torch, torch.storage._dtype_to_storage_type_map()[obj.dtype])
+            return ("storage", storage_type, obj.key, "cpu", obj.numel)
+        return None
+
+
+class PthStreamWriter:
+    """``with PthStreamWriter(path) as w: w.add(key, tensor) ...; w.set_structure(fn)``.
+
+    The saved object is ``structure(tensors)`` where ``tensors`` maps each added key to its
+    tensor; by default a plain dict of them.
+    """
+
+    def __init__(self, path: str):
+        self._writer = torch._C.PyTorchFileWriter(path)
+        self._refs: "collections.OrderedDict[str, _TensorRef]" = collections.OrderedDict()
+        self._structure = None
+        self._count = 0
+
+    def add(self, key: str, tensor: torch.Tensor) -> "_TensorRef":
+        t = tensor.detach().cpu().contiguous()
+        ref = _StorageRef(str(self._count), t.dtype, t.numel())
+        self._count += 1
+        data = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        self._writer.write_record(f"data/{ref.key}", data, len(data))
+        tensor_ref = _TensorRef(ref, tuple(t.shape))
+        if key is not None:
+            self._refs[key] = tensor_ref
+        return tensor_ref
+
+    def add_nested(self, obj):
+        """Write every tensor inside dicts/lists/tuples now; returns the structure to pickle."""
+        if isinstance(obj, torch.Tensor):
+            return self.add(None, obj)
+        if isinstance(obj, dict):
+            return type(obj)((k, self.add_nested(v)) for k, v in obj.items())
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(self.add_nested(v) for v in obj)
+        return obj
+
+    def set_structure(self, structure) -> None:
+        self._structure = structure
+
+    def close(self) -> None:
+        obj = self._structure(self._refs) if self._structure else dict(self._refs)
+        buf = io.BytesIO()
+        _Pickler(buf, protocol=2).dump(obj)
+        data = buf.getvalue()
+        self._writer.write_record("data.pkl", data, len(data))
+        self._writer.write_record(".format_version", "1", 1)
+        self._writer.write_record("byteorder", sys.byteorder, len(sys.byteorder))
+        self._writer.write_end_of_file()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, *rest):
+        if exc_type is None:
+            self.close()
+        return False
+
+
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+                       torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+class SafetensorsStreamWriter:
+    """Writes the safetensors header from ``specs`` (key -> (dtype, shape)), then each tensor in
+    the same order as it is added."""
+
+    def __init__(self, path: str, specs: Sequence[Tuple[str, torch.dtype, Tuple[int, ...]]],
+                 metadata: Mapping[str, str] = None):
+        header: Dict[str, object] = {}
+        offset = 0
+        self._order: List[str] = []
+        for key, dtype, shape in specs:
+            if dtype not in _SAFETENSORS_DTYPES:
+                raise TypeError(f"safetensors cannot store dtype {dtype} ('{key}')")
+            nbytes = torch.empty(shape, dtype=dtype, device="meta").numel() * torch.empty((), dtype=dtype).element_size()
+            header[key] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape),
+                           "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+            self._order.append(key)
+        if metadata:
+            header["__metadata__"] = dict(metadata)
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        self._file = open(path, "wb")
+        self._file.write(struct.pack("<Q", len(raw)))
+        self._file.write(raw)
+        self._next = 0
+
+    def add(self, key: str, tensor: torch.Tensor) -> None:
+        if self._next >= len(self._order) or self._order[self._next] != key:
+            raise ValueError(f"tensor '{key}' added out of the declared order")
+        t = tensor.detach().cpu().contiguous()
+        if t.numel():
+            self._file.write(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        self._next += 1
+
+    def close(self) -> None:
+        if self._next != len(self._order):
+            raise ValueError(f"only {self._next} of {len(self._order)} declared tensors were written")
+        self._file.flush()
+        self._file.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, *rest):
+        if exc_type is None:
+            self.close()
+        else:
+            self._file.close()
+        return False
