@@ -201,11 +201,11 @@ def train_reference(name: str, world_size: int, init_state: Optional[dict] = Non
         micro = cfg.get("micro", 1)
         step_loss = 0.0
         for k in range(micro):
-            per_rank = []
+            rank_losses = []
             for r in range(world_size):
                 x, y = models.batch(cfg["model"], step * micro + k, r, per_rank)
-                per_rank.append(models.loss_fn(cfg["model"], model(x), y))
-            loss = torch.stack(per_rank).mean()
+                rank_losses.append(models.loss_fn(cfg["model"], model(x), y))
+            loss = torch.stack(rank_losses).mean()
             loss.backward()
             step_loss += loss.item()
         if cfg.get("clip"):
