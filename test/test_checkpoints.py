@@ -189,3 +189,42 @@ def test_unwritable_output_and_default_suffix_never_rereads_output(good_ckpt, tm
     assert path == path2 == prefix + "_consolidated.pth"
     assert_bit_exact(second, first)
     assert consolidate_cli(["--ckpt_prefix", prefix, "--verify"]) == 0
+
+
+def test_kill_during_save_never_leaves_a_bad_file(tmp_path):
+    """SIGKILL a saving process at random points (20 trials): the file under the final name is always
+    a complete checkpoint, the last one reported saved or a newer one, and no temp file is mistaken
+    for a checkpoint."""
+    import random
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from xla_fsdp.checkpoints import ShardedCheckpoint, rank_path
+
+    prefix = str(tmp_path / "live")
+    helper = os.path.join(os.path.dirname(__file__), "kill_saver.py")
+    rng = random.Random(0)
+    for trial in range(20):
+        proc = subprocess.Popen([sys.executable, helper, prefix], stdout=subprocess.PIPE, text=True)
+        last = -1
+        target = rng.randint(1, 3)
+        while last < target:  # let it complete a few saves, then kill it mid-way through another
+            line = proc.stdout.readline()
+            assert line, "saver exited early"
+            if line.startswith("saved "):
+                last = int(line.split()[1])
+        time.sleep(rng.uniform(0.0, 0.15))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        for line in proc.stdout.read().splitlines():
+            if line.startswith("saved "):
+                last = int(line.split()[1])
+        ckpt = torch.load(rank_path(prefix, 0, 1), weights_only=False)  # never truncated
+        saved = ckpt["extra"]["n"]
+        assert saved >= last, (trial, saved, last)
+        assert all(torch.all(t == float(saved)) for t in ckpt["model"].values() if t.is_floating_point())
+        assert ShardedCheckpoint(prefix).verify()  # checksums match
+        for f in os.listdir(tmp_path):  # leftovers of the killed write are temp files, never final names
+            assert f == os.path.basename(rank_path(prefix, 0, 1)) or f.endswith(".tmp"), f

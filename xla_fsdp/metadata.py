@@ -5,6 +5,8 @@ Keeps torch_xla's five keys (so its consumers keep working) and adds a versioned
 """
 from __future__ import annotations
 
+import functools
+import importlib.metadata
 from typing import Any, Dict
 
 import torch
@@ -12,12 +14,12 @@ import torch
 METADATA_VERSION = 1
 
 
+@functools.lru_cache(maxsize=1)
 def _library_versions() -> Dict[str, str]:
     versions = {"torch": torch.__version__}
-    try:
-        import torch_xla
-        versions["torch_xla"] = torch_xla.__version__
-    except ImportError:
+    try:  # from the installed metadata: importing torch_xla just for its version costs seconds
+        versions["torch_xla"] = importlib.metadata.version("torch_xla")
+    except importlib.metadata.PackageNotFoundError:
         pass
     from . import __version__
     versions["xla_fsdp"] = __version__
@@ -75,7 +77,7 @@ def shard_metadata(root) -> Dict[str, Any]:
         "shard_size_multiple": root._shard_size_multiple,
         "sharding_groups": root.comms.groups,
         "transport": root.comms.name,
-        "library_versions": _library_versions(),
+        "library_versions": dict(_library_versions()),
         # shard state-dict keys in parameters() order: maps optimizer state indices to shards
         "param_keys": [name for name, _ in root.named_parameters()],
     }
