@@ -228,3 +228,51 @@ def test_kill_during_save_never_leaves_a_bad_file(tmp_path):
         assert ShardedCheckpoint(prefix).verify()  # checksums match
         for f in os.listdir(tmp_path):  # leftovers of the killed write are temp files, never final names
             assert f == os.path.basename(rank_path(prefix, 0, 1)) or f.endswith(".tmp"), f
+
+
+def _torch_xla_fsdp_checkpoint(prefix):
+    """Train torch_xla's own XlaFullyShardedDataParallel one step and save it its documented way."""
+    import torch.nn as nn
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+    from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel as TorchXlaFSDP
+
+    dev = torch_xla.device()
+    torch.manual_seed(0)
+    model = models.ConvBN()
+    model.conv1 = TorchXlaFSDP(model.conv1, flatten_parameters=True)  # nested + flattened unit
+    model = TorchXlaFSDP(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = models.batch("convbn", 0, 0)
+    models.loss_fn("convbn", model(x.to(dev)), y.to(dev)).backward()
+    opt.step()
+    torch_xla.sync()
+    ckpt = {"model": model.state_dict(), "shard_metadata": model.get_shard_metadata(), "optimizer": opt.state_dict()}
+    xm.save(ckpt, f"{prefix}_rank-{0:08d}-of-{1:08d}.pth", master_only=False)
+    # the reference: torch_xla's own consolidation of the same files
+    from torch_xla.distributed.fsdp import consolidate_sharded_state_dicts
+    full = consolidate_sharded_state_dicts([{k: v.cpu() for k, v in model.state_dict().items()}],
+                                           model.get_shard_metadata())
+    return {k: v.cpu().clone() for k, v in full.items()}
+
+
+def test_torch_xla_checkpoint_consolidates_and_reshards(tmp_path):
+    """A checkpoint written by torch_xla's XlaFSDP (PJRT_DEVICE=CPU, 1 device) goes through our CLIs."""
+    from torch_xla._internal import pjrt
+    os.environ["PJRT_DEVICE"] = "CPU"
+    os.environ["CPU_NUM_DEVICES"] = "1"
+    prefix = str(tmp_path / "txla")
+    want = pjrt.run_multiprocess(_torch_xla_fsdp_checkpoint, prefix)[0]
+    got = consolidate(prefix)["model"]
+    params = {k: v for k, v in want.items() if "running_" not in k and "num_batches" not in k}
+    for k, v in params.items():
+        assert torch.equal(got[k], v), k
+    assert set(got) == {k for k, _ in models.ConvBN().state_dict().items()}
+    assert consolidate_cli(["--ckpt_prefix", prefix, "--verify"]) == 0
+    out = prefix + "_ws2"
+    assert reshard_cli(["--ckpt_prefix", prefix, "--world_size", "2", "--out_prefix", out]) == 0
+    a, b = consolidate(prefix, "--optimizer"), consolidate(out, "--optimizer")
+    assert_bit_exact(b["model"], a["model"])
+    assert set(a["optimizer"]["state"]) == {n for n, _ in models.ConvBN().named_parameters()}
+    for name, st in a["optimizer"]["state"].items():
+        assert_bit_exact(b["optimizer"]["state"][name], st)

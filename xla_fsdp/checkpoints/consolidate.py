@@ -44,6 +44,10 @@ class ShardedCheckpoint:
             if missing:
                 raise CheckpointError(f"'{f.path}' lacks shards named in the metadata: {missing[:3]}")
         self.buffer_keys = [k for k in ckpts[0]["model"] if k not in self.layout and "_fsdp_shard" not in k]
+        # Optimizer state is indexed in parameters() order. torch_xla records no map, but its
+        # state_dict lists the shards in that same order (both walk the modules alike).
+        self.optimizer_param_keys = md0.get("optimizer_param_keys") or (
+            [k for k in ckpts[0]["model"] if k in self.layout] if self.from_torch_xla else None)
 
     @property
     def metadata(self) -> Dict[str, Any]:
@@ -133,10 +137,10 @@ class ShardedCheckpoint:
         ckpts = self._open()
         if any(c.get("optimizer") is None for c in ckpts):
             raise CheckpointError("the checkpoint holds no optimizer state")
-        keys = self.metadata.get("optimizer_param_keys")
+        keys = self.optimizer_param_keys
         if keys is None:
-            raise CheckpointError("the checkpoint's metadata has no optimizer_param_keys (written by torch_xla?); "
-                                  "optimizer consolidation needs a checkpoint saved by xla_fsdp")
+            raise CheckpointError("the checkpoint's metadata has no optimizer_param_keys; "
+                                  "optimizer consolidation needs a checkpoint saved by save_sharded_checkpoint")
         state: Dict[str, Any] = OrderedDict()
         osds = [c["optimizer"] for c in ckpts]
         for idx, key in enumerate(keys):

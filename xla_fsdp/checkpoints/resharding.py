@@ -29,10 +29,9 @@ def reshard_checkpoint(ckpt_prefix: str, world_size: int, out_prefix: str,
     multiple = pad_multiple_of(src.metadata)
     run_id = uuid.uuid4().hex[:16]
     has_opt = all(c.get("optimizer") is not None for c in src._open())
-    opt_keys = src.metadata.get("optimizer_param_keys")
+    opt_keys = src.optimizer_param_keys
     if has_opt and opt_keys is None:
-        raise CheckpointError("optimizer state without optimizer_param_keys (torch_xla checkpoint): "
-                              "only the model can be resharded")
+        raise CheckpointError("optimizer state without optimizer_param_keys: only the model can be resharded")
     paths = []
     for rank in range(world_size):
         model: Dict[str, torch.Tensor] = {}
@@ -61,8 +60,9 @@ def reshard_checkpoint(ckpt_prefix: str, world_size: int, out_prefix: str,
                     state[idx] = st
             optimizer = {"state": state, "param_groups": copy.deepcopy(osds[0]["param_groups"])}
         metadata = copy.deepcopy(src.metadata)
-        metadata.update(world_size=world_size, rank=rank, layout=layout, run_id=run_id,
-                        shard_size_multiple=multiple, resharded_from=src.world_size)
+        metadata.update(world_size=world_size, rank=rank, layout=layout, run_id=run_id, version=1,
+                        shard_size_multiple=multiple, resharded_from=src.world_size,
+                        optimizer_param_keys=opt_keys)
         metadata["checksums"] = {
             "model": {k: tensor_checksum(v) for k, v in model.items()},
             "optimizer": {f"{i}.{f}": tensor_checksum(v) for i, st in (optimizer or {}).get("state", {}).items()
