@@ -20,7 +20,7 @@ from .migrate import is_torch_xla_metadata, torch_xla_layout
 from .stream_save import PthStreamWriter, SafetensorsStreamWriter
 from ..state_dict import clean_key
 
-REOPEN_BYTES = 256 * 1024 * 1024
+REOPEN_BYTES = 64 * 1024 * 1024
 
 
 class ShardedCheckpoint:

@@ -30,6 +30,8 @@ def unshard_entry(info: Mapping[str, Any], shards: Sequence[torch.Tensor]) -> Li
     stitched = torch.cat([s.reshape(-1) for s in shards])
     if stitched.numel() != info["padded_numel"]:
         raise ValueError(f"shards hold {stitched.numel()} elements, metadata says {info['padded_numel']}")
+    if len(shapes) == 1:  # one tensor: a view of the freshly stitched buffer, no extra copy
+        return [stitched[:math.prod(shapes[0])].view(shapes[0])]
     out, offset = [], 0
     for shape in shapes:
         n = math.prod(shape)

@@ -60,8 +60,8 @@ class PthStreamWriter:
         t = tensor.detach().cpu().contiguous()
         ref = _StorageRef(str(self._count), t.dtype, t.numel())
         self._count += 1
-        data = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
-        self._writer.write_record(f"data/{ref.key}", data, len(data))
+        # Straight from the tensor's storage: no second copy of the bytes.
+        self._writer.write_record(f"data/{ref.key}", t.untyped_storage(), t.numel() * t.element_size())
         tensor_ref = _TensorRef(ref, tuple(t.shape))
         if key is not None:
             self._refs[key] = tensor_ref
@@ -135,7 +135,7 @@ class SafetensorsStreamWriter:
             raise ValueError(f"tensor '{key}' added out of the declared order")
         t = tensor.detach().cpu().contiguous()
         if t.numel():
-            self._file.write(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+            self._file.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
         self._next += 1
 
     def close(self) -> None:
