@@ -13,3 +13,8 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line("largest deviation from unsharded training, per transport:")
         for transport, worst in sorted(module.DEVIATIONS.items()):
             terminalreporter.write_line(f"  {transport}: loss {worst['loss']:.2e}, parameters {worst['param']:.2e}")
+    if module is not None and module.BYTES:
+        terminalreporter.write_line("per-rank params+grads+optimizer bytes (max over ranks) vs ideal total/N:")
+        terminalreporter.write_line("  transport ws config                       bytes     ideal  ratio  padding")
+        for transport, ws, name, got, ideal, pad in sorted(module.BYTES):
+            terminalreporter.write_line(f"  {transport:9s} {ws:2d} {name:25s} {got:9d} {ideal:9.0f}  {got / ideal:5.3f}  {pad:7.0f}")

@@ -221,3 +221,33 @@ def test_sharded_state_dict_round_trip_resumes_training(gloo):
         assert step(a, opt_a, s) == step(b, opt_b, s)
     for (ka, va), (kb, vb) in zip(a.state_dict().items(), b.state_dict().items()):
         assert ka == kb and torch.equal(va, vb)
+
+
+def test_load_checks_the_checkpoint_matches_the_model(gloo, tmp_path):
+    """Metadata that does not match the model, a missing rank file and a corrupted tensor are
+    errors naming the file; a good checkpoint loads."""
+    import xla_fsdp
+    from xla_fsdp.checkpoints import CheckpointError, rank_path
+
+    torch.manual_seed(0)
+    saved = FSDP(models.MLP())
+    opt = torch.optim.SGD(saved.parameters(), lr=0.1)
+    prefix = str(tmp_path / "ck")
+    path = xla_fsdp.save_sharded_checkpoint(saved, opt, prefix)
+    assert path == rank_path(prefix, 0, 1)
+    other = FSDP(models.MLP(), flatten_parameters=True)
+    with pytest.raises(CheckpointError, match="does not match the model"):
+        xla_fsdp.load_sharded_checkpoint(other, None, prefix)
+    with pytest.raises(CheckpointError, match="missing rank file .*nope_rank-00000000-of-00000001.pth"):
+        xla_fsdp.load_sharded_checkpoint(FSDP(models.MLP()), None, str(tmp_path / "nope"))
+    ckpt = torch.load(path, weights_only=False)
+    key = next(iter(ckpt["model"]))
+    ckpt["model"][key] = ckpt["model"][key] + 1
+    torch.save(ckpt, str(tmp_path / "bad_rank-00000000-of-00000001.pth"))
+    with pytest.raises(CheckpointError, match=f"bad_rank-00000000-of-00000001.pth.*'{key}' is corrupted"):
+        xla_fsdp.load_sharded_checkpoint(FSDP(models.MLP()), None, str(tmp_path / "bad"))
+    fresh = FSDP(models.MLP())
+    fresh_opt = torch.optim.SGD(fresh.parameters(), lr=0.1)
+    xla_fsdp.load_sharded_checkpoint(fresh, fresh_opt, prefix)
+    for (k, v), (k2, v2) in zip(saved.state_dict().items(), fresh.state_dict().items()):
+        assert k == k2 and torch.equal(v, v2)

@@ -15,6 +15,7 @@ TRANSPORTS = ["torch", "xla"]
 WORLD_SIZES = [1, 2, 4]
 _CACHE = {}
 DEVIATIONS = {}  # transport -> largest |loss diff|, |param diff| seen (printed at the end of the run)
+BYTES = []  # (transport, world size, config, max per-rank bytes, ideal bytes, padding bytes)
 
 
 def _record(transport, kind, value):
@@ -90,6 +91,7 @@ def test_per_rank_bytes_are_one_nth(transport, world_size, name):
                   for info in layout.values())
     padding_bytes = 4 * copies * padding / world_size
     step_scalars = 4 * len(layout) if cfg["opt"] == "adamw" else 0
+    BYTES.append((transport, world_size, name, max(r["state_bytes"] for r in ranks), ideal, padding_bytes))
     for r in ranks:
         assert r["state_bytes"] <= 1.02 * ideal + padding_bytes + step_scalars, (r["state_bytes"], ideal)
         assert r["state_bytes"] >= ideal  # sanity: the measurement counts real state
