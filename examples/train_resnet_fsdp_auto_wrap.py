@@ -1,20 +1,24 @@
-"""Train a torchvision ResNet with xla_fsdp, auto-wrapping its blocks into FSDP units.
+"""Train a torchvision ResNet with xla_fsdp, auto-wrapping it into FSDP units.
 
-    python3 examples/train_resnet_fsdp_auto_wrap.py                 # no TPU: 2 XLA:CPU devices
-    PJRT_DEVICE=TPU python3 examples/train_resnet_fsdp_auto_wrap.py  # TPU VM: TPU-sized defaults
-    torchrun --nproc_per_node 2 examples/train_resnet_fsdp_auto_wrap.py --transport torch
+    python3 examples/train_resnet_fsdp_auto_wrap.py                  # no TPU: 2 XLA:CPU devices, small defaults
+    PJRT_DEVICE=TPU python3 examples/train_resnet_fsdp_auto_wrap.py   # TPU VM: ResNet-50, 224x224, batch 128
+    torchrun --nproc_per_node 2 examples/train_resnet_fsdp_auto_wrap.py   # gloo ranks (transport torch)
 
-Synthetic data (no download). Prints a summary line: steps/s, samples/s, per-rank bytes.
+Synthetic data unless --datadir points at an ImageFolder tree (train/ inside it, or the folder itself).
+Ends with a SUMMARY line (steps/s, samples/s, per-rank bytes, peak memory, XLA compilations) and,
+with --ckpt_prefix, a sharded checkpoint that rank 0 consolidates.
 """
 from __future__ import annotations
 
 import argparse
 import functools
 import os
-import sys
 import time
 
-ON_TPU = os.environ.get("PJRT_DEVICE", "").upper() == "TPU"
+import torch
+import torch.nn.functional as F
+
+from example_utils import ON_TPU, add_launch_flags, compilations, launch, peak_rss_mib, state_bytes
 
 
 def parse_args(argv=None):
@@ -23,24 +27,24 @@ def parse_args(argv=None):
     p.add_argument("--batch_size", type=int, default=128 if ON_TPU else 8, help="per rank")
     p.add_argument("--image_size", type=int, default=224 if ON_TPU else 32)
     p.add_argument("--num_classes", type=int, default=1000 if ON_TPU else 10)
-    p.add_argument("--num_steps", type=int, default=300 if ON_TPU else 8)
+    p.add_argument("--num_steps", type=int, default=300 if ON_TPU else 8, help="steps per epoch")
+    p.add_argument("--num_epochs", type=int, default=1)
     p.add_argument("--lr", type=float, default=0.1 if ON_TPU else 0.01)
+    p.add_argument("--fake_data", action="store_true", help="synthetic images (the default without --datadir)")
+    p.add_argument("--datadir", default=None, help="ImageFolder root")
     p.add_argument("--auto_wrap_policy", choices=["size_based", "type_based"], default="size_based")
     p.add_argument("--auto_wrap_min_num_params", type=int, default=int(1e6) if ON_TPU else int(1e5))
     p.add_argument("--compute_dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--use_gradient_checkpointing", action="store_true")
-    p.add_argument("--transport", choices=["xla", "torch"], default="xla")
-    p.add_argument("--num_devices", type=int, default=2, help="XLA:CPU devices when no TPU")
+    p.add_argument("--ckpt_prefix", default=None, help="write a sharded checkpoint here, then consolidate it")
+    add_launch_flags(p)
     return p.parse_args(argv)
 
 
-def build(args):
-    import torch
-    import torch.nn as nn
+def build_model(args):
     import torchvision
     from torchvision.models.resnet import BasicBlock, Bottleneck
 
-    import xla_fsdp
     from xla_fsdp import XlaFullyShardedDataParallel as FSDP, checkpoint_module
     from xla_fsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
 
@@ -50,71 +54,72 @@ def build(args):
         policy = functools.partial(size_based_auto_wrap_policy, min_num_params=args.auto_wrap_min_num_params)
     else:
         policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={BasicBlock, Bottleneck})
-    wrapper = None
-    if args.use_gradient_checkpointing:
-        wrapper = lambda m, *a, **kw: FSDP(checkpoint_module(m), *a, **kw)
-    dtype = getattr(torch, args.compute_dtype)
-    return FSDP(model, auto_wrap_policy=policy, auto_wrapper_callable=wrapper, compute_dtype=dtype,
-                transport=args.transport), xla_fsdp
+    wrapper = (lambda m, *a, **kw: FSDP(checkpoint_module(m), *a, **kw)) if args.use_gradient_checkpointing else None
+    return FSDP(model, auto_wrap_policy=policy, auto_wrapper_callable=wrapper,
+                compute_dtype=getattr(torch, args.compute_dtype), transport=args.transport)
 
 
-def train(args, device, rank: int, world_size: int, sync) -> None:
-    import torch
-    import torch.nn.functional as F
+def batches(args, rank: int, world_size: int):
+    """Yields (images, labels) for this rank, forever: an ImageFolder, or one fixed synthetic batch."""
+    if args.datadir and not args.fake_data:
+        import torchvision
+        import torchvision.transforms as T
+        root = os.path.join(args.datadir, "train") if os.path.isdir(os.path.join(args.datadir, "train")) else args.datadir
+        ds = torchvision.datasets.ImageFolder(root, T.Compose([
+            T.RandomResizedCrop(args.image_size), T.RandomHorizontalFlip(), T.ToTensor(),
+            T.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])]))
+        sampler = torch.utils.data.distributed.DistributedSampler(ds, world_size, rank, shuffle=True, drop_last=True)
+        loader = torch.utils.data.DataLoader(ds, args.batch_size, sampler=sampler, drop_last=True)
+        epoch = 0
+        while True:
+            sampler.set_epoch(epoch)
+            yield from loader
+            epoch += 1
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(args.batch_size, 3, args.image_size, args.image_size, generator=g)
+    y = torch.randint(0, args.num_classes, (args.batch_size,), generator=g)
+    while True:
+        yield x, y
+
+
+def train(ctx, args):
     from tqdm import tqdm
 
-    model, _ = build(args)
+    import xla_fsdp
+
+    model = build_model(args)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=1e-4)
-    g = torch.Generator().manual_seed(rank)
-    x = torch.randn(args.batch_size, 3, args.image_size, args.image_size, generator=g).to(device)
-    y = torch.randint(0, args.num_classes, (args.batch_size,), generator=g).to(device)
-    bar = tqdm(range(args.num_steps), disable=rank != 0, desc="train")
-    start, warm = None, min(2, args.num_steps - 1)
+    data = batches(args, ctx.rank, ctx.world_size)
+    total = args.num_steps * args.num_epochs
+    warm = min(2, total - 1)
+    bar = tqdm(range(total), disable=not ctx.is_master, desc="train")
+    start = time.perf_counter()
     for step in bar:
         if step == warm:
-            start = time.perf_counter()
+            ctx.sync()
+            start, compiles_after_warmup = time.perf_counter(), compilations(ctx)
+        x, y = next(data)
         opt.zero_grad()
-        loss = F.cross_entropy(model(x).float(), y)
+        loss = F.cross_entropy(model(x.to(ctx.device)).float(), y.to(ctx.device))
         loss.backward()
         opt.step()
-        sync()
-        bar.set_postfix(loss=f"{loss.item():.4f}")
+        ctx.sync()
+        bar.set_postfix(loss=f"{loss.item():.4f}", samples_s=f"{(step + 1) * args.batch_size * ctx.world_size / max(time.perf_counter() - start, 1e-9):.1f}")
     elapsed = time.perf_counter() - start
-    steps = args.num_steps - warm
-    state = sum(p.numel() * p.element_size() for p in model.parameters())
-    state += sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
-                 if isinstance(t, torch.Tensor))
-    if rank == 0:
-        print(f"SUMMARY model={args.model} world_size={world_size} steps/s={steps / elapsed:.3f} "
-              f"samples/s={steps * args.batch_size * world_size / elapsed:.1f} "
-              f"per-rank param+optimizer bytes={state} final_loss={loss.item():.4f}", flush=True)
-
-
-def _xla_main(index, args):
-    import torch_xla
-    import torch_xla.runtime as xr
-
-    import xla_fsdp
-    train(args, torch_xla.device(), xr.global_ordinal(), xr.world_size(), xla_fsdp.sync)
-
-
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    if args.transport == "torch":
-        import torch.distributed as dist
-        dist.init_process_group("gloo")
-        import torch
-        train(args, torch.device("cpu"), dist.get_rank(), dist.get_world_size(), lambda: None)
-        dist.destroy_process_group()
-        return 0
-    if not ON_TPU:
-        os.environ.setdefault("PJRT_DEVICE", "CPU")
-        os.environ.setdefault("CPU_NUM_DEVICES", str(args.num_devices))
-    import xla_fsdp  # noqa: F401  (sets the XLA:CPU runtime defaults before launch)
-    import torch_xla
-    torch_xla.launch(_xla_main, args=(args,))
-    return 0
+    steps = total - warm
+    b = state_bytes(model, opt)
+    ctx.log(f"SUMMARY example=resnet model={args.model} transport={ctx.transport} world_size={ctx.world_size} "
+            f"steps/s={steps / elapsed:.3f} samples/s={steps * args.batch_size * ctx.world_size / elapsed:.1f} "
+            f"param_bytes={b['param_bytes']} grad_bytes={b['grad_bytes']} optimizer_bytes={b['optimizer_bytes']} "
+            f"peak_rss_mib={peak_rss_mib():.0f} compilations={compilations(ctx)} "
+            f"new_compilations_after_warmup={compilations(ctx) - compiles_after_warmup} final_loss={loss.item():.4f}")
+    if args.ckpt_prefix:
+        os.makedirs(os.path.dirname(os.path.abspath(args.ckpt_prefix)), exist_ok=True)
+        xla_fsdp.save_sharded_checkpoint(model, opt, args.ckpt_prefix)
+        if ctx.is_master:
+            _, path = xla_fsdp.consolidate_sharded_model_checkpoints(args.ckpt_prefix, "_rank-*-of-*.pth")
+            ctx.log(f"checkpoint: {args.ckpt_prefix}_rank-*-of-{ctx.world_size:08d}.pth consolidated into {path}")
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    launch(train, parse_args())

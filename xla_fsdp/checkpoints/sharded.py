@@ -54,7 +54,8 @@ def save_sharded_checkpoint(model, optimizer: Optional[torch.optim.Optimizer], c
                             extra: Optional[Mapping[str, Any]] = None) -> str:
     """Write ``{prefix}_rank-RRRRRRRR-of-WWWWWWWW.pth`` for this rank, atomically; returns its path.
 
-    Call on every rank (it runs one small collective to agree on the save's id). Holds
+    Call on every rank (small collectives agree on the save's id and, at the end, make sure every
+    rank's file is in place before any rank returns). Holds
     ``{'model', 'shard_metadata', 'optimizer'}`` (plus ``'extra'`` if given); the metadata carries
     CRC32 checksums of every tensor.
     """
@@ -73,6 +74,7 @@ def save_sharded_checkpoint(model, optimizer: Optional[torch.optim.Optimizer], c
         ckpt["extra"] = dict(extra)
     path = rank_path(ckpt_prefix, model.rank, model.world_size)
     atomic_torch_save(ckpt, path)
+    _agree_on_run_id(model)  # a barrier: when save returns on any rank, every rank file is written
     return path
 
 

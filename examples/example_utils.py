@@ -1,0 +1,93 @@
+"""What every example needs: start ranks on the right transport, and report what a step cost.
+
+``launch(fn, args)`` runs ``fn(ctx, args)`` on every rank: under ``torchrun`` (or with
+``--transport torch``) over gloo; otherwise on XLA through ``torch_xla.launch`` (TPU when
+PJRT_DEVICE=TPU, else ``args.num_devices`` XLA:CPU devices so sharding is real on a laptop).
+"""
+from __future__ import annotations
+
+import os
+import resource
+import sys
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+
+ON_TPU = os.environ.get("PJRT_DEVICE", "").upper() == "TPU"
+
+
+@dataclass
+class RankContext:
+    rank: int
+    world_size: int
+    device: torch.device
+    sync: Callable[[], None]
+    transport: str
+
+    @property
+    def is_master(self) -> bool:
+        return self.rank == 0
+
+    def log(self, *msg) -> None:
+        if self.is_master:
+            print(*msg, flush=True)
+
+
+def add_launch_flags(parser) -> None:
+    parser.add_argument("--transport", choices=["xla", "torch"],
+                        default="torch" if "TORCHELASTIC_RUN_ID" in os.environ else "xla",
+                        help="xla: torch_xla.launch (TPU or XLA:CPU); torch: gloo (default under torchrun)")
+    parser.add_argument("--num_devices", type=int, default=2, help="XLA:CPU devices when there is no TPU")
+
+
+def _xla_entry(index, fn, args):
+    import torch_xla
+    import torch_xla.runtime as xr
+
+    import xla_fsdp
+    ctx = RankContext(xr.global_ordinal(), xr.world_size(), torch_xla.device(), xla_fsdp.sync, "xla")
+    fn(ctx, args)
+
+
+def launch(fn: Callable[[RankContext, object], None], args) -> None:
+    if args.transport == "torch":
+        import torch.distributed as dist
+        if "RANK" not in os.environ:  # plain `python ...`: a one-rank group
+            os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29512")
+        dist.init_process_group("gloo")
+        torch.set_num_threads(1)
+        try:
+            fn(RankContext(dist.get_rank(), dist.get_world_size(), torch.device("cpu"), lambda: None, "torch"), args)
+        finally:
+            dist.destroy_process_group()
+        return
+    if not ON_TPU:
+        os.environ.setdefault("PJRT_DEVICE", "CPU")
+        os.environ.setdefault("CPU_NUM_DEVICES", str(args.num_devices))
+    import xla_fsdp  # noqa: F401  (XLA:CPU runtime defaults, before the runtime starts)
+    import torch_xla
+    torch_xla.launch(_xla_entry, args=(fn, args))
+
+
+def state_bytes(model, optimizer) -> dict:
+    """Bytes this rank holds for parameters, gradients and optimizer state."""
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
+    opt = sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values()
+              if isinstance(t, torch.Tensor))
+    return {"param_bytes": params, "grad_bytes": grads, "optimizer_bytes": opt}
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def compilations(ctx: RankContext) -> int:
+    if ctx.transport != "xla":
+        return 0
+    import torch_xla.debug.metrics as met
+    data = met.metric_data("CompileTime")
+    return int(data[0]) if data else 0
