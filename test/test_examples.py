@@ -1,0 +1,81 @@
+"""The scripts users run, run as users run them (subprocesses), with small flags."""
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run(args, timeout=400, env=None):
+    proc = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def summary(out):
+    line = next(l for l in out.splitlines() if l.startswith("SUMMARY "))
+    return dict(kv.split("=", 1) for kv in line.split()[1:])
+
+
+def test_resnet_auto_wrap_on_xla_cpu_writes_and_consolidates_a_checkpoint(tmp_path):
+    prefix = str(tmp_path / "ck")
+    s = summary(run(["examples/train_resnet_fsdp_auto_wrap.py", "--num_steps", "3", "--ckpt_prefix", prefix]))
+    assert s["transport"] == "xla" and s["world_size"] == "2" and float(s["samples/s"]) > 0
+    assert s["new_compilations_after_warmup"] == "0"
+    assert int(s["param_bytes"]) > 0 and int(s["optimizer_bytes"]) > 0
+    for r in range(2):
+        assert os.path.exists(f"{prefix}_rank-{r:08d}-of-00000002.pth")
+    full = torch.load(prefix + "_consolidated.pth", weights_only=True)["model"]
+    import torchvision
+    assert set(full) == set(torchvision.models.resnet18(num_classes=10).state_dict())
+    out = run(["tools/inspect_checkpoint.py", "--ckpt_prefix", prefix])
+    assert "world size   2" in out and out.count(": ok (") == 2
+
+
+def test_resnet_under_torchrun_uses_gloo():
+    out = run(["-m", "torch.distributed.run", "--nproc_per_node", "2", "examples/train_resnet_fsdp_auto_wrap.py",
+               "--num_steps", "3"])
+    s = summary(out)
+    assert s["transport"] == "torch" and s["world_size"] == "2"
+
+
+def test_mnist_default_run_reaches_95_percent_and_consolidates(tmp_path):
+    """The default CPU run: real digits (scikit-learn), 2 XLA:CPU devices, then the consolidated
+    checkpoint in the plain model gives the same accuracy."""
+    s = summary(run(["examples/train_mnist_fsdp_with_ckpt.py", "--ckpt_prefix", str(tmp_path / "mnist")]))
+    assert float(s["best_accuracy"]) >= 95.0
+    assert s["reloaded_accuracy"] == s["final_accuracy"]
+
+
+def test_mnist_nested_checkpointed_flattened(tmp_path):
+    s = summary(run(["examples/train_mnist_fsdp_with_ckpt.py", "--use_nested_fsdp", "--use_gradient_checkpointing",
+                     "--flatten_parameters", "--num_epochs", "3", "--target_accuracy", "0",
+                     "--ckpt_prefix", str(tmp_path / "m")]))
+    assert s["reloaded_accuracy"] == s["final_accuracy"]
+
+
+def test_imagenet_nested_fake_data(tmp_path):
+    prefix = str(tmp_path / "inet")
+    s = summary(run(["examples/train_imagenet_fsdp.py", "--use_nested_fsdp", "--num_epochs", "1",
+                     "--ckpt_prefix", prefix]))
+    assert s["example"] == "imagenet" and float(s["samples/s"]) > 0
+    assert os.path.exists(f"{prefix}_rank-00000001-of-00000002.pth")
+
+
+def test_large_model_built_on_meta_fits_only_sharded():
+    s = summary(run(["examples/train_large_transformer_meta.py", "--layers", "2", "--d_model", "128",
+                     "--vocab", "512", "--seq", "32", "--num_steps", "2", "--rank_budget_mib", "5"]))
+    assert s["fits_unsharded"] == "False" and s["fits_sharded"] == "True"
+
+
+def test_dockerfiles_lint_clean():
+    hadolint = shutil.which("hadolint") or os.path.join(os.path.dirname(sys.executable), "hadolint")
+    proc = subprocess.run([hadolint, "docker/Dockerfile.cpu", "docker/Dockerfile.tpu"], cwd=ROOT,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
