@@ -86,7 +86,7 @@ def load_rank_file(path: str, mmap: bool = True) -> Dict[str, Any]:
 def find_rank_files(ckpt_prefix: str, ckpt_suffix: str = DEFAULT_SUFFIX) -> List[RankFile]:
     """The complete, consistent set of rank files for ``ckpt_prefix``, sorted by rank.
 
-    Only names of the form ``*_rank-XXXXXXXX-of-YYYYYYYY.pth`` count, so a consolidated output in
+    Only names of the form ``*_rank-RRRRRRRR-of-WWWWWWWW.pth`` (8 digits each) count, so a consolidated output in
     the same folder is never picked up.
     """
     paths = sorted(glob.glob(glob.escape(ckpt_prefix) + ckpt_suffix))
