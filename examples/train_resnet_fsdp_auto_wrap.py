@@ -5,8 +5,8 @@
     torchrun --nproc_per_node 2 examples/train_resnet_fsdp_auto_wrap.py   # gloo ranks (transport torch)
 
 Synthetic data unless --datadir points at an ImageFolder tree (train/ inside it, or the folder itself).
-Ends with a SUMMARY line (steps/s, samples/s, per-rank bytes, peak memory, XLA compilations) and,
-with --ckpt_prefix, a sharded checkpoint that rank 0 consolidates.
+Ends with a SUMMARY line (steps/s, samples/s, per-rank bytes, peak memory, XLA compilations) and a
+sharded checkpoint (--ckpt_prefix, default /tmp/resnet-fsdp/final_ckpt) that rank 0 consolidates.
 """
 from __future__ import annotations
 
@@ -36,7 +36,8 @@ def parse_args(argv=None):
     p.add_argument("--auto_wrap_min_num_params", type=int, default=int(1e6) if ON_TPU else int(1e5))
     p.add_argument("--compute_dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--use_gradient_checkpointing", action="store_true")
-    p.add_argument("--ckpt_prefix", default=None, help="write a sharded checkpoint here, then consolidate it")
+    p.add_argument("--ckpt_prefix", default="/tmp/resnet-fsdp/final_ckpt",
+                   help="write a sharded checkpoint here, then consolidate it ('' to skip)")
     add_launch_flags(p)
     return p.parse_args(argv)
 
