@@ -266,9 +266,16 @@ def _xla_worker(names: List[str], kwargs: dict) -> Dict[str, Any]:
 def run_xla(names: List[str], world_size: int, **kwargs: Any) -> Dict[str, List[Dict[str, Any]]]:
     """Run the configs on ``world_size`` XLA:CPU devices (threads of one spawned process)."""
     from torch_xla._internal import pjrt
-    os.environ["PJRT_DEVICE"] = "CPU"
-    os.environ["CPU_NUM_DEVICES"] = str(world_size)
-    results = pjrt.run_multiprocess(_xla_worker, names, kwargs)
+    saved = {k: os.environ.get(k) for k in ("PJRT_DEVICE", "CPU_NUM_DEVICES")}
+    os.environ.update(PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(world_size))
+    try:
+        results = pjrt.run_multiprocess(_xla_worker, names, kwargs)
+    finally:  # leave the environment as found: later subprocesses must not inherit the device count
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     return {n: [results[r][n] for r in range(world_size)] for n in names}
 
 

@@ -191,6 +191,7 @@ def test_unwritable_output_and_default_suffix_never_rereads_output(good_ckpt, tm
     assert consolidate_cli(["--ckpt_prefix", prefix, "--verify"]) == 0
 
 
+@pytest.mark.slow
 def test_kill_during_save_never_leaves_a_bad_file(tmp_path):
     """SIGKILL a saving process at random points (20 trials): the file under the final name is always
     a complete checkpoint, the last one reported saved or a newer one, and no temp file is mistaken
@@ -256,11 +257,11 @@ def _torch_xla_fsdp_checkpoint(prefix):
     return {k: v.cpu().clone() for k, v in full.items()}
 
 
-def test_torch_xla_checkpoint_consolidates_and_reshards(tmp_path):
+def test_torch_xla_checkpoint_consolidates_and_reshards(tmp_path, monkeypatch):
     """A checkpoint written by torch_xla's XlaFSDP (PJRT_DEVICE=CPU, 1 device) goes through our CLIs."""
     from torch_xla._internal import pjrt
-    os.environ["PJRT_DEVICE"] = "CPU"
-    os.environ["CPU_NUM_DEVICES"] = "1"
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")
+    monkeypatch.setenv("CPU_NUM_DEVICES", "1")
     prefix = str(tmp_path / "txla")
     want = pjrt.run_multiprocess(_torch_xla_fsdp_checkpoint, prefix)[0]
     got = consolidate(prefix)["model"]

@@ -12,8 +12,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run(args, timeout=400, env=None):
+    # A user's clean environment: no XLA device settings left over from other tests.
+    base = {k: v for k, v in os.environ.items() if k not in ("PJRT_DEVICE", "CPU_NUM_DEVICES")}
     proc = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})
+                          env={**base, **(env or {})})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
 
@@ -45,6 +47,7 @@ def test_resnet_under_torchrun_uses_gloo():
     assert s["transport"] == "torch" and s["world_size"] == "2"
 
 
+@pytest.mark.slow
 def test_mnist_default_run_reaches_95_percent_and_consolidates(tmp_path):
     """The default CPU run: real digits (scikit-learn), 2 XLA:CPU devices, then the consolidated
     checkpoint in the plain model gives the same accuracy."""

@@ -31,10 +31,10 @@ def _bf16_conv_and_embedding():
     return conv_ok, loss2.item()
 
 
-def test_bf16_conv2d_and_embedding_with_barriers_on_xla_cpu():
+def test_bf16_conv2d_and_embedding_with_barriers_on_xla_cpu(monkeypatch):
     from torch_xla._internal import pjrt
-    os.environ["PJRT_DEVICE"] = "CPU"
-    os.environ["CPU_NUM_DEVICES"] = "1"
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")
+    monkeypatch.setenv("CPU_NUM_DEVICES", "1")
     result = pjrt.run_multiprocess(_bf16_conv_and_embedding)[0]
     conv_ok, lm_loss = result
     assert conv_ok
