@@ -325,6 +325,7 @@ class XlaFullyShardedDataParallel(nn.Module):
                 unit._is_root = False
         if self.disable_reshard_on_root:
             self.reshard_after_forward = False
+        self.comms.check_construction()
 
     def _assert_state(self, *states: TrainingState) -> None:
         if self.training_state not in states:

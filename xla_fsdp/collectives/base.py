@@ -63,6 +63,9 @@ class Collectives(abc.ABC):
         """Reserve ``count`` consecutive channel ids; returns the first (0 where unused)."""
         return 0
 
+    def check_construction(self) -> None:
+        """Raise if ranks built different units (transports whose pairing depends on it)."""
+
     def optimization_barrier(self, tensors: Sequence[torch.Tensor]) -> None:
         """Stop the compiler from moving work across this point (no-op for eager transports)."""
 

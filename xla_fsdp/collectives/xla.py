@@ -100,6 +100,9 @@ class _ChannelAllocator:
     def __init__(self):
         self._local = threading.local()
 
+    def peek(self) -> int:
+        return getattr(self._local, "next", 1)
+
     def take(self, count: int) -> int:
         start = getattr(self._local, "next", 1)
         self._local.next = start + count
@@ -107,6 +110,7 @@ class _ChannelAllocator:
 
 
 CHANNELS = _ChannelAllocator()
+CHECK_CHANNEL = 1 << 30  # reserved: the construction check below, never handed out by CHANNELS
 
 
 class XlaCollectives(Collectives):
@@ -150,6 +154,25 @@ class XlaCollectives(Collectives):
 
     def allocate_channels(self, count: int) -> int:
         return CHANNELS.take(count)
+
+    def check_construction(self) -> None:
+        """Fail fast, on every rank, when ranks built different FSDP units.
+
+        Channel ids are handed out in construction order, so ranks that built different units would
+        pair unrelated collectives (wrong data) or wait for each other until XLA aborts the process.
+        One small all-gather on a reserved channel compares the counters before the first step.
+        """
+        if not self.use_channel_ids or self.world_size == 1:
+            return
+        mine = torch.tensor([CHANNELS.peek()], dtype=torch.int32).to(self._device)
+        counters = self.all_gather(mine, CHECK_CHANNEL)
+        sync()
+        values = counters.cpu().tolist()
+        if len(set(values)) > 1:
+            raise RuntimeError(
+                f"xla_fsdp: ranks built different FSDP units before this first forward (channel counters by "
+                f"rank: {values}). Every rank must construct the same wrapped models, in the same order; "
+                "otherwise their collectives cannot be matched.")
 
     def _channel_kwargs(self, channel: int) -> dict:
         if not self.use_channel_ids:
