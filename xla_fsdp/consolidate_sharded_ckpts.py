@@ -13,7 +13,7 @@ import sys
 from typing import List, Optional
 
 from .checkpoints.consolidate import ShardedCheckpoint, default_save_path, write_consolidated
-from .checkpoints.files import DEFAULT_SUFFIX, CheckpointError
+from .checkpoints.files import DEFAULT_SUFFIX, run_cli_action
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -28,21 +28,17 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="also consolidate optimizer state, keyed by original parameter names")
     parser.add_argument("--verify", action="store_true", help="only check the files (checksums, layout)")
     args = parser.parse_args(argv)
-    try:
+
+    def action() -> str:
         ckpt = ShardedCheckpoint(args.ckpt_prefix, args.ckpt_suffix)
         if args.verify:
-            for line in ckpt.verify():
-                print(line)
-            print(f"verified {ckpt.world_size} rank files of '{args.ckpt_prefix}'")
-            return 0
+            lines = ckpt.verify()
+            return "\n".join(lines + [f"verified {ckpt.world_size} rank files of '{args.ckpt_prefix}'"])
         path = args.save_path or default_save_path(args.ckpt_prefix, args.format)
         write_consolidated(ckpt, path, args.format, args.optimizer)
-    except (CheckpointError, OSError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(f"consolidated {ckpt.world_size} rank files into {path}")
-    return 0
+        return f"consolidated {ckpt.world_size} rank files into {path}"
 
+    return run_cli_action(action)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -8,7 +8,7 @@ import argparse
 import sys
 from typing import List, Optional
 
-from .checkpoints.files import DEFAULT_SUFFIX, CheckpointError
+from .checkpoints.files import DEFAULT_SUFFIX, run_cli_action
 from .checkpoints.resharding import reshard_checkpoint
 
 
@@ -20,14 +20,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--out_prefix", required=True)
     parser.add_argument("--ckpt_suffix", default=DEFAULT_SUFFIX)
     args = parser.parse_args(argv)
-    try:
-        paths = reshard_checkpoint(args.ckpt_prefix, args.world_size, args.out_prefix, args.ckpt_suffix)
-    except (CheckpointError, OSError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(f"wrote {len(paths)} rank files: {paths[0]} ... {paths[-1]}")
-    return 0
 
+    def action() -> str:
+        paths = reshard_checkpoint(args.ckpt_prefix, args.world_size, args.out_prefix, args.ckpt_suffix)
+        return f"wrote {len(paths)} rank files: {paths[0]} ... {paths[-1]}"
+
+    return run_cli_action(action)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -10,6 +10,7 @@ from __future__ import annotations
 import glob
 import os
 import re
+import sys
 import tempfile
 import zlib
 from dataclasses import dataclass
@@ -141,3 +142,15 @@ def verify_checksums(path: str, state: Mapping[str, torch.Tensor], checksums: Op
         if tensor_checksum(state[key]) != checksums[key]:
             raise CheckpointError(f"'{path}': tensor '{key}' is corrupted (checksum mismatch); restore this "
                                   "file from a backup or use an earlier checkpoint")
+
+
+def run_cli_action(action: Callable[[], str]) -> int:
+    """Run a CLI's work: print its summary and return 0, or print the error and return 2.
+    Checkpoint problems are reported as one line naming the file, never as a traceback."""
+    try:
+        summary = action()
+    except (CheckpointError, OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(summary)
+    return 0
