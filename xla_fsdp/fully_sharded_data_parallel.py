@@ -20,8 +20,9 @@ import torch.nn as nn
 from torch.autograd import Variable
 
 from . import unit_init
-from .collectives import Collectives, select_collectives
+from .collectives import Collectives, global_rank_and_size, ranks_per_host, resolve_transport, select_collectives
 from .param_group import ParamGroup
+from .strategy import ShardingStrategy, parse_strategy, plan_groups
 from .wrap import recursive_wrap
 
 SHARD_SEPARATOR = "_FSDP_SHARD_SEPARATOR_"
@@ -39,15 +40,46 @@ class TrainingState(enum.Enum):
 _COMMS_CACHE: Dict[Tuple, Collectives] = {}
 
 
-def _collectives_for(transport, groups, rank, world_size, pin_layout) -> Collectives:
+def _collectives_for(transport, groups, rank, world_size, pin_layout, replica_groups) -> Collectives:
     """One collectives object per (transport, grouping), shared by the units of a model."""
     import threading
-    key = (threading.get_ident(), transport, tuple(map(tuple, groups or [])), rank, world_size, pin_layout)
+    key = (threading.get_ident(), transport, tuple(map(tuple, groups or [])), rank, world_size, pin_layout,
+           tuple(map(tuple, replica_groups or [])))
     comms = _COMMS_CACHE.get(key)
     if comms is None:
-        comms = select_collectives(transport, groups, rank, world_size, pin_layout)
+        comms = select_collectives(transport, groups, rank, world_size, pin_layout, replica_groups)
         _COMMS_CACHE[key] = comms
     return comms
+
+
+def _plan(strategy: Optional[Any], reshard_after_forward: Optional[bool], transport: str,
+          sharding_groups, sharding_rank, sharding_world_size, hybrid_shard_size):
+    """(strategy, reshard_after_forward, shard groups, shard rank, shard size, replica groups).
+
+    Without ``sharding_strategy`` the torch_xla keywords keep their meaning: ``reshard_after_forward``
+    picks ZeRO-3/ZeRO-2 and ``sharding_groups`` shards within groups with no cross-group reduction
+    (model-parallel layouts reduce across groups themselves)."""
+    if strategy is None:
+        raf = True if reshard_after_forward is None else reshard_after_forward
+        chosen = ShardingStrategy.FULL_SHARD if raf else ShardingStrategy.SHARD_GRAD_OP
+        return chosen, raf, sharding_groups, sharding_rank, sharding_world_size, None
+    chosen = parse_strategy(strategy)
+    if reshard_after_forward is not None and reshard_after_forward != chosen.reshard_after_forward:
+        raise ValueError(f"xla_fsdp: reshard_after_forward={reshard_after_forward} contradicts "
+                         f"sharding_strategy={chosen.name}; give one of them")
+    if sharding_groups is not None and not chosen.is_hybrid:
+        raise ValueError(f"xla_fsdp: sharding_groups only combine with HYBRID_SHARD/HYBRID_SHARD_ZERO2 "
+                         f"(got {chosen.name}); leave sharding_strategy unset for torch_xla's meaning")
+    rank, world = global_rank_and_size(transport)
+    if chosen.is_hybrid and sharding_groups is None and hybrid_shard_size is None:
+        hybrid_shard_size = ranks_per_host(transport)
+    plan = plan_groups(chosen, world, rank, hybrid_shard_size, sharding_groups)
+    if sharding_world_size is not None and (sharding_world_size, sharding_rank) != (plan.shard_size, plan.shard_rank):
+        raise ValueError(f"xla_fsdp: sharding_rank/sharding_world_size {sharding_rank}/{sharding_world_size} do "
+                         f"not match this rank's place {plan.shard_rank}/{plan.shard_size} in {plan.shard_groups}")
+    groups = plan.shard_groups if len(plan.shard_groups) > 1 else None
+    return (chosen, chosen.reshard_after_forward, groups, plan.shard_rank if groups else None,
+            plan.shard_size if groups else None, plan.replica_groups or None)
 
 
 def _apply_to_tensors(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:
@@ -100,6 +132,19 @@ class XlaFullyShardedDataParallel(nn.Module):
         fp32_reduce_scatter: reduce-scatter gradients in float32 even when computing in low precision.
         sharding_groups / sharding_rank / sharding_world_size: shard within these groups of ranks
             (global ranks); rank and size are this rank's place in its group.
+        sharding_strategy: ``FULL_SHARD`` (ZeRO-3), ``SHARD_GRAD_OP`` (ZeRO-2), ``NO_SHARD``
+            (every rank keeps everything, gradients all-reduced, like DDP), ``HYBRID_SHARD`` /
+            ``HYBRID_SHARD_ZERO2`` (shard within groups of ``hybrid_shard_size`` ranks, replicate
+            across groups and all-reduce gradient shards between them: less traffic across hosts).
+            A :class:`~xla_fsdp.strategy.ShardingStrategy`, PyTorch's enum, a name or 1-5. Unset:
+            ``reshard_after_forward`` and ``sharding_groups`` keep torch_xla's meaning.
+        hybrid_shard_size: ranks per shard group for hybrid strategies (default: ranks per host);
+            ``sharding_groups`` may list the groups instead.
+        output_dtype: cast floating outputs of this unit to this dtype (e.g. float32 logits for
+            the loss while computing in bfloat16). Not passed on to auto-wrapped children.
+        flatten_group_fn: ``fn(name, param) -> key`` (name relative to this unit's module): with
+            ``flatten_parameters`` trainable parameters with different keys go to different flat
+            shards, so optimizer groups by name stay possible (see :meth:`optimizer_param_groups`).
         shard_param_on_dim_0: split each (unflattened) parameter along dim 0 instead of flattening.
         pin_layout_in_collective_ops: pin collective layouts on XLA (never on XLA:CPU, whose
             channel-id collectives need no pinning).
@@ -123,7 +168,7 @@ class XlaFullyShardedDataParallel(nn.Module):
     def __init__(
         self,
         module: nn.Module,
-        reshard_after_forward: bool = True,
+        reshard_after_forward: Optional[bool] = None,
         flatten_parameters: bool = False,
         execute_sharding_on_init: bool = True,
         optimization_barrier_in_forward: bool = True,
@@ -154,6 +199,10 @@ class XlaFullyShardedDataParallel(nn.Module):
         _debug_dummy_optimization_barrier_op: bool = False,
         transport: Optional[str] = None,
         mark_step_on_finalization: Optional[bool] = None,
+        sharding_strategy: Optional[Any] = None,
+        hybrid_shard_size: Optional[int] = None,
+        output_dtype: Optional[torch.dtype] = None,
+        flatten_group_fn: Optional[Callable[[str, nn.Parameter], Any]] = None,
     ):
         super().__init__()
         unit_init.validate_module(module)
@@ -167,9 +216,12 @@ class XlaFullyShardedDataParallel(nn.Module):
                              "PJRT_DEVICE=CPU with CPU_NUM_DEVICES=N, or transport='torch' with gloo.")
         if compute_dtype not in (None, torch.float32, torch.float16, torch.bfloat16):
             raise ValueError(f"compute_dtype must be float32, float16 or bfloat16, got {compute_dtype}")
-        if (sharding_groups is None) != (sharding_rank is None) or (sharding_groups is None) != (sharding_world_size is None):
+        if sharding_strategy is None and ((sharding_groups is None) != (sharding_rank is None)
+                                          or (sharding_groups is None) != (sharding_world_size is None)):
             raise ValueError("sharding_groups, sharding_rank and sharding_world_size go together: "
                              "give all three or none")
+        if output_dtype not in (None, torch.float32, torch.float16, torch.bfloat16):
+            raise ValueError(f"output_dtype must be float32, float16 or bfloat16, got {output_dtype}")
 
         # Every keyword, as given, for child units (auto-wrap) and for inspection.
         self._fsdp_kwargs: Dict[str, Any] = dict(
@@ -186,12 +238,20 @@ class XlaFullyShardedDataParallel(nn.Module):
             reduce_scatter_bucket_size_mb=reduce_scatter_bucket_size_mb,
             coalesce_all_gather_ops=coalesce_all_gather_ops, param_init_fn=param_init_fn,
             _shard_size_multiple=_shard_size_multiple, _use_xla_patched_linear=_use_xla_patched_linear,
-            _debug_msg=_debug_msg, _debug_print=_debug_print, transport=transport)
+            _debug_msg=_debug_msg, _debug_print=_debug_print, transport=transport,
+            sharding_strategy=sharding_strategy, hybrid_shard_size=hybrid_shard_size,
+            output_dtype=output_dtype, flatten_group_fn=flatten_group_fn)
 
-        self.comms = _collectives_for(transport, sharding_groups, sharding_rank,
-                                      sharding_world_size, pin_layout_in_collective_ops)
+        transport = resolve_transport(transport)
+        (self.sharding_strategy, reshard_after_forward, groups, shard_rank, shard_size,
+         replica_groups) = _plan(sharding_strategy, reshard_after_forward, transport, sharding_groups,
+                                 sharding_rank, sharding_world_size, hybrid_shard_size)
+        self.comms = _collectives_for(transport, groups, shard_rank, shard_size,
+                                      pin_layout_in_collective_ops, replica_groups)
         self.rank, self.world_size = self.comms.rank, self.comms.world_size
         self.reshard_after_forward = reshard_after_forward
+        self.output_dtype = output_dtype
+        self._flatten_group_fn = flatten_group_fn
         self.flatten_parameters = flatten_parameters
         self.optimization_barrier_in_forward = optimization_barrier_in_forward
         self.optimization_barrier_in_backward = optimization_barrier_in_backward
@@ -211,7 +271,9 @@ class XlaFullyShardedDataParallel(nn.Module):
         self._debug_msg = _debug_msg
 
         if auto_wrap_policy is not None:
-            child_kwargs = {k: v for k, v in self._fsdp_kwargs.items()}
+            # output_dtype describes this unit's outputs only: inner units stay in compute dtype so
+            # the layers around them see matching dtypes.
+            child_kwargs = {k: v for k, v in self._fsdp_kwargs.items() if k != "output_dtype"}
             recursive_wrap(module, auto_wrap_policy=auto_wrap_policy,
                            wrapper_cls=auto_wrapper_callable or XlaFullyShardedDataParallel,
                            only_wrap_children=True, **child_kwargs)
@@ -241,10 +303,13 @@ class XlaFullyShardedDataParallel(nn.Module):
         self._require_backward_grad_sync = True
         self._pre_backward_done = False
         self._grads_reduced: set = set()
-        self.gradient_predivide_factor = _default_predivide_factor(self.world_size)
-        self.gradient_postdivide_factor = self.world_size / self.gradient_predivide_factor
+        # Gradients are averaged over every rank that computed one: the shard group and its replicas.
+        data_parallel = self.world_size * self.comms.num_replicas
+        self.gradient_predivide_factor = _default_predivide_factor(data_parallel)
+        self.gradient_postdivide_factor = data_parallel / self.gradient_predivide_factor
         self._norm_channel = self.comms.allocate_channels(1)
         self._aux_channel = self.comms.allocate_channels(1)  # small control collectives (checkpoints)
+        self._replica_aux_channel = self.comms.allocate_channels(1)
         if execute_sharding_on_init:
             self.comms.sync()
 
@@ -256,25 +321,43 @@ class XlaFullyShardedDataParallel(nn.Module):
         return xr.device_type() not in ("CPU",)
 
     def _build_groups(self, refs) -> List[ParamGroup]:
+        names: List[Optional[str]]
         if self.flatten_parameters:
-            parts = [[r for r in refs if r.param.requires_grad], [r for r in refs if not r.param.requires_grad]]
-            parts = [p for p in parts if p]
+            parts, names = self._flat_parts(refs)
         else:
-            parts = [[r] for r in refs]
-        channel = self.comms.allocate_channels(3 * len(parts))
+            parts, names = [[r] for r in refs], [None] * len(refs)
+        channel = self.comms.allocate_channels(ParamGroup.CHANNELS * len(parts))
         groups = []
-        for i, part in enumerate(parts):
-            groups.append(ParamGroup(part, self.comms, flat=self.flatten_parameters,
-                                     dim0=self._shard_param_on_dim_0, pad_multiple=self._shard_size_multiple,
-                                     compute_dtype=self.compute_dtype, channel=channel + 3 * i))
+        for i, (part, flat_name) in enumerate(zip(parts, names)):
+            group = ParamGroup(part, self.comms, flat=self.flatten_parameters,
+                               dim0=self._shard_param_on_dim_0, pad_multiple=self._shard_size_multiple,
+                               compute_dtype=self.compute_dtype, channel=channel + ParamGroup.CHANNELS * i)
+            group.flat_name = flat_name
+            groups.append(group)
         return groups
 
+    def _flat_parts(self, refs) -> Tuple[List[list], List[str]]:
+        """Trainable parameters split by ``flatten_group_fn`` (one flat shard per key, so optimizer
+        groups such as "no weight decay" can be formed), frozen ones in a shard of their own.
+        Names as torch_xla: ``flat_param_0`` (trainable), ``flat_param_1`` (frozen), then 2, 3..."""
+        keyed: Dict[Any, list] = {}
+        for r in refs:
+            if r.param.requires_grad:
+                key = self._flatten_group_fn(r.fqn, r.param) if self._flatten_group_fn else None
+                keyed.setdefault(_hashable(key), []).append(r)
+        trainable = list(keyed.values())
+        frozen = [r for r in refs if not r.param.requires_grad]
+        parts, names = [], []
+        for index, part in enumerate(trainable):
+            parts.append(part)
+            names.append(f"flat_param_{0 if index == 0 else index + 1}")
+        if frozen:
+            parts.append(frozen)
+            names.append("flat_param_1")
+        return parts, names
+
     def _shard_param_name(self, group: ParamGroup) -> str:
-        if self.flatten_parameters:
-            index = 0 if group.requires_grad else 1
-            path = f"{WRAPPED}.flat_param_{index}"
-        else:
-            path = f"{WRAPPED}.{group.refs[0].fqn}"
+        path = f"{WRAPPED}.{group.flat_name if group.flat else group.refs[0].fqn}"
         return "_fsdp_shard" + SHARD_SEPARATOR + path.replace(".", SHARD_SEPARATOR)
 
     # ------------------------------------------------------------------ public properties
@@ -348,6 +431,9 @@ class XlaFullyShardedDataParallel(nn.Module):
             self.comms.optimization_barrier([g.shard for g in self._groups])
         self._unshard(backward=in_backward)
         outputs = self.module(*args, **kwargs)
+        if self.output_dtype is not None:
+            outputs = _apply_to_tensors(
+                lambda t: t.to(self.output_dtype) if t.is_floating_point() else t, outputs)
         if in_backward:  # a checkpoint recompute: parameters stay for this backward
             return outputs
         if self.reshard_after_forward or not torch.is_grad_enabled():
@@ -464,10 +550,33 @@ class XlaFullyShardedDataParallel(nn.Module):
         out = []
         for prefix, unit in self._named_units():
             for group in unit._groups:
-                out.append((prefix + group.refs[0].fqn if not unit.flatten_parameters
-                            else prefix + ("flat_param_0" if group.requires_grad else "flat_param_1"),
-                            group.shard))
+                out.append((prefix + (group.flat_name if group.flat else group.refs[0].fqn), group.shard))
         return out
+
+    def optimizer_param_groups(self, options_fn: Callable[[str], Dict[str, Any]]) -> List[Dict[str, Any]]:
+        """Optimizer parameter groups of shards, decided by original parameter names.
+
+        ``options_fn(name)`` returns the group options for an original parameter (e.g.
+        ``{"weight_decay": 0.0}`` for biases and norms, ``{}`` for the rest); shards whose
+        parameters get the same options share a group, so the optimizer does exactly what it would
+        do on the unsharded model. A flattened shard must not mix options: pass the same rule as
+        ``flatten_group_fn`` when wrapping, so flattening keeps those parameters apart.
+        """
+        groups: Dict[Any, Dict[str, Any]] = {}
+        for prefix, unit in self._named_units():
+            for group in unit._groups:
+                names = [prefix + n for n in group.names]
+                options = [options_fn(n) or {} for n in names]
+                keys = [_hashable(o) for o in options]
+                if len(set(keys)) > 1:
+                    pairs = sorted({(k, n) for k, n in zip(map(str, options), names)})[:4]
+                    raise ValueError(
+                        f"xla_fsdp: one flattened shard holds parameters with different optimizer options "
+                        f"({pairs}); wrap with flatten_group_fn=lambda name, p: <the same rule> so they are "
+                        "flattened separately, or use flatten_parameters=False")
+                entry = groups.setdefault(keys[0], dict(options[0], params=[]))
+                entry["params"].append(group.shard)
+        return list(groups.values())
 
     def _named_units(self) -> Iterator[Tuple[str, "XlaFullyShardedDataParallel"]]:
         """(original-name prefix, unit) for this unit and the nested ones."""
@@ -484,6 +593,15 @@ class XlaFullyShardedDataParallel(nn.Module):
         """
         from .metadata import shard_metadata
         return shard_metadata(self)
+
+
+def _hashable(value: Any) -> Any:
+    """A dict of options (or any value) as a hashable key."""
+    if isinstance(value, dict):
+        return tuple(sorted((k, _hashable(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return tuple(_hashable(v) for v in value)
+    return value
 
 
 def _clean_name(name: str) -> str:

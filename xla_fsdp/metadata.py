@@ -42,7 +42,7 @@ def shard_metadata(root) -> Dict[str, Any]:
         shard_info[unit_path] = {}
         for index, (group, shard_name) in enumerate(zip(unit._groups, unit._shard_names)):
             if group.flat:
-                orig_name = f"{WRAPPED}.flat_param_{0 if group.requires_grad else 1}"
+                orig_name = f"{WRAPPED}.{group.flat_name}"
                 orig_size = torch.Size([group.layout.numel])
                 flatten_info[key_prefix + orig_name] = (
                     [f"{WRAPPED}.{n}" for n in group.names], [torch.Size(s) for s in group.layout.shapes],
@@ -76,6 +76,9 @@ def shard_metadata(root) -> Dict[str, Any]:
         "shard_param_on_dim_0": root._shard_param_on_dim_0,
         "shard_size_multiple": root._shard_size_multiple,
         "sharding_groups": root.comms.groups,
+        "sharding_strategy": root.sharding_strategy.name,
+        "replica_groups": root.comms.replica_groups,
+        "replica_rank": root.comms.replica_rank,
         "transport": root.comms.name,
         "library_versions": dict(_library_versions()),
         # shard state-dict keys in parameters() order: maps optimizer state indices to shards

@@ -36,6 +36,8 @@ class ParamRef:
 class ParamGroup:
     """Owns one shard parameter and the matching full parameter for a unit."""
 
+    CHANNELS = 4  # forward gather, backward gather, reduce-scatter, replica all-reduce
+
     def __init__(self, refs: List[ParamRef], comms: Collectives, *, flat: bool, dim0: bool,
                  pad_multiple: int, compute_dtype: torch.dtype, channel: int):
         if dim0 and (flat or len(refs) != 1):
@@ -45,7 +47,8 @@ class ParamGroup:
         self.flat = flat
         self.dim0 = dim0
         self.compute_dtype = compute_dtype
-        self.channel_forward, self.channel_backward, self.channel_reduce = channel, channel + 1, channel + 2
+        (self.channel_forward, self.channel_backward, self.channel_reduce,
+         self.channel_replicas) = range(channel, channel + self.CHANNELS)
         self.requires_grad = refs[0].param.requires_grad
         ws, rank = comms.world_size, comms.rank
         sources = [r.param.detach() for r in refs]
@@ -67,6 +70,7 @@ class ParamGroup:
                                  requires_grad=self.requires_grad)
         comms.free(self.full)
         self.state = ShardedState.SHARDED
+        self.flat_name: Optional[str] = None  # set by the unit for flattened groups
         # The originals stop being registered parameters; the module reads full data through
         # plain attributes that ``install`` refreshes after every gather.
         for ref in refs:
@@ -74,6 +78,9 @@ class ParamGroup:
                 module._parameters.pop(attr, None)
                 object.__setattr__(module, attr, None)
             ref.param._xla_fsdp_sharded = True
+            # The shard is the only copy now: drop the original's data so every rank does not keep
+            # the whole model in host memory (the object stays, marked, to catch sharing across units).
+            ref.param.data = ref.param.data.new_empty(0)
         self.install()
 
     # --- layout helpers -------------------------------------------------------------------
@@ -131,6 +138,7 @@ class ParamGroup:
         if fp32_reduce_scatter and padded.dtype != torch.float32:
             padded = padded.to(torch.float32)
         reduced = self.comms.reduce_scatter(padded, self.channel_reduce)
+        reduced = self.comms.all_reduce_replicas(reduced, self.channel_replicas)
         if reduced.dtype != torch.float32:
             reduced = reduced.to(torch.float32)
         if post_divide != 1:

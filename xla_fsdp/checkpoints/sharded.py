@@ -73,9 +73,19 @@ def save_sharded_checkpoint(model, optimizer: Optional[torch.optim.Optimizer], c
     if extra is not None:
         ckpt["extra"] = dict(extra)
     path = rank_path(ckpt_prefix, model.rank, model.world_size)
-    atomic_torch_save(ckpt, path)
+    # Hybrid/NO_SHARD: replicas hold identical shards; only the first copy of each is written.
+    if model.comms.replica_rank == 0:
+        atomic_torch_save(ckpt, path)
     _agree_on_run_id(model)  # a barrier: when save returns on any rank, every rank file is written
+    _replica_barrier(model)
     return path
+
+
+def _replica_barrier(model) -> None:
+    if model.comms.num_replicas > 1:
+        token = torch.zeros(1).to(model.comms.device)
+        model.comms.all_reduce_replicas(token, model._replica_aux_channel)
+        model.comms.sync()
 
 
 def _check_matches_model(path: str, saved: Mapping[str, Any], current: Mapping[str, Any]) -> None:

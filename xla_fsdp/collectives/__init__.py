@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import os
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple
 
 from .base import Collectives
 from .torch_dist import TorchDistCollectives
@@ -16,12 +16,9 @@ def _xla_available() -> bool:
     return True
 
 
-def select_collectives(transport: Optional[str] = None,
-                       groups: Optional[Sequence[Sequence[int]]] = None,
-                       rank: Optional[int] = None, world_size: Optional[int] = None,
-                       pin_layout: bool = True) -> Collectives:
-    """Pick the transport: ``'torch'`` when a non-XLA torch.distributed group is initialized,
-    else ``'xla'`` when ``PJRT_DEVICE`` is set (TPU, XLA:CPU); ``transport`` forces one."""
+def resolve_transport(transport: Optional[str] = None) -> str:
+    """``'torch'`` when a non-XLA torch.distributed group is initialized, else ``'xla'`` when
+    ``PJRT_DEVICE`` is set (TPU, XLA:CPU); ``transport`` forces one."""
     import torch.distributed as dist
 
     if transport is None:
@@ -34,16 +31,43 @@ def select_collectives(transport: Optional[str] = None,
                 "xla_fsdp: no collective backend is initialized. Either run under torch_xla.launch "
                 "with PJRT_DEVICE=TPU or PJRT_DEVICE=CPU (CPU_NUM_DEVICES=N for N devices), or call "
                 "torch.distributed.init_process_group('gloo') first (e.g. under torchrun).")
+    if transport not in ("torch", "xla"):
+        raise ValueError(f"xla_fsdp: unknown transport {transport!r}; use 'xla' or 'torch'")
+    if transport == "xla" and not _xla_available():
+        raise RuntimeError("xla_fsdp: transport 'xla' needs torch_xla (pip install torch_xla==2.9.0)")
+    return transport
+
+
+def global_rank_and_size(transport: str) -> Tuple[int, int]:
+    """This process's (or XLA device thread's) global rank and the number of ranks."""
     if transport == "torch":
-        if groups:
-            return TorchDistCollectives(groups)
-        return TorchDistCollectives()
-    if transport == "xla":
-        if not _xla_available():
-            raise RuntimeError("xla_fsdp: transport 'xla' needs torch_xla (pip install torch_xla==2.9.0)")
-        from .xla import XlaCollectives
-        return XlaCollectives(groups, rank, world_size, pin_layout)
-    raise ValueError(f"xla_fsdp: unknown transport {transport!r}; use 'xla' or 'torch'")
+        import torch.distributed as dist
+        return dist.get_rank(), dist.get_world_size()
+    import torch_xla.runtime as xr
+    return xr.global_ordinal(), xr.world_size()
 
 
-__all__ = ["Collectives", "TorchDistCollectives", "select_collectives"]
+def ranks_per_host(transport: str) -> int:
+    """Ranks on this host: the default shard group size of hybrid strategies."""
+    if transport == "torch":
+        return int(os.environ.get("LOCAL_WORLD_SIZE", global_rank_and_size("torch")[1]))
+    import torch_xla.runtime as xr
+    return xr.addressable_runtime_device_count() * xr.local_process_count()
+
+
+def select_collectives(transport: Optional[str] = None,
+                       groups: Optional[Sequence[Sequence[int]]] = None,
+                       rank: Optional[int] = None, world_size: Optional[int] = None,
+                       pin_layout: bool = True,
+                       replica_groups: Optional[Sequence[Sequence[int]]] = None) -> Collectives:
+    """Collectives over the shard group ``groups`` (all ranks when None) on the chosen transport;
+    ``replica_groups`` (hybrid strategies) are the groups gradient shards are all-reduced in."""
+    transport = resolve_transport(transport)
+    if transport == "torch":
+        return TorchDistCollectives(groups, replica_groups)
+    from .xla import XlaCollectives
+    return XlaCollectives(groups, rank, world_size, pin_layout, replica_groups=replica_groups)
+
+
+__all__ = ["Collectives", "TorchDistCollectives", "global_rank_and_size", "ranks_per_host",
+           "resolve_transport", "select_collectives"]

@@ -21,6 +21,24 @@ class Collectives(abc.ABC):
     world_size: int
     #: the sharding groups, as global ranks (one group of all ranks when no groups were given)
     groups: List[List[int]]
+    #: groups whose members hold the same shard and all-reduce gradient shards (hybrid, NO_SHARD);
+    #: empty when every rank's shard is unique
+    replica_groups: List[List[int]] = []
+
+    #: this rank's index among all ranks
+    global_rank: int
+
+    @property
+    def num_replicas(self) -> int:
+        return len(self.replica_groups[0]) if self.replica_groups else 1
+
+    @property
+    def replica_rank(self) -> int:
+        """Which copy of the shard this rank holds (0 on the ranks that write checkpoints)."""
+        for group in self.replica_groups:
+            if self.global_rank in group:
+                return group.index(self.global_rank)
+        return 0
 
     @property
     @abc.abstractmethod
@@ -38,6 +56,10 @@ class Collectives(abc.ABC):
     @abc.abstractmethod
     def all_reduce_sum(self, tensor: torch.Tensor, channel: int) -> torch.Tensor:
         """Sum a small tensor over the sharding group (used for gradient norms)."""
+
+    @abc.abstractmethod
+    def all_reduce_replicas(self, tensor: torch.Tensor, channel: int) -> torch.Tensor:
+        """Sum a gradient shard over this rank's replica group (identity without replicas)."""
 
     # --- how a full parameter is filled and freed while staying the same autograd leaf ---
     @abc.abstractmethod

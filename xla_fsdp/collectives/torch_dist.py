@@ -10,8 +10,9 @@ import torch.distributed as dist
 from .base import Collectives
 
 
-def _sharding_group(groups: Optional[Sequence[Sequence[int]]]):
-    """The process group this rank shards in; every rank creates every group, as new_group requires."""
+def _my_group(groups: Optional[Sequence[Sequence[int]]], what: str):
+    """The process group of ``groups`` holding this rank; every rank creates every group, in the
+    same order, as ``new_group`` requires."""
     if not groups:
         return None, [list(range(dist.get_world_size()))]
     me = dist.get_rank()
@@ -21,7 +22,7 @@ def _sharding_group(groups: Optional[Sequence[Sequence[int]]]):
         if me in g:
             mine = pg
     if mine is None:
-        raise ValueError(f"rank {me} is in none of the sharding_groups {groups}")
+        raise ValueError(f"rank {me} is in none of the {what} {groups}")
     return mine, [list(g) for g in groups]
 
 
@@ -31,13 +32,17 @@ class TorchDistCollectives(Collectives):
 
     name = "torch"
 
-    def __init__(self, groups: Optional[Sequence[Sequence[int]]] = None):
+    def __init__(self, groups: Optional[Sequence[Sequence[int]]] = None,
+                 replica_groups: Optional[Sequence[Sequence[int]]] = None):
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
                 "xla_fsdp: torch.distributed is not initialized. Call "
                 "torch.distributed.init_process_group('gloo' or 'nccl') first (torchrun sets the "
                 "environment for it), or run under torch_xla.launch with PJRT_DEVICE set to use XLA.")
-        self.group, self.groups = _sharding_group(groups)
+        self.group, self.groups = _my_group(groups, "sharding_groups")
+        self.replica_group, self.replica_groups = (_my_group(replica_groups, "replica groups")
+                                                   if replica_groups else (None, []))
+        self.global_rank = dist.get_rank()
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
         backend = dist.get_backend()
@@ -51,12 +56,16 @@ class TorchDistCollectives(Collectives):
         return self._device
 
     def all_gather(self, shard: torch.Tensor, channel: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if self.world_size == 1:  # NO_SHARD: nothing to exchange
+            return out.copy_(shard) if out is not None else shard.clone()
         if out is None:
             out = shard.new_empty((shard.shape[0] * self.world_size,) + tuple(shard.shape[1:]))
         dist.all_gather_into_tensor(out, shard.contiguous(), group=self.group)
         return out
 
     def reduce_scatter(self, full: torch.Tensor, channel: int) -> torch.Tensor:
+        if self.world_size == 1:
+            return full
         out = full.new_empty((full.shape[0] // self.world_size,) + tuple(full.shape[1:]))
         dist.reduce_scatter_tensor(out, full.contiguous(), group=self.group)
         return out
@@ -64,6 +73,13 @@ class TorchDistCollectives(Collectives):
     def all_reduce_sum(self, tensor: torch.Tensor, channel: int) -> torch.Tensor:
         tensor = tensor.clone()
         dist.all_reduce(tensor, group=self.group)
+        return tensor
+
+    def all_reduce_replicas(self, tensor: torch.Tensor, channel: int) -> torch.Tensor:
+        if not self.replica_groups:
+            return tensor
+        tensor = tensor.contiguous()
+        dist.all_reduce(tensor, group=self.replica_group)
         return tensor
 
     def new_full(self, shape: Tuple[int, ...], padded_numel: int, dtype: torch.dtype) -> torch.Tensor:

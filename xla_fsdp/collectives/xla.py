@@ -121,12 +121,14 @@ class XlaCollectives(Collectives):
 
     def __init__(self, groups: Optional[Sequence[Sequence[int]]] = None,
                  rank: Optional[int] = None, world_size: Optional[int] = None,
-                 pin_layout: bool = True, use_channel_ids: Optional[bool] = None):
+                 pin_layout: bool = True, use_channel_ids: Optional[bool] = None,
+                 replica_groups: Optional[Sequence[Sequence[int]]] = None):
         import torch_xla
         import torch_xla.runtime as xr
 
         self._device = torch_xla.device()
         global_ws, global_rank = xr.world_size(), xr.global_ordinal()
+        self.global_rank = global_rank
         if groups:
             if rank is None or world_size is None:
                 raise ValueError("sharding_groups needs sharding_rank and sharding_world_size "
@@ -138,6 +140,7 @@ class XlaCollectives(Collectives):
         else:
             self.groups = [list(range(global_ws))]
             self.rank, self.world_size = global_rank, global_ws
+        self.replica_groups = [list(g) for g in replica_groups] if replica_groups else []
         if use_channel_ids is None:
             env = os.environ.get("XLA_FSDP_CHANNEL_IDS")
             use_channel_ids = (env == "1") if env in ("0", "1") else xr.device_type() == "CPU"
@@ -162,10 +165,11 @@ class XlaCollectives(Collectives):
         pair unrelated collectives (wrong data) or wait for each other until XLA aborts the process.
         One small all-gather on a reserved channel compares the counters before the first step.
         """
-        if not self.use_channel_ids or self.world_size == 1:
+        everyone = sorted(r for g in self.groups for r in g)
+        if not self.use_channel_ids or len(everyone) == 1:
             return
         mine = torch.tensor([CHANNELS.peek()], dtype=torch.int32).to(self._device)
-        counters = self.all_gather(mine, CHECK_CHANNEL)
+        counters = self._gather(mine, CHECK_CHANNEL, [everyone])
         sync()
         values = counters.cpu().tolist()
         if len(set(values)) > 1:
@@ -179,12 +183,18 @@ class XlaCollectives(Collectives):
             return {}
         return {"channel_id": int(channel), "use_global_device_ids": True}
 
-    def all_gather(self, shard: torch.Tensor, channel: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def _gather(self, tensor: torch.Tensor, channel: int, groups: List[List[int]]) -> torch.Tensor:
         import torch_xla.core.xla_model as xm
 
-        groups = self.groups if (self.use_channel_ids or len(self.groups) > 1) else None
-        result = xm.all_gather(shard, 0, groups=groups, pin_layout=self.pin_layout,
-                               **self._channel_kwargs(channel))
+        groups = groups if (self.use_channel_ids or len(groups) > 1) else None
+        return xm.all_gather(tensor, 0, groups=groups, pin_layout=self.pin_layout,
+                             **self._channel_kwargs(channel))
+
+    def all_gather(self, shard: torch.Tensor, channel: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if self.world_size == 1:  # NO_SHARD: nothing to exchange
+            result = shard.clone()
+        else:
+            result = self._gather(shard, channel, self.groups)
         if out is not None:
             out.copy_(result)
             return out
@@ -193,6 +203,8 @@ class XlaCollectives(Collectives):
     def reduce_scatter(self, full: torch.Tensor, channel: int) -> torch.Tensor:
         import torch_xla.core.xla_model as xm
 
+        if self.world_size == 1:
+            return full
         groups = self.groups if (self.use_channel_ids or len(self.groups) > 1) else None
         return xm.reduce_scatter(xm.REDUCE_SUM, full, 1.0, 0, self.world_size, groups=groups,
                                  pin_layout=self.pin_layout, **self._channel_kwargs(channel))
@@ -200,6 +212,16 @@ class XlaCollectives(Collectives):
     def all_reduce_sum(self, tensor: torch.Tensor, channel: int) -> torch.Tensor:
         flat = tensor.reshape(1, -1)
         gathered = self.all_gather(flat, channel)
+        return gathered.sum(dim=0).view(tensor.shape)
+
+    def all_reduce_replicas(self, tensor: torch.Tensor, channel: int) -> torch.Tensor:
+        import torch_xla.core.xla_model as xm
+
+        if not self.replica_groups:
+            return tensor
+        if not self.use_channel_ids:
+            return xm.all_reduce(xm.REDUCE_SUM, tensor, groups=self.replica_groups, pin_layout=self.pin_layout)
+        gathered = self._gather(tensor.reshape(1, -1), channel, self.replica_groups)
         return gathered.sum(dim=0).view(tensor.shape)
 
     def new_full(self, shape: Tuple[int, ...], padded_numel: int, dtype: torch.dtype) -> torch.Tensor:

@@ -1,0 +1,149 @@
+"""xla_fsdp.config.from_accelerate: HF Accelerate / Transformers FSDP configs to wrapper keywords."""
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from xla_fsdp import ShardingStrategy, XlaFullyShardedDataParallel as FSDP
+from xla_fsdp.config import from_accelerate
+
+# The Accelerate config of the HF FSDP guide (BERT fine-tuning), as `accelerate config` writes it.
+GUIDE_YAML = """\
+compute_environment: LOCAL_MACHINE
+deepspeed_config: {}
+distributed_type: FSDP
+downcast_bf16: 'no'
+fsdp_config:
+  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
+  fsdp_backward_prefetch_policy: BACKWARD_PRE
+  fsdp_offload_params: false
+  fsdp_sharding_strategy: 1
+  fsdp_state_dict_type: SHARDED_STATE_DICT
+  fsdp_transformer_layer_cls_to_wrap: BertLayer
+machine_rank: 0
+main_process_ip: null
+main_process_port: null
+main_training_function: main
+mixed_precision: 'no'
+num_machines: 1
+num_processes: 2
+use_cpu: false
+"""
+
+
+class BertSelfAttention(nn.Module):
+    def __init__(self, d, heads):
+        super().__init__()
+        self.query, self.key, self.value = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+        self.heads = heads
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = (f(x).view(b, t, self.heads, -1).transpose(1, 2) for f in (self.query, self.key, self.value))
+        att = (q @ k.transpose(-1, -2) / (d // self.heads) ** 0.5).softmax(-1)
+        return (att @ v).transpose(1, 2).reshape(b, t, d)
+
+
+class BertLayer(nn.Module):
+    def __init__(self, d=16, heads=2):
+        super().__init__()
+        self.attention = BertSelfAttention(d, heads)
+        self.attn_norm = nn.LayerNorm(d)
+        self.intermediate = nn.Linear(d, 4 * d)
+        self.output = nn.Linear(4 * d, d)
+        self.out_norm = nn.LayerNorm(d)
+
+    def forward(self, x):
+        x = self.attn_norm(x + self.attention(x))
+        return self.out_norm(x + self.output(torch.nn.functional.gelu(self.intermediate(x))))
+
+
+class BertModel(nn.Module):
+    """A small BERT: embeddings, an encoder of BertLayers, a pooler."""
+
+    def __init__(self, vocab=50, d=16, layers=3):
+        super().__init__()
+        self.word_embeddings = nn.Embedding(vocab, d)
+        self.position_embeddings = nn.Embedding(12, d)
+        self.encoder = nn.ModuleList([BertLayer(d) for _ in range(layers)])
+        self.pooler = nn.Linear(d, d)
+        self.classifier = nn.Linear(d, 2)
+
+    def forward(self, ids):
+        x = self.word_embeddings(ids) + self.position_embeddings(torch.arange(ids.shape[1]))
+        for layer in self.encoder:
+            x = layer(x)
+        return self.classifier(torch.tanh(self.pooler(x[:, 0])))
+
+
+@pytest.fixture(scope="module")
+def gloo():
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"file://{tempfile.mktemp()}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_hf_guide_config_wraps_every_bert_layer(gloo, tmp_path):
+    path = tmp_path / "accelerate_config.yaml"
+    path.write_text(GUIDE_YAML)
+    torch.manual_seed(0)
+    model = BertModel()
+    settings = from_accelerate(str(path), model)
+    assert settings.state_dict_type == "SHARDED_STATE_DICT"
+    assert settings.no_effect == {"backward_prefetch_policy": "BACKWARD_PRE"}
+    wrapped = settings.wrap(model)
+    units = {name: m for name, m in wrapped.named_modules() if isinstance(m, FSDP)}
+    inner = {n for n in units if n}
+    assert len(inner) == 3 and all(isinstance(units[n].module, BertLayer) for n in inner)
+    assert all(units[n].sharding_strategy is ShardingStrategy.FULL_SHARD and units[n].reshard_after_forward
+               for n in inner)
+    out = wrapped(torch.randint(0, 50, (2, 8)))             # and it trains
+    out.sum().backward()
+    assert all(p.grad is not None for p in wrapped.parameters())
+
+
+def test_dict_config_trainer_style_keys_and_xla_settings(gloo):
+    model = BertModel()
+    settings = from_accelerate({"transformer_layer_cls_to_wrap": ["BertLayer", "BertSelfAttention"],
+                                "sharding_strategy": "SHARD_GRAD_OP",
+                                "xla_fsdp_settings": {"compute_dtype": "bfloat16", "flatten_parameters": True},
+                                "xla_fsdp_grad_ckpt": True}, model)
+    assert settings.kwargs["compute_dtype"] is torch.bfloat16 and settings.kwargs["flatten_parameters"]
+    assert settings.kwargs["sharding_strategy"] is ShardingStrategy.SHARD_GRAD_OP
+    wrapped = settings.wrap(model)
+    wrapped_types = {type(m.module).__name__ for m in wrapped.modules() if isinstance(m, FSDP) and m is not wrapped}
+    assert "BertLayer" in wrapped_types
+    assert not wrapped.reshard_after_forward
+
+
+def test_size_based_and_accelerate_mixed_precision(gloo):
+    model = BertModel()
+    settings = from_accelerate({"mixed_precision": "bf16", "fsdp_config": {
+        "fsdp_auto_wrap_policy": "SIZE_BASED_WRAP", "fsdp_min_num_params": 1000, "fsdp_sharding_strategy": 3}}, model)
+    assert settings.kwargs["compute_dtype"] is torch.bfloat16
+    assert settings.kwargs["sharding_strategy"] is ShardingStrategy.NO_SHARD
+    assert sum(isinstance(m, FSDP) for m in settings.wrap(model).modules()) > 1
+
+
+@pytest.mark.parametrize("cfg, message", [
+    ({"fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "fsdp_transformer_layer_cls_to_wrap": "BertLayr"},
+     r"'BertLayr', which is no module class of this model. Did you mean \['BertLayer'\]"),
+    ({"fsdp_sharding_stratgy": 1}, r"unknown FSDP config keys \['sharding_stratgy'\].*sharding_strategy"),
+    ({"fsdp_sharding_strategy": 9}, "unknown sharding_strategy 9"),
+    ({"fsdp_state_dict_type": "HALF_STATE_DICT"}, "fsdp_state_dict_type 'HALF_STATE_DICT' is not one of"),
+    ({"fsdp_offload_params": True}, "offload_params=true is not supported"),
+    ({"xla_fsdp_settings": {"flatten_params": True}}, r"unknown keyword 'flatten_params'.*flatten_parameters"),
+    ({"xla_fsdp_v2": True}, "SPMD FSDPv2"),
+    ({"xla_fsdp_grad_ckpt": True}, "set an fsdp_auto_wrap_policy too"),
+])
+def test_bad_configs_name_the_problem(cfg, message):
+    with pytest.raises(ValueError, match=message):
+        from_accelerate(cfg, BertModel())
+
+
+def test_missing_yaml_file_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no config file"):
+        from_accelerate(str(tmp_path / "nope.yaml"), BertModel())
