@@ -91,15 +91,10 @@ def run(script: str, prefix: str) -> dict:
     return {"seconds": time.perf_counter() - start, "baseline_kib": base, "children_peak_kib": peak}
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--total_mb", type=int, default=1200)
-    p.add_argument("--world_size", type=int, default=4)
-    p.add_argument("--tensor_mb", type=int, default=50)
-    p.add_argument("--out_dir", default=os.path.join(HERE, "results"))
-    args = p.parse_args(argv)
+def measure(total_mb: int = 1200, world_size: int = 4, tensor_mb: int = 50) -> dict:
+    """Both contenders on one synthetic checkpoint; seconds and peak RSS of each."""
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as d:
-        info = make_checkpoint(d, args.total_mb, args.world_size, args.tensor_mb)
+        info = make_checkpoint(d, total_mb, world_size, tensor_mb)
         stream = run(STREAM, info["prefix"])
         naive = run(NAIVE, info["prefix"])
         a = torch.load(info["prefix"] + "_stream.pth", mmap=True, weights_only=True)["model"]
@@ -113,18 +108,29 @@ def main(argv=None) -> int:
         "load-all (torch_xla style)": {"seconds": naive["seconds"], "peak_rss_mib": naive["children_peak_kib"] / 1024,
                                        "above_baseline_mib": (naive["children_peak_kib"] - naive["baseline_kib"]) / 1024},
     }
-    result = {"date": datetime.date.today().isoformat(), "checkpoint_total_mib": info["total_bytes"] / mib,
-              "world_size": args.world_size, "tensors": info["tensors"],
-              "largest_shard_file_mib": info["largest_shard_file"] / mib,
-              "largest_tensor_mib": info["largest_tensor"] / mib, "bound_mib": bound / mib,
-              "torch_import_baseline_mib": stream["baseline_kib"] / 1024, "contenders": rows}
+    return {"date": datetime.date.today().isoformat(), "checkpoint_total_mib": info["total_bytes"] / mib,
+            "world_size": world_size, "tensors": info["tensors"],
+            "largest_shard_file_mib": info["largest_shard_file"] / mib,
+            "largest_tensor_mib": info["largest_tensor"] / mib, "bound_mib": bound / mib,
+            "torch_import_baseline_mib": stream["baseline_kib"] / 1024, "contenders": rows}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--total_mb", type=int, default=1200)
+    p.add_argument("--world_size", type=int, default=4)
+    p.add_argument("--tensor_mb", type=int, default=50)
+    p.add_argument("--out_dir", default=os.path.join(HERE, "results"))
+    args = p.parse_args(argv)
+    result = measure(args.total_mb, args.world_size, args.tensor_mb)
+    rows = result["contenders"]
     os.makedirs(args.out_dir, exist_ok=True)
     stem = os.path.join(args.out_dir, f"consolidation_{result['date']}")
     with open(stem + ".json", "w") as f:
         json.dump(result, f, indent=2)
     lines = [f"# Consolidation memory ({result['date']})", "",
              f"Checkpoint: {result['checkpoint_total_mib']:.0f} MiB in {args.world_size} rank files, "
-             f"{info['tensors']} tensors of {result['largest_tensor_mib']:.0f} MiB. Bound (largest shard file + 2 x "
+             f"{result['tensors']} tensors of {result['largest_tensor_mib']:.0f} MiB. Bound (largest shard file + 2 x "
              f"largest tensor): {result['bound_mib']:.0f} MiB. Baseline RSS after `import torch`: "
              f"{result['torch_import_baseline_mib']:.0f} MiB.", "",
              "| contender | seconds | peak RSS MiB | above baseline MiB | within bound |", "|---|---|---|---|---|"]

@@ -1,0 +1,91 @@
+"""How each contender wraps the workload model. Every FSDP contender wraps per block (transformer
+Block / ResNet BasicBlock) and then the root, like the peers' recommended recipes."""
+from __future__ import annotations
+
+import functools
+from typing import Callable, Dict, Tuple
+
+import torch
+import torch.nn as nn
+
+from .workloads import Workload, unit_classes
+
+GLOO = ("unwrapped", "ddp", "fsdp1", "fsdp2", "xla_fsdp")
+XLA_THREADS = ("xla_plain", "torchxla_fsdp", "xla_fsdp_xla")
+SPMD = ("torchxla_spmd",)
+ALL = GLOO + XLA_THREADS + SPMD
+
+# The XLA FSDP settings of the anchor runs, for torch_xla's class and ours alike: barriers off
+# (torch_xla 2.9 aborts on nn.Embedding with them on XLA:CPU), unpinned collective layouts.
+XLA_KWARGS = dict(pin_layout_in_collective_ops=False, optimization_barrier_in_forward=False,
+                  optimization_barrier_in_backward=False)
+
+
+def wrap_gloo(name: str, model: nn.Module, w: Workload, ws: int) -> nn.Module:
+    classes = set(unit_classes(w))
+    if name == "unwrapped":
+        return model
+    if name == "ddp":
+        return nn.parallel.DistributedDataParallel(model)
+    if name == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+        return FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy(classes),
+                                        sharding_strategy=ShardingStrategy.FULL_SHARD,
+                                        device_id=torch.device("cpu"), use_orig_params=False)
+    if name == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        mesh = init_device_mesh("cpu", (ws,))
+        for m in model.modules():
+            if isinstance(m, tuple(classes)):
+                fully_shard(m, mesh=mesh)
+        return fully_shard(model, mesh=mesh)
+    if name == "xla_fsdp":
+        from xla_fsdp import XlaFullyShardedDataParallel
+        from xla_fsdp.wrap import transformer_auto_wrap_policy
+        return XlaFullyShardedDataParallel(model, auto_wrap_policy=functools.partial(
+            transformer_auto_wrap_policy, transformer_layer_cls=classes))
+    raise ValueError(name)
+
+
+def wrap_xla(name: str, model: nn.Module, w: Workload, device) -> nn.Module:
+    classes = set(unit_classes(w))
+    if name == "xla_plain":
+        return model.to(device)
+    if name == "torchxla_fsdp":
+        from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel
+        from torch_xla.distributed.fsdp.wrap import transformer_auto_wrap_policy
+        return XlaFullyShardedDataParallel(model, auto_wrap_policy=functools.partial(
+            transformer_auto_wrap_policy, transformer_layer_cls=classes), **XLA_KWARGS)
+    if name == "xla_fsdp_xla":
+        from xla_fsdp import XlaFullyShardedDataParallel
+        from xla_fsdp.wrap import transformer_auto_wrap_policy
+        return XlaFullyShardedDataParallel(model, auto_wrap_policy=functools.partial(
+            transformer_auto_wrap_policy, transformer_layer_cls=classes), **XLA_KWARGS)
+    raise ValueError(name)
+
+
+def wrap_spmd(model: nn.Module, w: Workload, ws: int) -> Tuple[nn.Module, Callable]:
+    """torch_xla's SPMD FSDPv2 over a (ws, 1) mesh; returns the model and how to shard a batch."""
+    import numpy as np
+    import torch_xla.distributed.spmd as xs
+    from torch_xla.distributed.fsdp.wrap import transformer_auto_wrap_policy
+    from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel
+    mesh = xs.Mesh(np.arange(ws), (ws, 1), ("fsdp", "model"))
+    xs.set_global_mesh(mesh)
+    import torch_xla
+    model = model.to(torch_xla.device())
+    wrapped = SpmdFullyShardedDataParallel(model, mesh=mesh, auto_wrap_policy=functools.partial(
+        transformer_auto_wrap_policy, transformer_layer_cls=set(unit_classes(w))))
+
+    def shard_batch(t: torch.Tensor) -> torch.Tensor:
+        xs.mark_sharding(t, mesh, ("fsdp",) + (None,) * (t.dim() - 1))
+        return t
+    return wrapped, shard_batch
+
+
+def collective_theory(name: str) -> float:
+    """Theoretical collective bytes per step, in multiples of the fp32 parameter bytes."""
+    return {"ddp": 2.0, "fsdp1": 3.0, "fsdp2": 3.0, "xla_fsdp": 3.0, "torchxla_fsdp": 3.0,
+            "xla_fsdp_xla": 3.0, "torchxla_spmd": 3.0}.get(name, 0.0)

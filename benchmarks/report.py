@@ -1,0 +1,151 @@
+"""Turns a benchmark run into a readable Markdown table, the target checks and a PNG chart."""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Tuple
+
+MIB = 1024 * 1024
+OURS = {"gloo": "xla_fsdp", "xla": "xla_fsdp_xla"}
+FAMILY = {"unwrapped": "gloo", "ddp": "gloo", "fsdp1": "gloo", "fsdp2": "gloo", "xla_fsdp": "gloo",
+          "xla_plain": "xla", "torchxla_fsdp": "xla", "xla_fsdp_xla": "xla", "torchxla_spmd": "xla"}
+IDEAL_COPIES = {"lm": 4, "resnet": 3}   # params + grads + AdamW (2) / SGD momentum (1)
+SHARDED = {"fsdp1", "fsdp2", "xla_fsdp", "xla_fsdp_xla", "torchxla_fsdp", "torchxla_spmd"}
+
+
+def _row(rows: List[Dict], contender: str, ws: int) -> Optional[Dict]:
+    for r in rows:
+        if r["contender"] == contender and r["ws"] == ws and "median_step_s" in r:
+            return r
+    return None
+
+
+def _ratio(a: Optional[Dict], b: Optional[Dict]) -> Optional[float]:
+    if a is None or b is None:
+        return None
+    return a["median_step_s"] / b["median_step_s"]
+
+
+def _fmt(x: Any, spec: str = ".3f") -> str:
+    return "–" if x is None else format(x, spec)
+
+
+def ideal_bytes(row: Dict, kind: str) -> float:
+    ws = row["ws"] if row["contender"] in SHARDED else 1
+    return row["param_bytes"] * IDEAL_COPIES[kind] / ws
+
+
+def targets(data: Dict) -> List[Tuple[str, str, Optional[float], str, bool]]:
+    """(workload, target, measured, bound, met) for every target of issue 6 measurable in this run."""
+    out = []
+    for wl, rows in data["rows"].items():
+        kind = data["workloads"][wl]["kind"]
+        for ws in (2, 4):
+            r = _ratio(_row(rows, "xla_fsdp_xla", ws), _row(rows, "torchxla_fsdp", ws))
+            out.append((wl, f"XLA:CPU ws{ws} step time / torch_xla XlaFSDP", r, "<= 0.95", r is not None and r <= 0.95))
+        peers = [p for p in (_row(rows, "fsdp1", 2), _row(rows, "fsdp2", 2)) if p]
+        fastest = min(peers, key=lambda p: p["median_step_s"]) if peers else None
+        r = _ratio(_row(rows, "xla_fsdp", 2), fastest)
+        out.append((wl, "gloo ws2 step time / faster of FSDP1, FSDP2", r, "<= 1.00", r is not None and r <= 1.0))
+        for ours, base, label in (("xla_fsdp", "unwrapped", "gloo"), ("xla_fsdp_xla", "xla_plain", "XLA:CPU")):
+            r = _ratio(_row(rows, ours, 1), _row(rows, base, 1))
+            out.append((wl, f"{label} ws1 step time / unwrapped model", r, "<= 1.05", r is not None and r <= 1.05))
+        for ours in OURS.values():
+            for ws in (2, 4):
+                row = _row(rows, ours, ws)
+                if row is None:
+                    continue
+                mem = row["state_bytes_max"] / ideal_bytes(row, kind)
+                out.append((wl, f"{ours} ws{ws} persistent bytes / ideal", mem, "<= 1.02", mem <= 1.02))
+                if row["collective_bytes_per_step"] is not None:
+                    coll = row["collective_bytes_per_step"] / (3 * row["param_bytes"])
+                    out.append((wl, f"{ours} ws{ws} collective bytes / 3x param bytes", coll, "<= 1.05", coll <= 1.05))
+                if ours == "xla_fsdp_xla":
+                    new = row["compiles_end"] - row["compiles_warm"]
+                    out.append((wl, f"{ours} ws{ws} XLA compilations after warm-up", new, "== 0", new == 0))
+    cons = data.get("consolidation")
+    if cons:
+        peak = cons["contenders"]["xla_fsdp streaming CLI"]["above_baseline_mib"]
+        out.append(("checkpoint", f"consolidation peak RSS above baseline, MiB ({cons['checkpoint_total_mib']:.0f} MiB ckpt)",
+                    peak, f"<= {cons['bound_mib']:.0f}", peak <= cons["bound_mib"]))
+    scale = data.get("scale")
+    if scale and scale.get("xla_fsdp", {}).get("largest_params"):
+        ours = scale["xla_fsdp"]["largest_params"] / 1e6
+        out.append(("scale", "largest transformer at ws4, M params (FSDP2: 940)", ours, ">= 940", ours >= 940))
+    return out
+
+
+def markdown(data: Dict) -> str:
+    lines = [f"# Benchmarks {data['date']}{' (quick)' if data['quick'] else ''}", "",
+             f"Machine: {data['machine']['cpus']} CPUs. Each figure: median over {data['steps']} measured steps "
+             f"x {data['rounds']} alternating round(s) after {data['warmup']} warm-up steps; step time = slowest "
+             "rank. `x ours` = this contender's median / xla_fsdp's at the same world size on the same transport "
+             "(gloo: `xla_fsdp`, XLA:CPU: `xla_fsdp_xla`). State = params + grads + optimizer state per rank "
+             "(max over ranks); ideal = total / N for sharded contenders, total for unsharded ones.", ""]
+    for wl, rows in data["rows"].items():
+        kind = data["workloads"][wl]["kind"]
+        spec = data["workloads"][wl]
+        lines += [f"## {wl}", "", "`" + ", ".join(f"{k}={v}" for k, v in spec.items() if k != "name") + "`", "",
+                  "| contender | transport | ws | median step s | x ours | state MiB | / ideal | peak RSS MiB | "
+                  "collective bytes / param bytes | new compiles after warm-up | last loss | status |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            fam = FAMILY[r["contender"]]
+            if "median_step_s" not in r:
+                lines.append(f"| {r['contender']} | {fam} | {r['ws']} | – | – | – | – | – | – | – | – | "
+                             f"failed: {str(r.get('error', ''))[:160].replace('|', '/')} |")
+                continue
+            ours = _row(rows, OURS[fam], r["ws"])
+            coll = r["collective_bytes_per_step"]
+            new = r["compiles_end"] - r["compiles_warm"] if fam == "xla" else None
+            lines.append(
+                f"| {r['contender']} | {fam} | {r['ws']} | {r['median_step_s']:.3f} | {_fmt(_ratio(r, ours), '.2f')} | "
+                f"{r['state_bytes_max'] / MIB:.1f} | {r['state_bytes_max'] / ideal_bytes(r, kind):.3f} | "
+                f"{r['peak_rss_mib_max']:.0f} | {_fmt(coll / r['param_bytes'] if coll is not None else None, '.2f')} | "
+                f"{_fmt(new, 'd')} | {r['losses'][-1]:.4f} | ok ({r['ok_rounds']}/{r['rounds']}) |")
+        lines.append("")
+    cons = data.get("consolidation")
+    if cons:
+        lines += [f"## Consolidation of a {cons['checkpoint_total_mib']:.0f} MiB checkpoint ({cons['world_size']} ranks)", "",
+                  "| contender | seconds | peak RSS MiB | above baseline MiB |", "|---|---|---|---|"]
+        for name, c in cons["contenders"].items():
+            lines.append(f"| {name} | {c['seconds']:.1f} | {c['peak_rss_mib']:.0f} | {c['above_baseline_mib']:.0f} |")
+        lines.append("")
+    scale = data.get("scale")
+    if scale:
+        lines += ["## Largest transformer for one AdamW step at ws 4 (gloo, process tree RSS limit "
+                  f"{scale.get('limit_gib', '?')} GiB)", "", "| contender | layers (d_model 2048) | params M | result | "
+                  "step s | peak tree RSS GiB |", "|---|---|---|---|---|---|"]
+        for name in ("xla_fsdp", "ddp"):
+            for p in scale.get(name, {}).get("probes", []):
+                lines.append(f"| {name} | {p['layers']} | {p['params'] / 1e6:.0f} | {p['result']} | "
+                             f"{_fmt(p.get('step_s'), '.1f')} | {_fmt(p.get('peak_tree_rss_gib'), '.2f')} |")
+        lines.append("")
+    lines += ["## Targets", "", "| workload | target | measured | bound | met |", "|---|---|---|---|---|"]
+    for wl, name, value, bound, met in targets(data):
+        lines.append(f"| {wl} | {name} | {_fmt(value, '.3f') if isinstance(value, float) else _fmt(value, 'd') if value is not None else '–'} | {bound} | {'yes' if met else 'NO'} |")
+    return "\n".join(lines) + "\n"
+
+
+def chart(data: Dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    workloads = list(data["rows"])
+    fig, axes = plt.subplots(1, len(workloads), figsize=(7 * len(workloads), 4.5), squeeze=False)
+    for ax, wl in zip(axes[0], workloads):
+        rows = [r for r in data["rows"][wl] if "median_step_s" in r]
+        labels = [f"{r['contender']}\nws{r['ws']}" for r in rows]
+        colors = ["tab:red" if r["contender"] in OURS.values() else "tab:gray" for r in rows]
+        ax.bar(range(len(rows)), [r["median_step_s"] for r in rows], color=colors)
+        ax.set_xticks(range(len(rows)))
+        ax.set_xticklabels(labels, rotation=70, fontsize=7)
+        ax.set_ylabel("median step time, s (lower is better)")
+        ax.set_title(f"{wl}: xla_fsdp (red) vs peers")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write(data: Dict, stem: str) -> None:
+    with open(stem + ".md", "w") as f:
+        f.write(markdown(data))
+    chart(data, stem + ".png")

@@ -1,0 +1,152 @@
+"""The benchmark suite: xla_fsdp against every peer, side by side, in one run.
+
+    python -m benchmarks.run [--quick] [--skip_scale] [--rounds N] [--workloads transformer,resnet18]
+
+Every measurement runs in a fresh process (:mod:`benchmarks.worker`). Contenders at one world size
+are run in alternating rounds (ours, peers, ours, ...) so slow drifts of this shared machine hit all
+of them alike; a figure is the median over every measured step of every round (step time = slowest
+rank). Writes ``benchmarks/results/<date>[-quick].json``, a Markdown table (``.md``) and a chart
+(``.png``); see :mod:`benchmarks.report`.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Dict, List, Optional
+
+from tqdm import tqdm
+
+from . import report
+from .workloads import FULL, QUICK
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+# (contender, world sizes); ours first in each group, peers after, as the issue lists them.
+PLAN = [
+    ("unwrapped", [1]), ("xla_fsdp", [1, 2, 4]), ("ddp", [2, 4]), ("fsdp1", [2, 4]), ("fsdp2", [2, 4]),
+    ("xla_plain", [1]), ("xla_fsdp_xla", [1, 2, 4]), ("torchxla_fsdp", [1, 2, 4]), ("torchxla_spmd", [4]),
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_one(contender: str, ws: int, workload, warmup: int, steps: int, timeout: int) -> Dict[str, Any]:
+    """One measurement in a fresh process; returns per-rank results or the failure."""
+    spec = {"contender": contender, "ws": ws, "workload": workload.describe(), "warmup": warmup,
+            "steps": steps, "port": _free_port()}
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=ROOT)
+    for key in ("PJRT_DEVICE", "CPU_NUM_DEVICES"):
+        env.pop(key, None)
+    with tempfile.TemporaryDirectory() as out:
+        t0 = time.time()
+        try:
+            proc = subprocess.run([sys.executable, "-m", "benchmarks.worker", json.dumps(spec), out], env=env,
+                                  cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+            error = None if proc.returncode == 0 else f"exit {proc.returncode}: {proc.stderr.strip()[-600:]}"
+        except subprocess.TimeoutExpired:
+            error = f"timed out after {timeout} s"
+        ranks = []
+        for name in sorted(os.listdir(out)):
+            with open(os.path.join(out, name)) as f:
+                ranks.append(json.load(f))
+    expected = 1 if contender in ("unwrapped", "torchxla_spmd") else ws
+    if error is None and len(ranks) != expected:
+        error = f"{len(ranks)} of {expected} rank results written"
+    return {"ranks": ranks, "error": error, "wall_s": time.time() - t0}
+
+
+def summarize(contender: str, ws: int, runs: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """Merge rounds: median over all measured steps of the per-step slowest rank."""
+    ok = [r for r in runs if r["error"] is None]
+    row: Dict[str, Any] = {"contender": contender, "ws": ws, "rounds": len(runs), "ok_rounds": len(ok)}
+    if not ok:
+        row["error"] = runs[-1]["error"] if runs else "not run"
+        return row
+    step_times = [max(t) for r in ok for t in zip(*[rank["times"] for rank in r["ranks"]])]
+    ranks = ok[-1]["ranks"]
+    param_bytes = ranks[0]["param_bytes"]
+    coll = [rank["collective_bytes_per_step"] for rank in ranks]
+    row.update({
+        "median_step_s": statistics.median(step_times), "step_times": step_times,
+        "losses": [statistics.fmean(x) for x in zip(*[rank["losses"] for rank in ranks])],
+        "state_bytes_max": max(rank["state_bytes"] for rank in ranks),
+        "param_bytes": param_bytes,
+        "peak_rss_mib_max": max(rank["peak_rss_mib"] for rank in ranks),
+        "collective_bytes_per_step": max(coll) if all(c is not None for c in coll) else None,
+        "compiles_warm": ranks[0]["compiles_warm"], "compiles_end": ranks[0]["compiles_end"],
+    })
+    return row
+
+
+def run_suite(args) -> Dict[str, Any]:
+    workloads = QUICK if args.quick else FULL
+    names = args.workloads.split(",")
+    warmup, steps = (2, 5) if args.quick else (3, 5)
+    rounds = args.rounds or (1 if args.quick else 2)
+    plan = [(c, [w for w in wss if w in args.world_sizes]) for c, wss in PLAN
+            if not args.contenders or c in args.contenders.split(",")]
+    jobs = [(wl, c, ws) for wl in names for c, wss in plan for ws in wss]
+    results: Dict[tuple, List] = {}
+    bar = tqdm(total=len(jobs) * rounds, desc="benchmarks", unit="run")
+    for _ in range(rounds):  # alternate: every contender once per round
+        for wl, c, ws in jobs:
+            bar.set_postfix_str(f"{wl} {c} ws{ws}")
+            results.setdefault((wl, c, ws), []).append(
+                run_one(c, ws, workloads[wl], warmup, steps, args.timeout))
+            bar.update()
+    bar.close()
+    out: Dict[str, Any] = {
+        "date": datetime.date.today().isoformat(), "quick": args.quick, "warmup": warmup, "steps": steps,
+        "rounds": rounds, "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
+        "workloads": {wl: workloads[wl].describe() for wl in names}, "rows": {},
+    }
+    for wl in names:
+        out["rows"][wl] = [summarize(c, ws, results[(wl, c, ws)]) for c, wss in plan for ws in wss]
+    return out
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small models, one round: under 5 minutes")
+    parser.add_argument("--workloads", default="transformer,resnet18")
+    parser.add_argument("--contenders", default="", help="comma-separated subset (default: all)")
+    parser.add_argument("--world_sizes", default="1,2,4", type=lambda s: [int(x) for x in s.split(",")])
+    parser.add_argument("--rounds", type=int, default=0, help="alternating rounds (default 2, quick 1)")
+    parser.add_argument("--timeout", type=int, default=900, help="seconds per measurement")
+    parser.add_argument("--skip_scale", action="store_true", help="skip the largest-model probe")
+    parser.add_argument("--skip_consolidation", action="store_true")
+    parser.add_argument("--out_dir", default=os.path.join(HERE, "results"))
+    args = parser.parse_args(argv)
+    data = run_suite(args)
+    if not args.skip_consolidation:
+        from .consolidation_memory import measure as consolidation
+        data["consolidation"] = consolidation(total_mb=200 if args.quick else 1200, world_size=4, tensor_mb=25
+                                              if args.quick else 50)
+    if not args.skip_scale and not args.quick:
+        from .scale import probe_all
+        data["scale"] = probe_all()
+    os.makedirs(args.out_dir, exist_ok=True)
+    stem = os.path.join(args.out_dir, data["date"] + ("-quick" if args.quick else ""))
+    with open(stem + ".json", "w") as f:
+        json.dump(data, f, indent=1)
+    report.write(data, stem)
+    print(open(stem + ".md").read())
+    print(f"wrote {stem}.json, {stem}.md, {stem}.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
