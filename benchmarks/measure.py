@@ -9,7 +9,7 @@ from typing import Dict
 
 import torch
 
-_COUNTS: Dict[int, int] = {}   # thread id -> bytes (XLA ranks are threads of one process)
+_COUNTS: Dict[str, int] = {}   # rank key -> bytes
 _LOCK = threading.Lock()
 _INSTALLED = False
 
@@ -20,22 +20,27 @@ def _nbytes(t) -> int:
     return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
 
 
-def _add(n: int) -> None:
-    with _LOCK:
-        key = threading.get_ident()
-        _COUNTS[key] = _COUNTS.get(key, 0) + n
+def _rank_key(tensor=None) -> str:
+    """XLA ranks are threads, and XLA backward runs on autograd's device threads: key XLA counts by
+    the tensor's device (one per rank); eager ranks are processes."""
+    if isinstance(tensor, (list, tuple)) and tensor:
+        tensor = tensor[0]
+    if isinstance(tensor, torch.Tensor) and tensor.device.type == "xla":
+        return str(tensor.device)
+    return "process"
 
 
-def _counting(fn, size):
+def _counting(fn, names, size):
+    """Wrap ``fn`` so every call adds ``size(**bound)`` bytes; ``names`` are its leading parameters."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        _add(size(*args, **kwargs))
+        bound = dict(zip(names, args))
+        bound.update({k: v for k, v in kwargs.items() if k in names})
+        n, key = size(bound)
+        with _LOCK:
+            _COUNTS[key] = _COUNTS.get(key, 0) + n
         return fn(*args, **kwargs)
     return wrapper
-
-
-def _group_size(groups, default: int) -> int:
-    return len(groups[0]) if groups else default
 
 
 def install_collective_counters() -> None:
@@ -43,31 +48,40 @@ def install_collective_counters() -> None:
     torch_xla's xla_model (all-gather: the gathered output; reduce-scatter: the input; all-reduce:
     the tensor). DDP's C++ reducer and SPMD's compiler-inserted collectives are not visible here."""
     global _INSTALLED
-    if _INSTALLED:
-        return
-    _INSTALLED = True
+    with _LOCK:
+        if _INSTALLED:
+            return
+        _INSTALLED = True
     import torch.distributed as dist
-    dist.all_gather_into_tensor = _counting(dist.all_gather_into_tensor, lambda out, inp, *a, **k: _nbytes(out))
-    dist.reduce_scatter_tensor = _counting(dist.reduce_scatter_tensor, lambda out, inp, *a, **k: _nbytes(inp))
-    dist.all_reduce = _counting(dist.all_reduce, lambda t, *a, **k: _nbytes(t))
+    dist.all_gather_into_tensor = _counting(dist.all_gather_into_tensor, ("output_tensor", "input_tensor"),
+                                            lambda b: (_nbytes(b.get("output_tensor")), "process"))
+    dist.reduce_scatter_tensor = _counting(dist.reduce_scatter_tensor, ("output", "input"),
+                                           lambda b: (_nbytes(b.get("input")), "process"))
+    dist.all_reduce = _counting(dist.all_reduce, ("tensor",), lambda b: (_nbytes(b.get("tensor")), "process"))
     try:
         import torch_xla.core.xla_model as xm
         import torch_xla.runtime as xr
     except ImportError:
         return
-    xm.all_gather = _counting(xm.all_gather, lambda value, dim=0, groups=None, *a, **k:
-                              _nbytes(value) * _group_size(groups, xr.world_size()))
-    xm.reduce_scatter = _counting(xm.reduce_scatter, lambda op, inp, *a, **k: _nbytes(inp))
-    xm.all_reduce = _counting(xm.all_reduce, lambda op, inputs, *a, **k: _nbytes(inputs))
+
+    def gathered(b):
+        groups = b.get("groups")
+        size = len(groups[0]) if groups else xr.world_size()
+        return _nbytes(b.get("value")) * size, _rank_key(b.get("value"))
+    xm.all_gather = _counting(xm.all_gather, ("value", "dim", "groups"), gathered)
+    xm.reduce_scatter = _counting(xm.reduce_scatter, ("reduce_type", "input"),
+                                  lambda b: (_nbytes(b.get("input")), _rank_key(b.get("input"))))
+    xm.all_reduce = _counting(xm.all_reduce, ("reduce_type", "inputs"),
+                              lambda b: (_nbytes(b.get("inputs")), _rank_key(b.get("inputs"))))
 
 
-def collective_bytes() -> int:
-    return _COUNTS.get(threading.get_ident(), 0)
+def collective_bytes(device=None) -> int:
+    return _COUNTS.get(_rank_key(torch.empty(0, device=device) if device is not None else None), 0)
 
 
-def reset_collective_bytes() -> None:
+def reset_collective_bytes(device=None) -> None:
     with _LOCK:
-        _COUNTS[threading.get_ident()] = 0
+        _COUNTS[_rank_key(torch.empty(0, device=device) if device is not None else None)] = 0
 
 
 def _tiles(t: torch.Tensor) -> int:

@@ -93,11 +93,17 @@ def summarize(contender: str, ws: int, runs: List[Dict[str, Any]]) -> Dict[str, 
 
 def run_suite(args) -> Dict[str, Any]:
     workloads = QUICK if args.quick else FULL
-    names = args.workloads.split(",")
+    names = (args.workloads or ("transformer" if args.quick else "transformer,resnet18")).split(",")
     warmup, steps = (2, 5) if args.quick else (3, 5)
     rounds = args.rounds or (1 if args.quick else 2)
-    plan = [(c, [w for w in wss if w in args.world_sizes]) for c, wss in PLAN
-            if not args.contenders or c in args.contenders.split(",")]
+    world_sizes = args.world_sizes or ([1, 2] if args.quick else [1, 2, 4])
+    plan = []
+    for c, wss in PLAN:
+        if args.contenders and c not in args.contenders.split(","):
+            continue
+        if c == "torchxla_spmd":  # SPMD at the largest world size of the run
+            wss = [max(world_sizes)] if max(world_sizes) > 1 else []
+        plan.append((c, [w for w in wss if w in world_sizes]))
     jobs = [(wl, c, ws) for wl in names for c, wss in plan for ws in wss]
     results: Dict[tuple, List] = {}
     bar = tqdm(total=len(jobs) * rounds, desc="benchmarks", unit="run")
@@ -120,10 +126,12 @@ def run_suite(args) -> Dict[str, Any]:
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="small models, one round: under 5 minutes")
-    parser.add_argument("--workloads", default="transformer,resnet18")
+    parser.add_argument("--quick", action="store_true",
+                        help="small transformer, world sizes 1 and 2, one round, no scale probe: under 5 minutes")
+    parser.add_argument("--workloads", default="", help="default: transformer,resnet18 (quick: transformer)")
     parser.add_argument("--contenders", default="", help="comma-separated subset (default: all)")
-    parser.add_argument("--world_sizes", default="1,2,4", type=lambda s: [int(x) for x in s.split(",")])
+    parser.add_argument("--world_sizes", default="", type=lambda s: [int(x) for x in s.split(",")] if s else [],
+                        help="default 1,2,4 (quick: 1,2)")
     parser.add_argument("--rounds", type=int, default=0, help="alternating rounds (default 2, quick 1)")
     parser.add_argument("--timeout", type=int, default=900, help="seconds per measurement")
     parser.add_argument("--skip_scale", action="store_true", help="skip the largest-model probe")
@@ -133,8 +141,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     data = run_suite(args)
     if not args.skip_consolidation:
         from .consolidation_memory import measure as consolidation
-        data["consolidation"] = consolidation(total_mb=200 if args.quick else 1200, world_size=4, tensor_mb=25
-                                              if args.quick else 50)
+        data["consolidation"] = consolidation(total_mb=1200, world_size=4, tensor_mb=50)
     if not args.skip_scale and not args.quick:
         from .scale import probe_all
         data["scale"] = probe_all()

@@ -31,7 +31,7 @@ def train_loop(model, opt, w: Workload, spec: Dict[str, Any], rank: int, device,
     compiles_warm = coll_warm = 0
     for step in range(warmup + steps):
         if step == warmup:
-            measure.reset_collective_bytes()
+            measure.reset_collective_bytes(device)
             compiles_warm = measure.xla_compiles()
         x, y = batch(w, step, rank, per_rank)
         barrier()
@@ -47,7 +47,7 @@ def train_loop(model, opt, w: Workload, spec: Dict[str, Any], rank: int, device,
         losses.append(value)
     return {
         "rank": rank, "times": times[warmup:], "losses": losses, "state_bytes": measure.state_bytes(model, opt),
-        "peak_rss_mib": measure.peak_rss_mib(), "collective_bytes_per_step": measure.collective_bytes() / steps,
+        "peak_rss_mib": measure.peak_rss_mib(), "collective_bytes_per_step": measure.collective_bytes(device) / steps,
         "compiles_warm": compiles_warm, "compiles_end": measure.xla_compiles(),
         "param_bytes": spec["param_bytes"],
     }

@@ -237,7 +237,8 @@ def _inner_units_freed(root: FSDP) -> bool:
 def _inner_units_kept(root: FSDP) -> bool:
     """ZeRO-2 / NO_SHARD: nested units keep their full parameters from forward to backward."""
     units = [m for m in root.modules() if isinstance(m, FSDP) and m is not root]
-    return bool(units) and all(g.is_unsharded() and g.comms.is_allocated(g.full) for u in units for g in u._groups)
+    return bool(units) and all(g.is_unsharded() and (g.comms.is_allocated(g.full) or g.comms.aliases_shard(g.full))
+                               for u in units for g in u._groups)
 
 
 def train_reference(name: str, world_size: int, init_state: Optional[dict] = None, steps: int = STEPS,

@@ -171,8 +171,8 @@ def test_checkpoint_module_runs_no_extra_gather(gloo, monkeypatch):
                 auto_wrapper_callable=lambda m, *a, **kw: FSDP(checkpoint_module(m), *a, **kw))
     calls = []
     comms = root.comms
-    original = comms.all_gather
-    monkeypatch.setattr(comms, "all_gather", lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    original = comms.gather_into
+    monkeypatch.setattr(comms, "gather_into", lambda *a, **kw: calls.append(1) or original(*a, **kw))
     x, y = models.batch("lm", 0, 0)
     models.loss_fn("lm", root(x), y).backward()
     groups = sum(len(u._groups) for u in root.modules() if isinstance(u, FSDP))

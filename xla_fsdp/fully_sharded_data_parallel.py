@@ -21,7 +21,7 @@ from torch.autograd import Variable
 
 from . import unit_init
 from .collectives import Collectives, global_rank_and_size, ranks_per_host, resolve_transport, select_collectives
-from .param_group import ParamGroup
+from .param_group import ParamGroup, reduce_together, unshard_together
 from .strategy import ShardingStrategy, parse_strategy, plan_groups
 from .wrap import recursive_wrap
 
@@ -303,6 +303,8 @@ class XlaFullyShardedDataParallel(nn.Module):
         self._require_backward_grad_sync = True
         self._pre_backward_done = False
         self._grads_reduced: set = set()
+        self._pending_grads: List[Tuple[ParamGroup, torch.Tensor]] = []  # coalesced reduce-scatter
+        self._num_grad_groups = sum(g.requires_grad for g in self._groups)
         # Gradients are averaged over every rank that computed one: the shard group and its replicas.
         data_parallel = self.world_size * self.comms.num_replicas
         self.gradient_predivide_factor = _default_predivide_factor(data_parallel)
@@ -444,7 +446,11 @@ class XlaFullyShardedDataParallel(nn.Module):
         return outputs
 
     def _unshard(self, backward: bool = False) -> None:
-        for group in self._groups:
+        pending = [g for g in self._groups if not g.is_unsharded()]
+        if self.comms.coalesces and len(pending) > 1:
+            unshard_together(pending, backward=backward)
+            return
+        for group in pending:
             group.unshard(backward=backward)
 
     def _reshard(self) -> None:
@@ -490,14 +496,36 @@ class XlaFullyShardedDataParallel(nn.Module):
         full.grad = None
         if self.optimization_barrier_in_backward:
             self.comms.optimization_barrier([grad])
+        if self.comms.coalesces and self._num_grad_groups > 1:
+            # Wait for the unit's other gradients, then reduce them all in one collective.
+            self._pending_grads.append((group, grad))
+            if len(self._pending_grads) == self._num_grad_groups:
+                self._reduce_pending()
+            return
         reduced = group.reduce_grad(grad, self.gradient_predivide_factor, self.gradient_postdivide_factor,
                                     self.fp32_reduce_scatter)
         group.accumulate_shard_grad(reduced)
         self._grads_reduced.add(id(group))
         group.reshard()
 
+    def _reduce_pending(self) -> None:
+        """Reduce-scatter the gradients waiting for their unit (all of them, or at the end of
+        backward those of parameters that got gradients while others of the unit did not)."""
+        if not self._pending_grads:
+            return
+        groups, grads = zip(*self._pending_grads)
+        self._pending_grads = []
+        reduced = reduce_together(list(groups), list(grads), self.gradient_predivide_factor,
+                                  self.gradient_postdivide_factor, self.fp32_reduce_scatter)
+        for group, shard_grad in zip(groups, reduced):
+            group.accumulate_shard_grad(shard_grad)
+            self._grads_reduced.add(id(group))
+            group.reshard()
+
     def _finalize_backward(self) -> None:
         """Runs once at the end of the root's backward: free what backward left gathered."""
+        for unit in self._units_in_tree:  # same order on every rank: collectives still pair up
+            unit._reduce_pending()
         for unit in self._units_in_tree:
             # Under no_sync a ZeRO-2 unit keeps its parameters for the next micro-batch.
             if unit._require_backward_grad_sync or unit.reshard_after_forward:

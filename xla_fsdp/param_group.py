@@ -129,21 +129,30 @@ class ParamGroup:
             for module, attr in ref.slots:
                 object.__setattr__(module, attr, value)
 
-    def reduce_grad(self, grad: torch.Tensor, pre_divide: float, post_divide: float,
-                    fp32_reduce_scatter: bool) -> torch.Tensor:
-        """Reduce-scatter a full gradient into this rank's fp32 shard gradient."""
+    def prepare_grad(self, grad: torch.Tensor, pre_divide: float, fp32_reduce_scatter: bool) -> torch.Tensor:
+        """The padded, pre-divided full gradient, ready to reduce-scatter."""
         padded = self._pad_grad(grad)
         if pre_divide != 1:
             padded = padded / pre_divide
         if fp32_reduce_scatter and padded.dtype != torch.float32:
             padded = padded.to(torch.float32)
-        reduced = self.comms.reduce_scatter(padded, self.channel_reduce)
-        reduced = self.comms.all_reduce_replicas(reduced, self.channel_replicas)
+        return padded
+
+    def finish_grad(self, reduced: torch.Tensor, post_divide: float) -> torch.Tensor:
+        """This rank's reduced block as an fp32 shard gradient."""
         if reduced.dtype != torch.float32:
             reduced = reduced.to(torch.float32)
         if post_divide != 1:
             reduced = reduced / post_divide
         return reduced.view(self.shard.shape)
+
+    def reduce_grad(self, grad: torch.Tensor, pre_divide: float, post_divide: float,
+                    fp32_reduce_scatter: bool) -> torch.Tensor:
+        """Reduce-scatter a full gradient into this rank's fp32 shard gradient."""
+        reduced = self.comms.reduce_scatter(self.prepare_grad(grad, pre_divide, fp32_reduce_scatter),
+                                            self.channel_reduce)
+        reduced = self.comms.all_reduce_replicas(reduced, self.channel_replicas)
+        return self.finish_grad(reduced, post_divide)
 
     def accumulate_shard_grad(self, reduced: torch.Tensor) -> None:
         if self.shard.grad is None:
@@ -158,3 +167,39 @@ class ParamGroup:
 
     def is_unsharded(self) -> bool:
         return self.state is ShardedState.UNSHARDED
+
+
+# --- several groups of one unit in one collective (fewer, larger messages) -------------------------
+def unshard_together(groups: List[ParamGroup], backward: bool = False) -> None:
+    """All-gather every group's shard with one collective: the shards are concatenated (cast to the
+    compute dtype), gathered as ``(world_size, total)`` and each group's columns copied into its full
+    parameter in rank order."""
+    comms = groups[0].comms
+    shards = [g.shard.detach().reshape(-1).to(g.compute_dtype) for g in groups]
+    gathered = comms.all_gather(torch.cat(shards), groups[0].channel_backward if backward else groups[0].channel_forward)
+    gathered = gathered.view(comms.world_size, -1)
+    offset = 0
+    for group, shard in zip(groups, shards):
+        n = shard.numel()
+        comms.fill_full(group.full, gathered[:, offset:offset + n], group.padded_shape, group._unpad)
+        offset += n
+        group.state = ShardedState.UNSHARDED
+        group.install()
+
+
+def reduce_together(groups: List[ParamGroup], grads: List[torch.Tensor], pre_divide: float,
+                    post_divide: float, fp32_reduce_scatter: bool) -> List[torch.Tensor]:
+    """Reduce-scatter the full gradients of several groups with one collective; returns each
+    group's fp32 shard gradient."""
+    comms = groups[0].comms
+    ws = comms.world_size
+    blocks = [g.prepare_grad(grad, pre_divide, fp32_reduce_scatter).reshape(ws, -1) for g, grad in zip(groups, grads)]
+    dtype = torch.float32 if any(b.dtype == torch.float32 for b in blocks) else blocks[0].dtype
+    reduced = comms.reduce_scatter(torch.cat([b.to(dtype) for b in blocks], dim=1).reshape(-1), groups[0].channel_reduce)
+    reduced = comms.all_reduce_replicas(reduced, groups[0].channel_replicas)
+    out, offset = [], 0
+    for group, block in zip(groups, blocks):
+        n = block.shape[1]
+        out.append(group.finish_grad(reduced[offset:offset + n], post_divide))
+        offset += n
+    return out

@@ -68,6 +68,16 @@ class Collectives(abc.ABC):
         """All-gather ``shard`` (cast to ``full.dtype``) into the padded ``padded_shape`` buffer and
         make ``full`` hold ``unpad(buffer)``."""
 
+    def fill_full(self, full: torch.Tensor, data: torch.Tensor, padded_shape: Tuple[int, ...],
+                  unpad: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Make ``full`` hold ``unpad(data)``, ``data`` being already-gathered padded values (in rank
+        order, any shape with ``prod(padded_shape)`` elements). Only transports that coalesce
+        collectives (:attr:`coalesces`) need it."""
+        raise NotImplementedError
+
+    #: whether a unit's groups share one all-gather and one reduce-scatter (see param_group)
+    coalesces: bool = False
+
     @abc.abstractmethod
     def free(self, full: torch.Tensor) -> None:
         """Release the memory behind ``full``; the next ``gather_into`` refills it."""
@@ -79,7 +89,11 @@ class Collectives(abc.ABC):
 
     @abc.abstractmethod
     def is_allocated(self, full: torch.Tensor) -> bool:
-        """Whether ``full`` currently holds gathered data (for memory checks and tests)."""
+        """Whether ``full`` currently holds gathered memory of its own (for memory checks and tests)."""
+
+    def aliases_shard(self, full: torch.Tensor) -> bool:
+        """Whether ``full`` is a view of the shard itself (one rank, no cast): nothing to free."""
+        return False
 
     def allocate_channels(self, count: int) -> int:
         """Reserve ``count`` consecutive channel ids; returns the first (0 where unused)."""

@@ -90,6 +90,16 @@ class TorchDistCollectives(Collectives):
 
     def gather_into(self, full: torch.Tensor, shard: torch.Tensor, channel: int,
                     padded_shape: Tuple[int, ...], unpad: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        if self.world_size == 1 and shard.dtype == full.dtype:
+            # One rank, no cast (NO_SHARD, world size 1): the full parameter *is* the shard's storage,
+            # so there is no copy and no second copy in memory; the optimizer's in-place updates
+            # of the shard show through.
+            source = unpad(shard.detach().view(padded_shape))
+            if not self.aliases_shard(full) or full.data_ptr() != source.data_ptr():
+                with torch.no_grad():
+                    full.set_(source.untyped_storage(), source.storage_offset(), source.shape, source.stride())
+                full._xla_fsdp_alias = True
+            return
         # Gather straight into the parameter's re-grown storage: views autograd saved during forward
         # share this storage, so they see the data again, and no extra full-size copy is made.
         storage = full.untyped_storage()
@@ -99,8 +109,26 @@ class TorchDistCollectives(Collectives):
         buffer = full.new_empty(0).set_(storage, 0, padded_shape)
         self.all_gather(shard.detach().to(full.dtype), channel, out=buffer)
 
+    @property
+    def coalesces(self) -> bool:  # type: ignore[override]
+        # Every gloo/NCCL collective has a fixed latency: one per unit instead of one per parameter.
+        return self.world_size > 1
+
+    def fill_full(self, full: torch.Tensor, data: torch.Tensor, padded_shape: Tuple[int, ...],
+                  unpad: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        storage = full.untyped_storage()
+        nbytes = math.prod(padded_shape) * full.element_size()
+        if storage.size() != nbytes:
+            storage.resize_(nbytes)
+        buffer = full.new_empty(0).set_(storage, 0, padded_shape)
+        buffer.view(data.shape).copy_(data)  # columns of the gathered (world_size, n) block
+
     def free(self, full: torch.Tensor) -> None:
-        full.untyped_storage().resize_(0)
+        if not self.aliases_shard(full):  # an alias owns nothing: resizing would free the shard
+            full.untyped_storage().resize_(0)
 
     def is_allocated(self, full: torch.Tensor) -> bool:
-        return full.untyped_storage().size() > 0
+        return not self.aliases_shard(full) and full.untyped_storage().size() > 0
+
+    def aliases_shard(self, full: torch.Tensor) -> bool:
+        return getattr(full, "_xla_fsdp_alias", False)

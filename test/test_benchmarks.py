@@ -1,0 +1,32 @@
+"""The benchmark suite runs end to end as a user runs it (small: two contenders at world size 2)
+and writes its JSON, Markdown table and chart; the figures themselves live in benchmarks/results."""
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_benchmark_run_writes_json_table_and_chart(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("PJRT_DEVICE", "CPU_NUM_DEVICES")}
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.run", "--quick", "--contenders", "xla_fsdp,fsdp2",
+                           "--world_sizes", "2", "--skip_consolidation", "--out_dir", str(tmp_path)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (json_path,) = tmp_path.glob("*-quick.json")
+    data = json.loads(json_path.read_text())
+    rows = {r["contender"]: r for r in data["rows"]["transformer"]}
+    assert set(rows) == {"xla_fsdp", "fsdp2"}
+    for row in rows.values():
+        assert "error" not in row, row.get("error")
+        assert row["median_step_s"] > 0 and len(row["step_times"]) == data["steps"]
+    ours = rows["xla_fsdp"]
+    ideal = ours["param_bytes"] * 4 / 2                      # params + grads + AdamW state, over 2 ranks
+    assert ideal <= ours["state_bytes_max"] <= 1.02 * ideal
+    assert 0 < ours["collective_bytes_per_step"] <= 3.05 * ours["param_bytes"]
+    # same data, same seed: both contenders start from the same loss
+    assert abs(ours["losses"][0] - rows["fsdp2"]["losses"][0]) < 1e-4
+    table = json_path.with_suffix(".md").read_text()
+    assert "| xla_fsdp | gloo | 2 |" in table and "## Targets" in table
+    assert json_path.with_suffix(".png").stat().st_size > 10_000
