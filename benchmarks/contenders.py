@@ -18,7 +18,9 @@ ALL = GLOO + XLA_THREADS + SPMD
 # The XLA FSDP settings of the anchor runs, for torch_xla's class and ours alike: barriers off
 # (torch_xla 2.9 aborts on nn.Embedding with them on XLA:CPU), unpinned collective layouts.
 XLA_KWARGS = dict(pin_layout_in_collective_ops=False, optimization_barrier_in_forward=False,
-                  optimization_barrier_in_backward=False)
+                  optimization_barrier_in_backward=False, flatten_parameters=True)
+# flatten_parameters=True is torch_xla's default (ours is False); given explicitly, both run one
+# flat parameter per unit, as FSDP1 (use_orig_params=False) does on gloo.
 
 
 def wrap_gloo(name: str, model: nn.Module, w: Workload, ws: int) -> nn.Module:
@@ -44,7 +46,7 @@ def wrap_gloo(name: str, model: nn.Module, w: Workload, ws: int) -> nn.Module:
     if name == "xla_fsdp":
         from xla_fsdp import XlaFullyShardedDataParallel
         from xla_fsdp.wrap import transformer_auto_wrap_policy
-        return XlaFullyShardedDataParallel(model, auto_wrap_policy=functools.partial(
+        return XlaFullyShardedDataParallel(model, flatten_parameters=True, auto_wrap_policy=functools.partial(
             transformer_auto_wrap_policy, transformer_layer_cls=classes))
     raise ValueError(name)
 

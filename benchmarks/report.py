@@ -29,8 +29,8 @@ def _fmt(x: Any, spec: str = ".3f") -> str:
 
 
 def ideal_bytes(row: Dict, kind: str) -> float:
-    ws = row["ws"] if row["contender"] in SHARDED else 1
-    return row["param_bytes"] * IDEAL_COPIES[kind] / ws
+    """total / N: what a rank would hold if all state were split evenly (DDP shows N x)."""
+    return row["param_bytes"] * IDEAL_COPIES[kind] / row["ws"]
 
 
 def targets(data: Dict) -> List[Tuple[str, str, Optional[float], str, bool]]:
@@ -79,11 +79,14 @@ def markdown(data: Dict) -> str:
              f"x {data['rounds']} alternating round(s) after {data['warmup']} warm-up steps; step time = slowest "
              "rank. `x ours` = this contender's median / xla_fsdp's at the same world size on the same transport "
              "(gloo: `xla_fsdp`, XLA:CPU: `xla_fsdp_xla`). State = params + grads + optimizer state per rank "
-             "(max over ranks); ideal = total / N for sharded contenders, total for unsharded ones.", ""]
+             "(max over ranks); ideal = total / N (so DDP shows N). SPMD runs one program for all devices: "
+             "one row per run, its collectives are inserted by the compiler (not counted).", ""]
     for wl, rows in data["rows"].items():
         kind = data["workloads"][wl]["kind"]
-        spec = data["workloads"][wl]
-        lines += [f"## {wl}", "", "`" + ", ".join(f"{k}={v}" for k, v in spec.items() if k != "name") + "`", "",
+        spec = {k: v for k, v in data["workloads"][wl].items()
+                if k in (("kind", "batch", "d_model", "layers", "heads", "vocab", "seq") if kind == "lm"
+                         else ("kind", "batch", "image", "classes"))}
+        lines += [f"## {wl}", "", "`" + ", ".join(f"{k}={v}" for k, v in spec.items()) + "` (batch per rank)", "",
                   "| contender | transport | ws | median step s | x ours | state MiB | / ideal | peak RSS MiB | "
                   "collective bytes / param bytes | new compiles after warm-up | last loss | status |",
                   "|---|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -119,8 +119,12 @@ class ParamGroup:
         """Point the module's attributes at the full data (views of the flat buffer if flattened)."""
         if self.flat:
             if self.state is ShardedState.UNSHARDED:
-                values = [self.full[off:off + n].view(shape) for off, n, shape in
-                          zip(self.layout.offsets, self.layout.numels, self.layout.shapes)]
+                # One split, not one slice per parameter: autograd then joins the gradients with a
+                # single concatenation instead of a full-size zero-filled buffer per parameter.
+                sizes = list(self.layout.numels)
+                padding = self.layout.padded_numel - sum(sizes)
+                chunks = torch.split(self.full, sizes + ([padding] if padding else []))
+                values = [c.view(shape) for c, shape in zip(chunks, self.layout.shapes)]
             else:
                 values = [None] * len(self.refs)
         else:
@@ -131,9 +135,9 @@ class ParamGroup:
 
     def prepare_grad(self, grad: torch.Tensor, pre_divide: float, fp32_reduce_scatter: bool) -> torch.Tensor:
         """The padded, pre-divided full gradient, ready to reduce-scatter."""
-        padded = self._pad_grad(grad)
+        padded = self._pad_grad(grad)  # the unit owns this gradient now: divide in place
         if pre_divide != 1:
-            padded = padded / pre_divide
+            padded.div_(pre_divide)
         if fp32_reduce_scatter and padded.dtype != torch.float32:
             padded = padded.to(torch.float32)
         return padded
@@ -143,7 +147,7 @@ class ParamGroup:
         if reduced.dtype != torch.float32:
             reduced = reduced.to(torch.float32)
         if post_divide != 1:
-            reduced = reduced / post_divide
+            reduced.div_(post_divide)
         return reduced.view(self.shard.shape)
 
     def reduce_grad(self, grad: torch.Tensor, pre_divide: float, post_divide: float,
