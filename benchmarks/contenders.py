@@ -19,8 +19,8 @@ ALL = GLOO + XLA_THREADS + SPMD
 # (torch_xla 2.9 aborts on nn.Embedding with them on XLA:CPU), unpinned collective layouts.
 XLA_KWARGS = dict(pin_layout_in_collective_ops=False, optimization_barrier_in_forward=False,
                   optimization_barrier_in_backward=False, flatten_parameters=True)
-# flatten_parameters=True is torch_xla's default (ours is False); given explicitly, both run one
-# flat parameter per unit, as FSDP1 (use_orig_params=False) does on gloo.
+# flatten_parameters=True for both (the default of both is False): one flat parameter per unit, as
+# FSDP1 (use_orig_params=False) runs on gloo; per-parameter collectives are slower for everyone here.
 
 
 def wrap_gloo(name: str, model: nn.Module, w: Workload, ws: int) -> nn.Module:
