@@ -1,9 +1,7 @@
 """xla_fsdp.config.from_accelerate: HF Accelerate / Transformers FSDP configs to wrapper keywords."""
-import tempfile
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from xla_fsdp import ShardingStrategy, XlaFullyShardedDataParallel as FSDP
@@ -76,14 +74,6 @@ class BertModel(nn.Module):
         for layer in self.encoder:
             x = layer(x)
         return self.classifier(torch.tanh(self.pooler(x[:, 0])))
-
-
-@pytest.fixture(scope="module")
-def gloo():
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"file://{tempfile.mktemp()}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_hf_guide_config_wraps_every_bert_layer(gloo, tmp_path):

@@ -1,25 +1,15 @@
 """Mixed precision: low-precision compute for every layer type, fp32 master shards, fp32
 reduce-scatter, buffer and output dtypes, and bf16 training tracking fp32 training."""
 import functools
-import tempfile
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
 import harness
 from xla_fsdp import XlaFullyShardedDataParallel as FSDP
 from xla_fsdp.wrap import lambda_auto_wrap_policy
-
-
-@pytest.fixture(scope="module")
-def gloo():
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"file://{tempfile.mktemp()}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 class Zoo(nn.Module):

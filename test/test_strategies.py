@@ -1,11 +1,9 @@
 """Sharding strategies: names and numbers, the rank groups they imply, keyword conflicts, and
 optimizer groups by original name. Multi-rank equivalence and bytes per strategy live in
 test_equivalence (configs ``strategy_*``, ``wd_groups_flat_lm_adamw``)."""
-import tempfile
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from hypothesis import given, strategies as st
 
@@ -13,14 +11,6 @@ import harness
 import models
 from xla_fsdp import ShardingStrategy, XlaFullyShardedDataParallel as FSDP
 from xla_fsdp.strategy import parse_strategy, plan_groups
-
-
-@pytest.fixture(scope="module")
-def gloo():
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"file://{tempfile.mktemp()}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_strategy_names_numbers_and_torch_enum():
