@@ -108,6 +108,10 @@ CONFIGS: Dict[str, Dict[str, Any]] = {  # noqa: E501
     "mp_bf16_lm_adamw": dict(model="lm", opt="adamw", equivalence=False, wrap=lambda m: FSDP(
         m, compute_dtype=torch.bfloat16, fp32_reduce_scatter=True, output_dtype=torch.float32,
         auto_wrap_policy=BLOCK_POLICY)),
+    # The unit order changes every step: prefetches by the last forward's order miss and must be
+    # drained (ZeRO-3 freeing checked every step).
+    "reorder_lm_adamw": dict(model="lm_reorder", opt="adamw", check_freed=True, wrap=lambda m: FSDP(
+        m, auto_wrap_policy=BLOCK_POLICY)),
     "clip_lm_sgd": dict(model="lm", opt="sgd", wrap=lambda m: FSDP(m, auto_wrap_policy=BLOCK_POLICY), clip=0.5),
 }
 NO_SYNC_MICRO = 2
@@ -182,6 +186,8 @@ def train_sharded(name: str, rank: int, device: torch.device, sync: Callable[[],
         opt.zero_grad()
         micro = cfg.get("micro", 1)
         step_loss = 0.0
+        if hasattr(model, "set_step"):
+            model.set_step(step)
         for k in range(micro):
             x, y = models.batch(cfg["model"], step * micro + k, rank, per_rank)
             x, y = x.to(device), y.to(device)
@@ -254,6 +260,8 @@ def train_reference(name: str, world_size: int, init_state: Optional[dict] = Non
         opt.zero_grad()
         micro = cfg.get("micro", 1)
         step_loss = 0.0
+        if hasattr(model, "set_step"):
+            model.set_step(step)
         for k in range(micro):
             rank_losses = []
             for r in range(world_size):

@@ -106,7 +106,25 @@ class TinyLM(nn.Module):
         return self.head(self.ln(x))
 
 
-MODELS = {"mlp": MLP, "tiny": TinyParams, "frozen": FrozenMLP, "tied": TiedMLP, "convbn": ConvBN, "lm": TinyLM}
+class ReorderLM(TinyLM):
+    """Three blocks, run in reverse order on odd steps (``set_step``): the order of units changes
+    from step to step, so prefetching by the previous forward's order guesses wrong."""
+
+    def __init__(self):
+        super().__init__(layers=3)
+        self.reverse = False
+
+    def set_step(self, step: int) -> None:
+        self.reverse = step % 2 == 1
+
+    def forward(self, ids):
+        x = self.emb(ids) + self.pos[: ids.shape[1]]
+        for blk in (reversed(self.blocks) if self.reverse else self.blocks):
+            x = blk(x)
+        return self.head(self.ln(x))
+
+
+MODELS = {"mlp": MLP, "tiny": TinyParams, "frozen": FrozenMLP, "tied": TiedMLP, "convbn": ConvBN, "lm": TinyLM, "lm_reorder": ReorderLM}
 
 
 def make_model(name: str, seed: int = 0) -> nn.Module:
@@ -119,7 +137,7 @@ def batch(name: str, step: int, rank: int, per_rank: int = 4):
     xs, ys = [], []
     for i in range(rank * per_rank, (rank + 1) * per_rank):
         g = torch.Generator().manual_seed(10_000 * step + i)
-        if name == "lm":
+        if name.startswith("lm"):
             ids = torch.randint(0, 32, (9,), generator=g)
             xs.append(ids[:-1])
             ys.append(ids[1:])
@@ -133,6 +151,6 @@ def batch(name: str, step: int, rank: int, per_rank: int = 4):
 
 
 def loss_fn(name: str, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    if name == "lm":
+    if name.startswith("lm"):
         return F.cross_entropy(out.reshape(-1, out.shape[-1]).float(), y.reshape(-1))
     return F.cross_entropy(out.float(), y)

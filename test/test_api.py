@@ -18,16 +18,6 @@ from xla_fsdp.state_dict import consolidate_sharded_state_dicts
 from xla_fsdp.wrap import enable_wrap, size_based_auto_wrap_policy, wrap
 
 
-@pytest.fixture(scope="module")
-def gloo():
-    """A one-rank gloo group in this process (multi-rank cases live in test_equivalence)."""
-    if not dist.is_initialized():
-        path = tempfile.mktemp()
-        dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def test_no_backend_initialized_is_a_clear_error(monkeypatch):
     monkeypatch.delenv("PJRT_DEVICE", raising=False)
     if dist.is_initialized():
@@ -171,8 +161,8 @@ def test_checkpoint_module_runs_no_extra_gather(gloo, monkeypatch):
                 auto_wrapper_callable=lambda m, *a, **kw: FSDP(checkpoint_module(m), *a, **kw))
     calls = []
     comms = root.comms
-    original = comms.gather_into
-    monkeypatch.setattr(comms, "gather_into", lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    original = comms.start_gather_into
+    monkeypatch.setattr(comms, "start_gather_into", lambda *a, **kw: calls.append(1) or original(*a, **kw))
     x, y = models.batch("lm", 0, 0)
     models.loss_fn("lm", root(x), y).backward()
     groups = sum(len(u._groups) for u in root.modules() if isinstance(u, FSDP))
@@ -251,3 +241,56 @@ def test_load_checks_the_checkpoint_matches_the_model(gloo, tmp_path):
     xla_fsdp.load_sharded_checkpoint(fresh, fresh_opt, prefix)
     for (k, v), (k2, v2) in zip(saved.state_dict().items(), fresh.state_dict().items()):
         assert k == k2 and torch.equal(v, v2)
+
+
+def _gather_events(monkeypatch, root):
+    """(event, unit name) for every gather started and waited for, in order."""
+    names = {id(u): n or "root" for n, u in root.named_modules() if isinstance(u, FSDP)}
+    events = []
+    start, finish = FSDP._start_unshard, FSDP._finish_unshard
+
+    def logged_start(unit, backward):
+        was = unit._unshard_in_flight
+        start(unit, backward)
+        if was is None and unit._unshard_in_flight is not None:
+            events.append(("start", names[id(unit)]))
+
+    def logged_finish(unit):
+        if unit._unshard_in_flight is not None:
+            events.append(("finish", names[id(unit)]))
+        finish(unit)
+    monkeypatch.setattr(FSDP, "_start_unshard", logged_start)
+    monkeypatch.setattr(FSDP, "_finish_unshard", logged_finish)
+    return events
+
+
+def _overlapped(events):
+    """Units whose gather was in flight while another unit's gather completed (it computed)."""
+    out = set()
+    for i, (kind, unit) in enumerate(events):
+        if kind == "start":
+            end = events.index(("finish", unit), i)
+            if any(k == "finish" and u != unit for k, u in events[i + 1:end]):
+                out.add(unit)
+    return out
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_next_unit_is_gathered_while_this_one_computes(gloo, monkeypatch, prefetch):
+    """From the second step on, each block's gather starts before the unit ahead of it computes,
+    in forward (successor) and backward (predecessor); prefetch=False gathers just in time."""
+    torch.manual_seed(0)
+    root = FSDP(models.TinyLM(layers=3), auto_wrap_policy=harness.BLOCK_POLICY, prefetch=prefetch)
+    blocks = {f"_fsdp_wrapped_module.blocks.{i}" for i in range(3)}
+    x, y = models.batch("lm", 0, 0)
+    models.loss_fn("lm", root(x), y).backward()  # step 1 records the order
+    events = _gather_events(monkeypatch, root)
+    models.loss_fn("lm", root(x), y).backward()
+    forward_end = events.index(("finish", "_fsdp_wrapped_module.blocks.2"))
+    forward, backward = events[:forward_end + 1], events[forward_end + 1:]
+    assert _overlapped(forward) == (blocks if prefetch else set())
+    # backward: blocks 1 and 0 are fetched while the block after them computes (block 2 was freed
+    # last in forward and is needed first)
+    assert _overlapped(backward) == ({"_fsdp_wrapped_module.blocks.0", "_fsdp_wrapped_module.blocks.1"}
+                                     if prefetch else set())
+    assert all(u._unshard_in_flight is None for u in root.modules() if isinstance(u, FSDP))

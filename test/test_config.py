@@ -83,7 +83,7 @@ def test_hf_guide_config_wraps_every_bert_layer(gloo, tmp_path):
     model = BertModel()
     settings = from_accelerate(str(path), model)
     assert settings.state_dict_type == "SHARDED_STATE_DICT"
-    assert settings.no_effect == {"backward_prefetch_policy": "BACKWARD_PRE"}
+    assert settings.no_effect == {} and settings.kwargs["prefetch"] is True
     wrapped = settings.wrap(model)
     units = {name: m for name, m in wrapped.named_modules() if isinstance(m, FSDP)}
     inner = {n for n in units if n}
@@ -118,6 +118,13 @@ def test_size_based_and_accelerate_mixed_precision(gloo):
     assert sum(isinstance(m, FSDP) for m in settings.wrap(model).modules()) > 1
 
 
+def test_no_prefetch_policy_turns_prefetching_off(gloo):
+    settings = from_accelerate({"fsdp_backward_prefetch": "NO_PREFETCH", "fsdp_forward_prefetch": False},
+                               BertModel())
+    assert settings.kwargs["prefetch"] is False and settings.no_effect == {"forward_prefetch": False}
+    assert not settings.wrap(BertModel()).prefetch
+
+
 @pytest.mark.parametrize("cfg, message", [
     ({"fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "fsdp_transformer_layer_cls_to_wrap": "BertLayr"},
      r"'BertLayr', which is no module class of this model. Did you mean \['BertLayer'\]"),
@@ -128,6 +135,7 @@ def test_size_based_and_accelerate_mixed_precision(gloo):
     ({"xla_fsdp_settings": {"flatten_params": True}}, r"unknown keyword 'flatten_params'.*flatten_parameters"),
     ({"xla_fsdp_v2": True}, "SPMD FSDPv2"),
     ({"xla_fsdp_grad_ckpt": True}, "set an fsdp_auto_wrap_policy too"),
+    ({"fsdp_backward_prefetch": "BACKWARD_FIRST"}, "fsdp_backward_prefetch 'BACKWARD_FIRST' is not one of"),
 ])
 def test_bad_configs_name_the_problem(cfg, message):
     with pytest.raises(ValueError, match=message):

@@ -76,12 +76,12 @@ def test_master_shards_keep_updates_below_low_precision_resolution(gloo):
 def test_fp32_reduce_scatter_reduces_in_fp32(gloo, fp32_reduce_scatter):
     model = FSDP(nn.Linear(4, 4), compute_dtype=torch.bfloat16, fp32_reduce_scatter=fp32_reduce_scatter)
     seen = []
-    original = model.comms.reduce_scatter
-    model.comms.reduce_scatter = lambda t, ch: seen.append(t.dtype) or original(t, ch)
+    original = model.comms.start_reduce_scatter
+    model.comms.start_reduce_scatter = lambda t, ch: seen.append(t.dtype) or original(t, ch)
     try:
         model(torch.ones(2, 4)).float().sum().backward()
     finally:
-        model.comms.reduce_scatter = original
+        model.comms.start_reduce_scatter = original
     assert seen and set(seen) == {torch.float32 if fp32_reduce_scatter else torch.bfloat16}
 
 

@@ -22,17 +22,18 @@ STATE_DICT_TYPES = ("FULL_STATE_DICT", "SHARDED_STATE_DICT", "LOCAL_STATE_DICT")
 AUTO_WRAP_POLICIES = ("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP")
 
 # Keys Accelerate writes that tune CUDA streams or PyTorch FSDP internals: nothing to do on XLA or in
-# this design (prefetch is the compiler's job; parameters are always the originals' shards).
+# this design (parameters are always the originals' shards; forward prefetching follows ``prefetch``).
 NO_EFFECT = {
-    "backward_prefetch", "backward_prefetch_policy", "forward_prefetch", "use_orig_params",
+    "forward_prefetch", "use_orig_params",
     "sync_module_states", "cpu_ram_efficient_loading", "limit_all_gathers", "version",
     "activation_checkpointing", "reshard_after_forward_policy",
 }
 KNOWN = {
     "auto_wrap_policy", "transformer_layer_cls_to_wrap", "min_num_params", "sharding_strategy",
     "state_dict_type", "offload_params", "xla", "xla_fsdp_settings", "xla_fsdp_grad_ckpt",
-    "xla_fsdp_v2", "reshard_after_forward", "_mixed_precision",
+    "xla_fsdp_v2", "reshard_after_forward", "_mixed_precision", "backward_prefetch", "backward_prefetch_policy",
 } | NO_EFFECT
+PREFETCH_POLICIES = ("BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH")
 
 
 @dataclass
@@ -157,6 +158,12 @@ def from_accelerate(cfg: Union[str, os.PathLike, Mapping[str, Any]], model: nn.M
         kwargs["sharding_strategy"] = parse_strategy(raw["sharding_strategy"])
     if "reshard_after_forward" in raw and "sharding_strategy" not in raw:
         kwargs["reshard_after_forward"] = bool(raw["reshard_after_forward"])
+    for key in ("backward_prefetch", "backward_prefetch_policy"):
+        if key in raw:  # either prefetch policy gathers ahead here (eager transports); XLA schedules itself
+            policy_name = str(raw[key] or "NO_PREFETCH").upper()
+            if policy_name not in PREFETCH_POLICIES:
+                raise ValueError(f"xla_fsdp: fsdp_{key} '{raw[key]}' is not one of {PREFETCH_POLICIES}")
+            kwargs["prefetch"] = policy_name != "NO_PREFETCH"
     kwargs.update(_xla_settings(raw.get("xla_fsdp_settings") or {}))
     if raw.get("xla_fsdp_grad_ckpt"):
         if "auto_wrap_policy" not in kwargs:

@@ -21,7 +21,7 @@ from torch.autograd import Variable
 
 from . import unit_init
 from .collectives import Collectives, global_rank_and_size, ranks_per_host, resolve_transport, select_collectives
-from .param_group import ParamGroup, reduce_together, unshard_together
+from .param_group import ParamGroup, ReduceInFlight, start_reduce, start_unshard
 from .strategy import ShardingStrategy, parse_strategy, plan_groups
 from .wrap import recursive_wrap
 
@@ -158,6 +158,10 @@ class XlaFullyShardedDataParallel(nn.Module):
             auto-wrapped children, e.g. to apply ``checkpoint_module`` first.
         param_init_fn: ``fn(module)`` materializing meta-device parameters; default is
             ``to_empty`` plus each submodule's ``reset_parameters()``.
+        prefetch: on eager transports (gloo/NCCL), start gathering the next unit's parameters
+            (in forward, and in backward the previous unit's, in the order of the last forward)
+            while this unit computes. Costs one more unit's full parameters in memory; XLA
+            schedules collectives itself, so it has no effect there.
         transport: ``'xla'`` or ``'torch'`` to override the automatic choice.
         _shard_size_multiple: pad flat shards to a multiple of this many elements per rank
             (default 128 on TPU, for all-gather efficiency; 1 elsewhere, to waste no memory).
@@ -203,6 +207,7 @@ class XlaFullyShardedDataParallel(nn.Module):
         hybrid_shard_size: Optional[int] = None,
         output_dtype: Optional[torch.dtype] = None,
         flatten_group_fn: Optional[Callable[[str, nn.Parameter], Any]] = None,
+        prefetch: bool = True,
     ):
         super().__init__()
         unit_init.validate_module(module)
@@ -240,7 +245,7 @@ class XlaFullyShardedDataParallel(nn.Module):
             _shard_size_multiple=_shard_size_multiple, _use_xla_patched_linear=_use_xla_patched_linear,
             _debug_msg=_debug_msg, _debug_print=_debug_print, transport=transport,
             sharding_strategy=sharding_strategy, hybrid_shard_size=hybrid_shard_size,
-            output_dtype=output_dtype, flatten_group_fn=flatten_group_fn)
+            output_dtype=output_dtype, flatten_group_fn=flatten_group_fn, prefetch=prefetch)
 
         transport = resolve_transport(transport)
         (self.sharding_strategy, reshard_after_forward, groups, shard_rank, shard_size,
@@ -260,6 +265,7 @@ class XlaFullyShardedDataParallel(nn.Module):
         self.compute_dtype = compute_dtype or torch.float32
         self.buffer_dtype = buffer_dtype or compute_dtype
         self.fp32_reduce_scatter = fp32_reduce_scatter
+        self.prefetch = prefetch and self.comms.overlaps
         self.sharding_groups = sharding_groups
         self._shard_param_on_dim_0 = shard_param_on_dim_0 and not flatten_parameters
         self.reduce_scatter_bucket_size_mb = reduce_scatter_bucket_size_mb
@@ -302,8 +308,12 @@ class XlaFullyShardedDataParallel(nn.Module):
         self._units_in_tree: List[XlaFullyShardedDataParallel] = []
         self._require_backward_grad_sync = True
         self._pre_backward_done = False
-        self._grads_reduced: set = set()
-        self._pending_grads: List[Tuple[ParamGroup, torch.Tensor]] = []  # coalesced reduce-scatter
+        self._pending_grads: List[Tuple[ParamGroup, torch.Tensor]] = []  # waiting for the unit's others
+        # Reduce-scatters started but not yet waited for; one list shared by the root's tree (set in
+        # _lazy_init) so they finish in the order they started, the same on every rank.
+        self._reduces_in_flight: List[ReduceInFlight] = []
+        self._schedule = _Schedule()  # shared by the root's tree too
+        self._unshard_in_flight: Optional[Callable[[], None]] = None  # a started (pre)fetch
         self._num_grad_groups = sum(g.requires_grad for g in self._groups)
         # Gradients are averaged over every rank that computed one: the shard group and its replicas.
         data_parallel = self.world_size * self.comms.num_replicas
@@ -408,6 +418,8 @@ class XlaFullyShardedDataParallel(nn.Module):
                     raise RuntimeError("xla_fsdp: a nested unit already ran as a root; call the "
                                        "outermost wrapper only")
                 unit._is_root = False
+            unit._reduces_in_flight = self._reduces_in_flight
+            unit._schedule = self._schedule
         if self.disable_reshard_on_root:
             self.reshard_after_forward = False
         self.comms.check_construction()
@@ -431,8 +443,16 @@ class XlaFullyShardedDataParallel(nn.Module):
             args, kwargs = _apply_to_tensors(cast, args), _apply_to_tensors(cast, kwargs)
         if self.optimization_barrier_in_forward:
             self.comms.optimization_barrier([g.shard for g in self._groups])
-        self._unshard(backward=in_backward)
+        if in_backward:
+            self._unshard(backward=True)
+        else:
+            if self._is_root:
+                self._schedule.recording = []
+            self._schedule.recording.append(self)
+            self._unshard(prefetch=self._prefetch_target(+1))
         outputs = self.module(*args, **kwargs)
+        if self._is_root and not in_backward:
+            self._schedule.end_forward(self._units_in_tree)
         if self.output_dtype is not None:
             outputs = _apply_to_tensors(
                 lambda t: t.to(self.output_dtype) if t.is_floating_point() else t, outputs)
@@ -445,13 +465,27 @@ class XlaFullyShardedDataParallel(nn.Module):
             outputs = self._register_pre_backward_hooks(outputs)
         return outputs
 
-    def _unshard(self, backward: bool = False) -> None:
-        pending = [g for g in self._groups if not g.is_unsharded()]
-        if self.comms.coalesces and len(pending) > 1:
-            unshard_together(pending, backward=backward)
-            return
-        for group in pending:
-            group.unshard(backward=backward)
+    def _unshard(self, backward: bool = False, prefetch: Optional["XlaFullyShardedDataParallel"] = None) -> None:
+        """Gather this unit's parameters; start ``prefetch``'s gather behind it before waiting."""
+        self._start_unshard(backward)
+        if prefetch is not None:
+            prefetch._start_unshard(backward)
+        self._finish_unshard()
+
+    def _start_unshard(self, backward: bool) -> None:
+        if self._unshard_in_flight is None:
+            pending = [g for g in self._groups if not g.is_unsharded()]
+            if pending:
+                self._unshard_in_flight = start_unshard(pending, backward=backward)
+
+    def _finish_unshard(self) -> None:
+        finish, self._unshard_in_flight = self._unshard_in_flight, None
+        if finish is not None:
+            finish()
+
+    def _prefetch_target(self, step: int) -> Optional["XlaFullyShardedDataParallel"]:
+        """The unit that ran ``step`` places after this one in the last forward (if prefetching)."""
+        return self._schedule.neighbour(self, step) if self.prefetch else None
 
     def _reshard(self) -> None:
         for group in self._groups:
@@ -482,7 +516,10 @@ class XlaFullyShardedDataParallel(nn.Module):
             # Make the re-gather depend on the incoming gradient, so XLA does not hoist every
             # unit's gather to the start of backward.
             self.comms.optimization_barrier([g.shard for g in self._groups] + [grad])
-        self._unshard(backward=True)
+        previous = self._prefetch_target(-1)
+        if previous is not None and previous._pre_backward_done:
+            previous = None  # its backward already ran (the root's, first): nothing left to gather for
+        self._unshard(backward=True, prefetch=previous)
 
     @torch.no_grad()
     def _on_full_grad_ready(self, group: ParamGroup, full: torch.Tensor) -> None:
@@ -496,41 +533,42 @@ class XlaFullyShardedDataParallel(nn.Module):
         full.grad = None
         if self.optimization_barrier_in_backward:
             self.comms.optimization_barrier([grad])
-        if self.comms.coalesces and self._num_grad_groups > 1:
-            # Wait for the unit's other gradients, then reduce them all in one collective.
-            self._pending_grads.append((group, grad))
-            if len(self._pending_grads) == self._num_grad_groups:
-                self._reduce_pending()
-            return
-        reduced = group.reduce_grad(grad, self.gradient_predivide_factor, self.gradient_postdivide_factor,
-                                    self.fp32_reduce_scatter)
-        group.accumulate_shard_grad(reduced)
-        self._grads_reduced.add(id(group))
-        group.reshard()
+        self._pending_grads.append((group, grad))
+        # Coalescing transports wait for the unit's other gradients and reduce them all in one collective.
+        if not self.comms.coalesces or len(self._pending_grads) == self._num_grad_groups:
+            self._reduce_pending()
 
     def _reduce_pending(self) -> None:
-        """Reduce-scatter the gradients waiting for their unit (all of them, or at the end of
-        backward those of parameters that got gradients while others of the unit did not)."""
+        """Start the reduce-scatter of the gradients waiting for their unit (all of them, or at the
+        end of backward those of parameters that got gradients while others of the unit did not),
+        free their full parameters, and finish the reduce-scatter started before it: one stays on
+        the wire while the next unit's backward computes."""
         if not self._pending_grads:
             return
         groups, grads = zip(*self._pending_grads)
         self._pending_grads = []
-        reduced = reduce_together(list(groups), list(grads), self.gradient_predivide_factor,
-                                  self.gradient_postdivide_factor, self.fp32_reduce_scatter)
-        for group, shard_grad in zip(groups, reduced):
-            group.accumulate_shard_grad(shard_grad)
-            self._grads_reduced.add(id(group))
+        started = start_reduce(list(groups), list(grads), self.gradient_predivide_factor,
+                               self.gradient_postdivide_factor, self.fp32_reduce_scatter)
+        for group in groups:
             group.reshard()
+        self._finish_reduces(keep=0)
+        self._reduces_in_flight.append(started)
+
+    def _finish_reduces(self, keep: int = 0) -> None:
+        """Wait for the oldest started reduce-scatters until ``keep`` are left."""
+        while len(self._reduces_in_flight) > keep:
+            self._reduces_in_flight.pop(0).finish()
 
     def _finalize_backward(self) -> None:
         """Runs once at the end of the root's backward: free what backward left gathered."""
         for unit in self._units_in_tree:  # same order on every rank: collectives still pair up
             unit._reduce_pending()
+        self._finish_reduces()
         for unit in self._units_in_tree:
+            unit._finish_unshard()  # a prefetch for a unit that did not run backward
             # Under no_sync a ZeRO-2 unit keeps its parameters for the next micro-batch.
             if unit._require_backward_grad_sync or unit.reshard_after_forward:
                 unit._reshard()
-            unit._grads_reduced.clear()
             unit._pre_backward_done = False
             unit.training_state = TrainingState.IDLE
         if self.sync_on_finalization:
@@ -621,6 +659,35 @@ class XlaFullyShardedDataParallel(nn.Module):
         """
         from .metadata import shard_metadata
         return shard_metadata(self)
+
+
+class _Schedule:
+    """The order in which the units under one root ran forward, for prefetching. Backward runs
+    them in reverse, so a unit prefetches its forward successor in forward and its predecessor in
+    backward. Every rank records the same order, so their collectives still pair up."""
+
+    def __init__(self) -> None:
+        self.recording: List[XlaFullyShardedDataParallel] = []
+        self._position: Dict[int, int] = {}
+        self._order: List[XlaFullyShardedDataParallel] = []
+
+    def end_forward(self, units: List["XlaFullyShardedDataParallel"]) -> None:
+        """The root's forward has returned: what was recorded becomes the order."""
+        self._order, self.recording = self.recording, []
+        self._position = {}
+        for index, unit in enumerate(self._order):
+            self._position.setdefault(id(unit), index)
+        for unit in units:  # gathers started for units that did not run after all
+            if unit._unshard_in_flight is not None:
+                unit._finish_unshard()
+                if unit.reshard_after_forward or not torch.is_grad_enabled():
+                    unit._reshard()
+
+    def neighbour(self, unit: "XlaFullyShardedDataParallel", step: int) -> Optional["XlaFullyShardedDataParallel"]:
+        index = self._position.get(id(unit))
+        if index is None or not 0 <= index + step < len(self._order):
+            return None
+        return self._order[index + step]
 
 
 def _hashable(value: Any) -> Any:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import List, Optional, Tuple, Union
+from typing import Callable, List, Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -101,12 +101,20 @@ class ParamGroup:
     # --- lifecycle ------------------------------------------------------------------------
     def unshard(self, backward: bool = False) -> None:
         """All-gather the shard into ``full`` (idempotent)."""
-        if self.state is ShardedState.UNSHARDED:
-            return
+        if self.state is not ShardedState.UNSHARDED:
+            self.start_unshard(backward)()
+
+    def start_unshard(self, backward: bool = False) -> Callable[[], None]:
+        """Begin the all-gather into ``full``; the returned function waits for it and hands the
+        data to the module."""
         channel = self.channel_backward if backward else self.channel_forward
-        self.comms.gather_into(self.full, self.shard, channel, self.padded_shape, self._unpad)
-        self.state = ShardedState.UNSHARDED
-        self.install()
+        wait = self.comms.start_gather_into(self.full, self.shard, channel, self.padded_shape, self._unpad)
+
+        def finish() -> None:
+            wait()
+            self.state = ShardedState.UNSHARDED
+            self.install()
+        return finish
 
     def reshard(self) -> None:
         """Free the full data; the shard stays."""
@@ -150,14 +158,6 @@ class ParamGroup:
             reduced.div_(post_divide)
         return reduced.view(self.shard.shape)
 
-    def reduce_grad(self, grad: torch.Tensor, pre_divide: float, post_divide: float,
-                    fp32_reduce_scatter: bool) -> torch.Tensor:
-        """Reduce-scatter a full gradient into this rank's fp32 shard gradient."""
-        reduced = self.comms.reduce_scatter(self.prepare_grad(grad, pre_divide, fp32_reduce_scatter),
-                                            self.channel_reduce)
-        reduced = self.comms.all_reduce_replicas(reduced, self.channel_replicas)
-        return self.finish_grad(reduced, post_divide)
-
     def accumulate_shard_grad(self, reduced: torch.Tensor) -> None:
         if self.shard.grad is None:
             self.shard.grad = reduced
@@ -174,36 +174,69 @@ class ParamGroup:
 
 
 # --- several groups of one unit in one collective (fewer, larger messages) -------------------------
-def unshard_together(groups: List[ParamGroup], backward: bool = False) -> None:
-    """All-gather every group's shard with one collective: the shards are concatenated (cast to the
-    compute dtype), gathered as ``(world_size, total)`` and each group's columns copied into its full
-    parameter in rank order."""
+def start_unshard(groups: List[ParamGroup], backward: bool = False) -> Callable[[], None]:
+    """Begin all-gathering a unit's groups; the returned function waits and installs them.
+
+    Transports that coalesce gather every group's shard with one collective: the shards are
+    concatenated (cast to the compute dtype), gathered as ``(world_size, total)`` and each group's
+    columns copied into its full parameter in rank order."""
     comms = groups[0].comms
+    if len(groups) == 1 or not comms.coalesces:
+        finishes = [g.start_unshard(backward) for g in groups]
+
+        def finish_each() -> None:
+            for finish in finishes:
+                finish()
+        return finish_each
     shards = [g.shard.detach().reshape(-1).to(g.compute_dtype) for g in groups]
-    gathered = comms.all_gather(torch.cat(shards), groups[0].channel_backward if backward else groups[0].channel_forward)
-    gathered = gathered.view(comms.world_size, -1)
-    offset = 0
-    for group, shard in zip(groups, shards):
-        n = shard.numel()
-        comms.fill_full(group.full, gathered[:, offset:offset + n], group.padded_shape, group._unpad)
-        offset += n
-        group.state = ShardedState.UNSHARDED
-        group.install()
+    channel = groups[0].channel_backward if backward else groups[0].channel_forward
+    wait = comms.start_all_gather(torch.cat(shards), channel)
+
+    def finish() -> None:
+        gathered = wait().view(comms.world_size, -1)
+        offset = 0
+        for group, shard in zip(groups, shards):
+            n = shard.numel()
+            comms.fill_full(group.full, gathered[:, offset:offset + n], group.padded_shape, group._unpad)
+            offset += n
+            group.state = ShardedState.UNSHARDED
+            group.install()
+    return finish
 
 
-def reduce_together(groups: List[ParamGroup], grads: List[torch.Tensor], pre_divide: float,
-                    post_divide: float, fp32_reduce_scatter: bool) -> List[torch.Tensor]:
-    """Reduce-scatter the full gradients of several groups with one collective; returns each
-    group's fp32 shard gradient."""
+class ReduceInFlight:
+    """A started reduce-scatter of one unit's gradients. :meth:`finish` waits for it, sums over
+    replicas, divides and accumulates every group's block into its shard gradient."""
+
+    def __init__(self, groups: List[ParamGroup], widths: List[int], wait: Callable[[], torch.Tensor],
+                 post_divide: float):
+        self.groups, self.widths, self.wait, self.post_divide = groups, widths, wait, post_divide
+
+    def finish(self) -> None:
+        group0 = self.groups[0]
+        reduced = group0.comms.all_reduce_replicas(self.wait(), group0.channel_replicas)
+        if len(self.groups) == 1:
+            group0.accumulate_shard_grad(group0.finish_grad(reduced, self.post_divide))
+            return
+        reduced = reduced.reshape(-1)
+        offset = 0
+        for group, n in zip(self.groups, self.widths):
+            group.accumulate_shard_grad(group.finish_grad(reduced[offset:offset + n], self.post_divide))
+            offset += n
+
+
+def start_reduce(groups: List[ParamGroup], grads: List[torch.Tensor], pre_divide: float,
+                 post_divide: float, fp32_reduce_scatter: bool) -> ReduceInFlight:
+    """Start one reduce-scatter for the full gradients of a unit's groups (several groups'
+    padded gradients side by side, as ``(world_size, total)`` columns, so each rank's block holds
+    its block of every group)."""
     comms = groups[0].comms
-    ws = comms.world_size
-    blocks = [g.prepare_grad(grad, pre_divide, fp32_reduce_scatter).reshape(ws, -1) for g, grad in zip(groups, grads)]
+    padded = [g.prepare_grad(grad, pre_divide, fp32_reduce_scatter) for g, grad in zip(groups, grads)]
+    if len(groups) == 1:
+        return ReduceInFlight(groups, [padded[0].numel() // comms.world_size],
+                              comms.start_reduce_scatter(padded[0], groups[0].channel_reduce), post_divide)
+    blocks = [p.reshape(comms.world_size, -1) for p in padded]
     dtype = torch.float32 if any(b.dtype == torch.float32 for b in blocks) else blocks[0].dtype
-    reduced = comms.reduce_scatter(torch.cat([b.to(dtype) for b in blocks], dim=1).reshape(-1), groups[0].channel_reduce)
-    reduced = comms.all_reduce_replicas(reduced, groups[0].channel_replicas)
-    out, offset = [], 0
-    for group, block in zip(groups, blocks):
-        n = block.shape[1]
-        out.append(group.finish_grad(reduced[offset:offset + n], post_divide))
-        offset += n
-    return out
+    joined = torch.cat([b.to(dtype) for b in blocks], dim=1).reshape(-1)
+    return ReduceInFlight(groups, [b.shape[1] for b in blocks],
+                          comms.start_reduce_scatter(joined, groups[0].channel_reduce), post_divide)

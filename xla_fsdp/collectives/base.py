@@ -53,6 +53,20 @@ class Collectives(abc.ABC):
     def reduce_scatter(self, full: torch.Tensor, channel: int) -> torch.Tensor:
         """Sum ``full`` over ranks and return this rank's equal dim-0 block of the sum."""
 
+    def start_all_gather(self, shard: torch.Tensor, channel: int) -> Callable[[], torch.Tensor]:
+        """Begin :meth:`all_gather`; the returned function waits for it and returns the result
+        (at once on lazy transports, see :meth:`start_reduce_scatter`)."""
+        result = self.all_gather(shard, channel)
+        return lambda: result
+
+    def start_reduce_scatter(self, full: torch.Tensor, channel: int) -> Callable[[], torch.Tensor]:
+        """Begin :meth:`reduce_scatter`; the returned function waits for it and returns the block.
+
+        Eager transports return at once so the rest of backward computes while the gradient is
+        on the wire (as DDP's buckets do); lazy ones (XLA) leave the scheduling to the compiler."""
+        block = self.reduce_scatter(full, channel)
+        return lambda: block
+
     @abc.abstractmethod
     def all_reduce_sum(self, tensor: torch.Tensor, channel: int) -> torch.Tensor:
         """Sum a small tensor over the sharding group (used for gradient norms)."""
@@ -67,6 +81,17 @@ class Collectives(abc.ABC):
                     padded_shape: Tuple[int, ...], unpad: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """All-gather ``shard`` (cast to ``full.dtype``) into the padded ``padded_shape`` buffer and
         make ``full`` hold ``unpad(buffer)``."""
+
+    def start_gather_into(self, full: torch.Tensor, shard: torch.Tensor, channel: int,
+                          padded_shape: Tuple[int, ...],
+                          unpad: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[], object]:
+        """Begin :meth:`gather_into`; ``full`` may be read only after the returned function ran."""
+        self.gather_into(full, shard, channel, padded_shape, unpad)
+        return lambda: None
+
+    #: whether collectives run in the background while the caller computes (eager transports):
+    #: then units prefetch the next unit's parameters
+    overlaps: bool = False
 
     def fill_full(self, full: torch.Tensor, data: torch.Tensor, padded_shape: Tuple[int, ...],
                   unpad: Callable[[torch.Tensor], torch.Tensor]) -> None:

@@ -26,6 +26,15 @@ def _my_group(groups: Optional[Sequence[Sequence[int]]], what: str):
     return mine, [list(g) for g in groups]
 
 
+def _waiter(work, result: torch.Tensor, source: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """The wait function of an async collective; it keeps ``source`` alive until the data has left."""
+    def wait() -> torch.Tensor:
+        work.wait()
+        return result
+    wait.source = source  # type: ignore[attr-defined]
+    return wait
+
+
 class TorchDistCollectives(Collectives):
     """Eager collectives; full parameters are freed by shrinking their storage to zero bytes so
     every view autograd saved sees the data again once it is re-gathered into the same storage."""
@@ -56,19 +65,29 @@ class TorchDistCollectives(Collectives):
         return self._device
 
     def all_gather(self, shard: torch.Tensor, channel: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return self._start_all_gather(shard, out)()
+
+    def start_all_gather(self, shard: torch.Tensor, channel: int) -> Callable[[], torch.Tensor]:
+        return self._start_all_gather(shard, None)
+
+    def _start_all_gather(self, shard: torch.Tensor, out: Optional[torch.Tensor]) -> Callable[[], torch.Tensor]:
         if self.world_size == 1:  # NO_SHARD: nothing to exchange
-            return out.copy_(shard) if out is not None else shard.clone()
+            result = out.copy_(shard) if out is not None else shard.clone()
+            return lambda: result
         if out is None:
             out = shard.new_empty((shard.shape[0] * self.world_size,) + tuple(shard.shape[1:]))
-        dist.all_gather_into_tensor(out, shard.contiguous(), group=self.group)
-        return out
+        source = shard.contiguous()
+        return _waiter(dist.all_gather_into_tensor(out, source, group=self.group, async_op=True), out, source)
 
     def reduce_scatter(self, full: torch.Tensor, channel: int) -> torch.Tensor:
+        return self.start_reduce_scatter(full, channel)()
+
+    def start_reduce_scatter(self, full: torch.Tensor, channel: int) -> Callable[[], torch.Tensor]:
         if self.world_size == 1:
-            return full
+            return lambda: full
         out = full.new_empty((full.shape[0] // self.world_size,) + tuple(full.shape[1:]))
-        dist.reduce_scatter_tensor(out, full.contiguous(), group=self.group)
-        return out
+        source = full.contiguous()
+        return _waiter(dist.reduce_scatter_tensor(out, source, group=self.group, async_op=True), out, source)
 
     def all_reduce_sum(self, tensor: torch.Tensor, channel: int) -> torch.Tensor:
         tensor = tensor.clone()
@@ -90,6 +109,11 @@ class TorchDistCollectives(Collectives):
 
     def gather_into(self, full: torch.Tensor, shard: torch.Tensor, channel: int,
                     padded_shape: Tuple[int, ...], unpad: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.start_gather_into(full, shard, channel, padded_shape, unpad)()
+
+    def start_gather_into(self, full: torch.Tensor, shard: torch.Tensor, channel: int,
+                          padded_shape: Tuple[int, ...],
+                          unpad: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[], object]:
         if self.world_size == 1 and shard.dtype == full.dtype:
             # One rank, no cast (NO_SHARD, world size 1): the full parameter *is* the shard's storage,
             # so there is no copy and no second copy in memory; the optimizer's in-place updates
@@ -99,7 +123,7 @@ class TorchDistCollectives(Collectives):
                 with torch.no_grad():
                     full.set_(source.untyped_storage(), source.storage_offset(), source.shape, source.stride())
                 full._xla_fsdp_alias = True
-            return
+            return lambda: None
         # Gather straight into the parameter's re-grown storage: views autograd saved during forward
         # share this storage, so they see the data again, and no extra full-size copy is made.
         storage = full.untyped_storage()
@@ -107,7 +131,9 @@ class TorchDistCollectives(Collectives):
         if storage.size() != nbytes:
             storage.resize_(nbytes)
         buffer = full.new_empty(0).set_(storage, 0, padded_shape)
-        self.all_gather(shard.detach().to(full.dtype), channel, out=buffer)
+        return self._start_all_gather(shard.detach().to(full.dtype), buffer)
+
+    overlaps = True  # gloo/NCCL run collectives on their own threads/streams
 
     @property
     def coalesces(self) -> bool:  # type: ignore[override]
