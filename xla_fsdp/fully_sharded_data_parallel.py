@@ -551,12 +551,12 @@ class XlaFullyShardedDataParallel(nn.Module):
                                self.gradient_postdivide_factor, self.fp32_reduce_scatter)
         for group in groups:
             group.reshard()
-        self._finish_reduces(keep=0)
+        self._finish_reduces()
         self._reduces_in_flight.append(started)
 
-    def _finish_reduces(self, keep: int = 0) -> None:
-        """Wait for the oldest started reduce-scatters until ``keep`` are left."""
-        while len(self._reduces_in_flight) > keep:
+    def _finish_reduces(self) -> None:
+        """Wait for the started reduce-scatters, oldest first, and accumulate their shard gradients."""
+        while self._reduces_in_flight:
             self._reduces_in_flight.pop(0).finish()
 
     def _finalize_backward(self) -> None:
