@@ -20,8 +20,9 @@ import torch.nn as nn
 from torch.autograd import Variable
 
 from . import unit_init
-from .collectives import Collectives, global_rank_and_size, ranks_per_host, resolve_transport, select_collectives
+from .collectives import Collectives, global_rank_and_size, ranks_per_host, resolve_transport, shared_collectives
 from .param_group import ParamGroup, ReduceInFlight, start_reduce, start_unshard
+from .schedule import Schedule
 from .strategy import ShardingStrategy, parse_strategy, plan_groups
 from .wrap import recursive_wrap
 
@@ -35,21 +36,6 @@ class TrainingState(enum.Enum):
     FORWARD = "forward"
     BACKWARD_PRE = "backward_pre"
     BACKWARD_POST = "backward_post"
-
-
-_COMMS_CACHE: Dict[Tuple, Collectives] = {}
-
-
-def _collectives_for(transport, groups, rank, world_size, pin_layout, replica_groups) -> Collectives:
-    """One collectives object per (transport, grouping), shared by the units of a model."""
-    import threading
-    key = (threading.get_ident(), transport, tuple(map(tuple, groups or [])), rank, world_size, pin_layout,
-           tuple(map(tuple, replica_groups or [])))
-    comms = _COMMS_CACHE.get(key)
-    if comms is None:
-        comms = select_collectives(transport, groups, rank, world_size, pin_layout, replica_groups)
-        _COMMS_CACHE[key] = comms
-    return comms
 
 
 def _plan(strategy: Optional[Any], reshard_after_forward: Optional[bool], transport: str,
@@ -251,7 +237,7 @@ class XlaFullyShardedDataParallel(nn.Module):
         (self.sharding_strategy, reshard_after_forward, groups, shard_rank, shard_size,
          replica_groups) = _plan(sharding_strategy, reshard_after_forward, transport, sharding_groups,
                                  sharding_rank, sharding_world_size, hybrid_shard_size)
-        self.comms = _collectives_for(transport, groups, shard_rank, shard_size,
+        self.comms = shared_collectives(transport, groups, shard_rank, shard_size,
                                       pin_layout_in_collective_ops, replica_groups)
         self.rank, self.world_size = self.comms.rank, self.comms.world_size
         self.reshard_after_forward = reshard_after_forward
@@ -312,7 +298,7 @@ class XlaFullyShardedDataParallel(nn.Module):
         # Reduce-scatters started but not yet waited for; one list shared by the root's tree (set in
         # _lazy_init) so they finish in the order they started, the same on every rank.
         self._reduces_in_flight: List[ReduceInFlight] = []
-        self._schedule = _Schedule()  # shared by the root's tree too
+        self._schedule = Schedule()  # shared by the root's tree too
         self._unshard_in_flight: Optional[Callable[[], None]] = None  # a started (pre)fetch
         self._num_grad_groups = sum(g.requires_grad for g in self._groups)
         # Gradients are averaged over every rank that computed one: the shard group and its replicas.
@@ -659,35 +645,6 @@ class XlaFullyShardedDataParallel(nn.Module):
         """
         from .metadata import shard_metadata
         return shard_metadata(self)
-
-
-class _Schedule:
-    """The order in which the units under one root ran forward, for prefetching. Backward runs
-    them in reverse, so a unit prefetches its forward successor in forward and its predecessor in
-    backward. Every rank records the same order, so their collectives still pair up."""
-
-    def __init__(self) -> None:
-        self.recording: List[XlaFullyShardedDataParallel] = []
-        self._position: Dict[int, int] = {}
-        self._order: List[XlaFullyShardedDataParallel] = []
-
-    def end_forward(self, units: List["XlaFullyShardedDataParallel"]) -> None:
-        """The root's forward has returned: what was recorded becomes the order."""
-        self._order, self.recording = self.recording, []
-        self._position = {}
-        for index, unit in enumerate(self._order):
-            self._position.setdefault(id(unit), index)
-        for unit in units:  # gathers started for units that did not run after all
-            if unit._unshard_in_flight is not None:
-                unit._finish_unshard()
-                if unit.reshard_after_forward or not torch.is_grad_enabled():
-                    unit._reshard()
-
-    def neighbour(self, unit: "XlaFullyShardedDataParallel", step: int) -> Optional["XlaFullyShardedDataParallel"]:
-        index = self._position.get(id(unit))
-        if index is None or not 0 <= index + step < len(self._order):
-            return None
-        return self._order[index + step]
 
 
 def _hashable(value: Any) -> Any:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import os
-from typing import Optional, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 from .base import Collectives
 from .torch_dist import TorchDistCollectives
@@ -71,3 +71,18 @@ def select_collectives(transport: Optional[str] = None,
 
 __all__ = ["Collectives", "TorchDistCollectives", "global_rank_and_size", "ranks_per_host",
            "resolve_transport", "select_collectives"]
+
+
+_SHARED: Dict[Tuple, Collectives] = {}
+
+
+def shared_collectives(transport: str, groups, rank, world_size, pin_layout: bool, replica_groups) -> Collectives:
+    """One collectives object per (thread, transport, grouping), shared by the units of a model
+    (XLA:CPU ranks are threads of one process, so the thread is part of the key)."""
+    import threading
+    key = (threading.get_ident(), transport, tuple(map(tuple, groups or [])), rank, world_size, pin_layout,
+           tuple(map(tuple, replica_groups or [])))
+    comms = _SHARED.get(key)
+    if comms is None:
+        comms = _SHARED[key] = select_collectives(transport, groups, rank, world_size, pin_layout, replica_groups)
+    return comms

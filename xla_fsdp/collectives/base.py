@@ -93,12 +93,11 @@ class Collectives(abc.ABC):
     #: then units prefetch the next unit's parameters
     overlaps: bool = False
 
+    @abc.abstractmethod
     def fill_full(self, full: torch.Tensor, data: torch.Tensor, padded_shape: Tuple[int, ...],
                   unpad: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Make ``full`` hold ``unpad(data)``, ``data`` being already-gathered padded values (in rank
-        order, any shape with ``prod(padded_shape)`` elements). Only transports that coalesce
-        collectives (:attr:`coalesces`) need it."""
-        raise NotImplementedError
+        order, any shape with ``prod(padded_shape)`` elements)."""
 
     #: whether a unit's groups share one all-gather and one reduce-scatter (see param_group)
     coalesces: bool = False

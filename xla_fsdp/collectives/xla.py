@@ -233,10 +233,13 @@ class XlaCollectives(Collectives):
 
     def gather_into(self, full: torch.Tensor, shard: torch.Tensor, channel: int,
                     padded_shape: Tuple[int, ...], unpad: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.fill_full(full, self.all_gather(shard.detach().to(full.dtype), channel), padded_shape, unpad)
+
+    def fill_full(self, full: torch.Tensor, data: torch.Tensor, padded_shape: Tuple[int, ...],
+                  unpad: Callable[[torch.Tensor], torch.Tensor]) -> None:
         import torch_xla
 
-        gathered = self.all_gather(shard.detach().to(full.dtype), channel).view(padded_shape)
-        torch_xla._XLAC._replace_xla_tensor(full, unpad(gathered))
+        torch_xla._XLAC._replace_xla_tensor(full, unpad(data.reshape(padded_shape)))
         full._xla_fsdp_freed = False
 
     def free(self, full: torch.Tensor) -> None:

@@ -1,0 +1,38 @@
+"""The order in which a root's units run forward, which prefetching follows."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Dict, List, Optional
+
+import torch
+
+if TYPE_CHECKING:
+    from .fully_sharded_data_parallel import XlaFullyShardedDataParallel
+
+
+class Schedule:
+    """The order in which the units under one root ran forward, for prefetching. Backward runs
+    them in reverse, so a unit prefetches its forward successor in forward and its predecessor in
+    backward. Every rank records the same order, so their collectives still pair up."""
+
+    def __init__(self) -> None:
+        self.recording: List[XlaFullyShardedDataParallel] = []
+        self._position: Dict[int, int] = {}
+        self._order: List[XlaFullyShardedDataParallel] = []
+
+    def end_forward(self, units: List["XlaFullyShardedDataParallel"]) -> None:
+        """The root's forward has returned: what was recorded becomes the order."""
+        self._order, self.recording = self.recording, []
+        self._position = {}
+        for index, unit in enumerate(self._order):
+            self._position.setdefault(id(unit), index)
+        for unit in units:  # gathers started for units that did not run after all
+            if unit._unshard_in_flight is not None:
+                unit._finish_unshard()
+                if unit.reshard_after_forward or not torch.is_grad_enabled():
+                    unit._reshard()
+
+    def neighbour(self, unit: "XlaFullyShardedDataParallel", step: int) -> Optional["XlaFullyShardedDataParallel"]:
+        index = self._position.get(id(unit))
+        if index is None or not 0 <= index + step < len(self._order):
+            return None
+        return self._order[index + step]
