@@ -13,21 +13,23 @@ import contextlib
 import enum
 import functools
 import warnings
-from typing import Any, Callable, Dict, Generator, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Generator, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
 from torch.autograd import Variable
+from torch.utils._pytree import tree_map_only
 
-from . import unit_init
-from .collectives import Collectives, global_rank_and_size, ranks_per_host, resolve_transport, shared_collectives
+from . import param_names, unit_init
+from .collectives import Collectives, resolve_transport, shared_collectives
+from .param_names import WRAPPED, flat_parts
+from .sharding import default_predivide_factor
 from .param_group import ParamGroup, ReduceInFlight, start_reduce, start_unshard
 from .schedule import Schedule
-from .strategy import ShardingStrategy, parse_strategy, plan_groups
+from .strategy import plan_for_unit
 from .wrap import recursive_wrap
 
 SHARD_SEPARATOR = "_FSDP_SHARD_SEPARATOR_"
-WRAPPED = "_fsdp_wrapped_module"
 METADATA_VERSION = 1
 
 
@@ -36,55 +38,6 @@ class TrainingState(enum.Enum):
     FORWARD = "forward"
     BACKWARD_PRE = "backward_pre"
     BACKWARD_POST = "backward_post"
-
-
-def _plan(strategy: Optional[Any], reshard_after_forward: Optional[bool], transport: str,
-          sharding_groups, sharding_rank, sharding_world_size, hybrid_shard_size):
-    """(strategy, reshard_after_forward, shard groups, shard rank, shard size, replica groups).
-
-    Without ``sharding_strategy`` the torch_xla keywords keep their meaning: ``reshard_after_forward``
-    picks ZeRO-3/ZeRO-2 and ``sharding_groups`` shards within groups with no cross-group reduction
-    (model-parallel layouts reduce across groups themselves)."""
-    if strategy is None:
-        raf = True if reshard_after_forward is None else reshard_after_forward
-        chosen = ShardingStrategy.FULL_SHARD if raf else ShardingStrategy.SHARD_GRAD_OP
-        return chosen, raf, sharding_groups, sharding_rank, sharding_world_size, None
-    chosen = parse_strategy(strategy)
-    if reshard_after_forward is not None and reshard_after_forward != chosen.reshard_after_forward:
-        raise ValueError(f"xla_fsdp: reshard_after_forward={reshard_after_forward} contradicts "
-                         f"sharding_strategy={chosen.name}; give one of them")
-    if sharding_groups is not None and not chosen.is_hybrid:
-        raise ValueError(f"xla_fsdp: sharding_groups only combine with HYBRID_SHARD/HYBRID_SHARD_ZERO2 "
-                         f"(got {chosen.name}); leave sharding_strategy unset for torch_xla's meaning")
-    rank, world = global_rank_and_size(transport)
-    if chosen.is_hybrid and sharding_groups is None and hybrid_shard_size is None:
-        hybrid_shard_size = ranks_per_host(transport)
-    plan = plan_groups(chosen, world, rank, hybrid_shard_size, sharding_groups)
-    if sharding_world_size is not None and (sharding_world_size, sharding_rank) != (plan.shard_size, plan.shard_rank):
-        raise ValueError(f"xla_fsdp: sharding_rank/sharding_world_size {sharding_rank}/{sharding_world_size} do "
-                         f"not match this rank's place {plan.shard_rank}/{plan.shard_size} in {plan.shard_groups}")
-    groups = plan.shard_groups if len(plan.shard_groups) > 1 else None
-    return (chosen, chosen.reshard_after_forward, groups, plan.shard_rank if groups else None,
-            plan.shard_size if groups else None, plan.replica_groups or None)
-
-
-def _apply_to_tensors(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, dict):
-        return {k: _apply_to_tensors(fn, v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
-        return type(obj)(_apply_to_tensors(fn, v) for v in obj)
-    if isinstance(obj, tuple):  # namedtuple
-        return type(obj)(*(_apply_to_tensors(fn, v) for v in obj))
-    return obj
-
-
-def _default_predivide_factor(world_size: int) -> float:
-    factor = 1
-    while world_size % factor == 0 and world_size / factor > factor:
-        factor *= 2
-    return float(factor)
 
 
 class XlaFullyShardedDataParallel(nn.Module):
@@ -235,7 +188,7 @@ class XlaFullyShardedDataParallel(nn.Module):
 
         transport = resolve_transport(transport)
         (self.sharding_strategy, reshard_after_forward, groups, shard_rank, shard_size,
-         replica_groups) = _plan(sharding_strategy, reshard_after_forward, transport, sharding_groups,
+         replica_groups) = plan_for_unit(sharding_strategy, reshard_after_forward, transport, sharding_groups,
                                  sharding_rank, sharding_world_size, hybrid_shard_size)
         self.comms = shared_collectives(transport, groups, shard_rank, shard_size,
                                       pin_layout_in_collective_ops, replica_groups)
@@ -303,7 +256,7 @@ class XlaFullyShardedDataParallel(nn.Module):
         self._num_grad_groups = sum(g.requires_grad for g in self._groups)
         # Gradients are averaged over every rank that computed one: the shard group and its replicas.
         data_parallel = self.world_size * self.comms.num_replicas
-        self.gradient_predivide_factor = _default_predivide_factor(data_parallel)
+        self.gradient_predivide_factor = default_predivide_factor(data_parallel)
         self.gradient_postdivide_factor = data_parallel / self.gradient_predivide_factor
         self._norm_channel = self.comms.allocate_channels(1)
         self._aux_channel = self.comms.allocate_channels(1)  # small control collectives (checkpoints)
@@ -321,7 +274,7 @@ class XlaFullyShardedDataParallel(nn.Module):
     def _build_groups(self, refs) -> List[ParamGroup]:
         names: List[Optional[str]]
         if self.flatten_parameters:
-            parts, names = self._flat_parts(refs)
+            parts, names = flat_parts(refs, self._flatten_group_fn)
         else:
             parts, names = [[r] for r in refs], [None] * len(refs)
         channel = self.comms.allocate_channels(ParamGroup.CHANNELS * len(parts))
@@ -333,26 +286,6 @@ class XlaFullyShardedDataParallel(nn.Module):
             group.flat_name = flat_name
             groups.append(group)
         return groups
-
-    def _flat_parts(self, refs) -> Tuple[List[list], List[str]]:
-        """Trainable parameters split by ``flatten_group_fn`` (one flat shard per key, so optimizer
-        groups such as "no weight decay" can be formed), frozen ones in a shard of their own.
-        Names as torch_xla: ``flat_param_0`` (trainable), ``flat_param_1`` (frozen), then 2, 3..."""
-        keyed: Dict[Any, list] = {}
-        for r in refs:
-            if r.param.requires_grad:
-                key = self._flatten_group_fn(r.fqn, r.param) if self._flatten_group_fn else None
-                keyed.setdefault(_hashable(key), []).append(r)
-        trainable = list(keyed.values())
-        frozen = [r for r in refs if not r.param.requires_grad]
-        parts, names = [], []
-        for index, part in enumerate(trainable):
-            parts.append(part)
-            names.append(f"flat_param_{0 if index == 0 else index + 1}")
-        if frozen:
-            parts.append(frozen)
-            names.append("flat_param_1")
-        return parts, names
 
     def _shard_param_name(self, group: ParamGroup) -> str:
         path = f"{WRAPPED}.{group.flat_name if group.flat else group.refs[0].fqn}"
@@ -426,7 +359,7 @@ class XlaFullyShardedDataParallel(nn.Module):
             self.training_state = TrainingState.FORWARD
         if self.compute_dtype != torch.float32:
             cast = lambda t: t.to(self.compute_dtype) if t.is_floating_point() else t
-            args, kwargs = _apply_to_tensors(cast, args), _apply_to_tensors(cast, kwargs)
+            args, kwargs = tree_map_only(torch.Tensor, cast, args), tree_map_only(torch.Tensor, cast, kwargs)
         if self.optimization_barrier_in_forward:
             self.comms.optimization_barrier([g.shard for g in self._groups])
         if in_backward:
@@ -440,8 +373,8 @@ class XlaFullyShardedDataParallel(nn.Module):
         if self._is_root and not in_backward:
             self._schedule.end_forward(self._units_in_tree)
         if self.output_dtype is not None:
-            outputs = _apply_to_tensors(
-                lambda t: t.to(self.output_dtype) if t.is_floating_point() else t, outputs)
+            outputs = tree_map_only(torch.Tensor, lambda t: t.to(self.output_dtype) if t.is_floating_point() else t,
+                                    outputs)
         if in_backward:  # a checkpoint recompute: parameters stay for this backward
             return outputs
         if self.reshard_after_forward or not torch.is_grad_enabled():
@@ -489,7 +422,7 @@ class XlaFullyShardedDataParallel(nn.Module):
                 t.register_hook(hook)
             return t
 
-        return _apply_to_tensors(register, outputs)
+        return tree_map_only(torch.Tensor, register, outputs)
 
     def _pre_backward(self, grad: torch.Tensor) -> None:
         if self._pre_backward_done:
@@ -599,11 +532,7 @@ class XlaFullyShardedDataParallel(nn.Module):
     def get_original_names_and_sharded_parameters(self) -> List[Tuple[str, nn.Parameter]]:
         """(original name relative to this wrapper, shard) for every shard in this unit's tree.
         For a flattened group the name is the first original parameter's."""
-        out = []
-        for prefix, unit in self._named_units():
-            for group in unit._groups:
-                out.append((prefix + (group.flat_name if group.flat else group.refs[0].fqn), group.shard))
-        return out
+        return param_names.original_names_and_shards(self)
 
     def optimizer_param_groups(self, options_fn: Callable[[str], Dict[str, Any]]) -> List[Dict[str, Any]]:
         """Optimizer parameter groups of shards, decided by original parameter names.
@@ -614,28 +543,7 @@ class XlaFullyShardedDataParallel(nn.Module):
         do on the unsharded model. A flattened shard must not mix options: pass the same rule as
         ``flatten_group_fn`` when wrapping, so flattening keeps those parameters apart.
         """
-        groups: Dict[Any, Dict[str, Any]] = {}
-        for prefix, unit in self._named_units():
-            for group in unit._groups:
-                names = [prefix + n for n in group.names]
-                options = [options_fn(n) or {} for n in names]
-                keys = [_hashable(o) for o in options]
-                if len(set(keys)) > 1:
-                    pairs = sorted({(k, n) for k, n in zip(map(str, options), names)})[:4]
-                    raise ValueError(
-                        f"xla_fsdp: one flattened shard holds parameters with different optimizer options "
-                        f"({pairs}); wrap with flatten_group_fn=lambda name, p: <the same rule> so they are "
-                        "flattened separately, or use flatten_parameters=False")
-                entry = groups.setdefault(keys[0], dict(options[0], params=[]))
-                entry["params"].append(group.shard)
-        return list(groups.values())
-
-    def _named_units(self) -> Iterator[Tuple[str, "XlaFullyShardedDataParallel"]]:
-        """(original-name prefix, unit) for this unit and the nested ones."""
-        for name, m in self.named_modules():
-            if isinstance(m, XlaFullyShardedDataParallel):
-                clean = _clean_name(name)
-                yield (clean + "." if clean else ""), m
+        return param_names.optimizer_param_groups(self, options_fn)
 
     def get_shard_metadata(self) -> Dict[str, Any]:
         """What consolidation needs to rebuild full parameters from every rank's ``state_dict()``.
@@ -645,17 +553,3 @@ class XlaFullyShardedDataParallel(nn.Module):
         """
         from .metadata import shard_metadata
         return shard_metadata(self)
-
-
-def _hashable(value: Any) -> Any:
-    """A dict of options (or any value) as a hashable key."""
-    if isinstance(value, dict):
-        return tuple(sorted((k, _hashable(v)) for k, v in value.items()))
-    if isinstance(value, (list, tuple)):
-        return tuple(_hashable(v) for v in value)
-    return value
-
-
-def _clean_name(name: str) -> str:
-    parts = [p for p in name.split(".") if p and p != WRAPPED]
-    return ".".join(parts)

@@ -27,7 +27,8 @@ def _library_versions() -> Dict[str, str]:
 
 
 def shard_metadata(root) -> Dict[str, Any]:
-    from .fully_sharded_data_parallel import WRAPPED, XlaFullyShardedDataParallel, _clean_name
+    from .fully_sharded_data_parallel import XlaFullyShardedDataParallel
+    from .param_names import WRAPPED, clean_name as _clean_name
 
     shard_info: Dict[str, Dict[str, Any]] = {}
     flatten_info: Dict[str, Any] = {}

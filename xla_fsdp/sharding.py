@@ -155,3 +155,12 @@ def consolidate_dim0(shards: Sequence[torch.Tensor], layout: Dim0Layout) -> torc
     if len(shards) != layout.world_size:
         raise ValueError(f"expected {layout.world_size} shards, got {len(shards)}")
     return unpad_dim0(torch.cat(list(shards), dim=0), layout).clone()
+
+
+def default_predivide_factor(world_size: int) -> float:
+    """A power of two near sqrt(world size): gradients are divided by it before the reduce-scatter
+    and by the rest after, so low-precision sums neither overflow nor lose small values."""
+    factor = 1
+    while world_size % factor == 0 and world_size / factor > factor:
+        factor *= 2
+    return float(factor)

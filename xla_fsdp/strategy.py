@@ -3,7 +3,8 @@
 A strategy decides two things: whether full parameters are freed after forward (ZeRO-3) or kept
 until after backward (ZeRO-2), and how ranks are grouped. Ranks in one *shard group* split every
 parameter between them; ranks at the same position of different shard groups form a *replica
-group* and all-reduce their gradient shards. Pure functions: no process group needed to test them.
+group* and all-reduce their gradient shards. Pure functions (no process group needed to test
+them), except :func:`plan_for_unit`, which asks the runtime for this rank's place.
 """
 from __future__ import annotations
 
@@ -106,3 +107,35 @@ def plan_groups(strategy: ShardingStrategy, world_size: int, rank: int,
     mine = next(g for g in shard_groups if rank in g)
     replica_groups = transpose_groups(shard_groups) if len(shard_groups) > 1 else []
     return GroupPlan(shard_groups, replica_groups, mine.index(rank), len(mine))
+
+
+def plan_for_unit(strategy: Optional[Any], reshard_after_forward: Optional[bool], transport: str,
+                  sharding_groups, sharding_rank, sharding_world_size, hybrid_shard_size):
+    """A wrapper's keywords -> (strategy, reshard_after_forward, shard groups, shard rank, shard
+    size, replica groups); asks the runtime for this rank's place.
+
+    Without ``sharding_strategy`` the torch_xla keywords keep their meaning: ``reshard_after_forward``
+    picks ZeRO-3/ZeRO-2 and ``sharding_groups`` shards within groups with no cross-group reduction
+    (model-parallel layouts reduce across groups themselves)."""
+    if strategy is None:
+        raf = True if reshard_after_forward is None else reshard_after_forward
+        chosen = ShardingStrategy.FULL_SHARD if raf else ShardingStrategy.SHARD_GRAD_OP
+        return chosen, raf, sharding_groups, sharding_rank, sharding_world_size, None
+    chosen = parse_strategy(strategy)
+    if reshard_after_forward is not None and reshard_after_forward != chosen.reshard_after_forward:
+        raise ValueError(f"xla_fsdp: reshard_after_forward={reshard_after_forward} contradicts "
+                         f"sharding_strategy={chosen.name}; give one of them")
+    if sharding_groups is not None and not chosen.is_hybrid:
+        raise ValueError(f"xla_fsdp: sharding_groups only combine with HYBRID_SHARD/HYBRID_SHARD_ZERO2 "
+                         f"(got {chosen.name}); leave sharding_strategy unset for torch_xla's meaning")
+    from .collectives import global_rank_and_size, ranks_per_host
+    rank, world = global_rank_and_size(transport)
+    if chosen.is_hybrid and sharding_groups is None and hybrid_shard_size is None:
+        hybrid_shard_size = ranks_per_host(transport)
+    plan = plan_groups(chosen, world, rank, hybrid_shard_size, sharding_groups)
+    if sharding_world_size is not None and (sharding_world_size, sharding_rank) != (plan.shard_size, plan.shard_rank):
+        raise ValueError(f"xla_fsdp: sharding_rank/sharding_world_size {sharding_rank}/{sharding_world_size} do "
+                         f"not match this rank's place {plan.shard_rank}/{plan.shard_size} in {plan.shard_groups}")
+    groups = plan.shard_groups if len(plan.shard_groups) > 1 else None
+    return (chosen, chosen.reshard_after_forward, groups, plan.shard_rank if groups else None,
+            plan.shard_size if groups else None, plan.replica_groups or None)

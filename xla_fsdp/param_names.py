@@ -1,0 +1,80 @@
+"""Original parameter names behind shards: how flat shards are grouped and named, name prefixes of
+nested units, and optimizer groups chosen by original name."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+import torch.nn as nn
+
+if TYPE_CHECKING:
+    from .fully_sharded_data_parallel import XlaFullyShardedDataParallel
+
+WRAPPED = "_fsdp_wrapped_module"  # attribute holding a unit's module, as in torch_xla
+
+
+def clean_name(name: str) -> str:
+    """A module path without the wrappers' ``_fsdp_wrapped_module`` steps."""
+    return ".".join(p for p in name.split(".") if p and p != WRAPPED)
+
+
+def hashable(value: Any) -> Any:
+    """A dict of options (or any value) as a hashable key."""
+    if isinstance(value, dict):
+        return tuple(sorted((k, hashable(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return tuple(hashable(v) for v in value)
+    return value
+
+
+def flat_parts(refs: list, flatten_group_fn: Optional[Callable[[str, nn.Parameter], Any]]) -> Tuple[List[list], List[str]]:
+    """Trainable parameters split by ``flatten_group_fn`` (one flat shard per key, so optimizer
+    groups such as "no weight decay" can be formed), frozen ones in a shard of their own.
+    Names as torch_xla: ``flat_param_0`` (trainable), ``flat_param_1`` (frozen), then 2, 3..."""
+    keyed: Dict[Any, list] = {}
+    for r in refs:
+        if r.param.requires_grad:
+            key = flatten_group_fn(r.fqn, r.param) if flatten_group_fn else None
+            keyed.setdefault(hashable(key), []).append(r)
+    parts, names = [], []
+    for index, part in enumerate(keyed.values()):
+        parts.append(part)
+        names.append(f"flat_param_{0 if index == 0 else index + 1}")
+    frozen = [r for r in refs if not r.param.requires_grad]
+    if frozen:
+        parts.append(frozen)
+        names.append("flat_param_1")
+    return parts, names
+
+
+def named_units(root: "XlaFullyShardedDataParallel") -> Iterator[Tuple[str, "XlaFullyShardedDataParallel"]]:
+    """(original-name prefix, unit) for ``root`` and the units nested in it."""
+    from .fully_sharded_data_parallel import XlaFullyShardedDataParallel
+    for name, m in root.named_modules():
+        if isinstance(m, XlaFullyShardedDataParallel):
+            clean = clean_name(name)
+            yield (clean + "." if clean else ""), m
+
+
+def original_names_and_shards(root: "XlaFullyShardedDataParallel") -> List[Tuple[str, nn.Parameter]]:
+    return [(prefix + (g.flat_name if g.flat else g.refs[0].fqn), g.shard)
+            for prefix, unit in named_units(root) for g in unit._groups]
+
+
+def optimizer_param_groups(root: "XlaFullyShardedDataParallel",
+                           options_fn: Callable[[str], Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """See ``XlaFullyShardedDataParallel.optimizer_param_groups``."""
+    groups: Dict[Any, Dict[str, Any]] = {}
+    for prefix, unit in named_units(root):
+        for group in unit._groups:
+            names = [prefix + n for n in group.names]
+            options = [options_fn(n) or {} for n in names]
+            keys = [hashable(o) for o in options]
+            if len(set(keys)) > 1:
+                pairs = sorted({(k, n) for k, n in zip(map(str, options), names)})[:4]
+                raise ValueError(
+                    f"xla_fsdp: one flattened shard holds parameters with different optimizer options "
+                    f"({pairs}); wrap with flatten_group_fn=lambda name, p: <the same rule> so they are "
+                    "flattened separately, or use flatten_parameters=False")
+            entry = groups.setdefault(keys[0], dict(options[0], params=[]))
+            entry["params"].append(group.shard)
+    return list(groups.values())
