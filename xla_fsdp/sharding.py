@@ -6,6 +6,7 @@ checkpoint tools) without running any collective.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import List, Sequence, Tuple
@@ -28,17 +29,18 @@ class FlatLayout:
 
     ``padded_numel`` is a multiple of ``world_size * pad_multiple`` so each rank holds an equal
     ``shard_numel``-element slice; the padding (zeros) lives at the end of the last shards.
+    Derived sizes are cached: the training loop asks for them on every gather and gradient.
     """
 
     shapes: Tuple[Shape, ...]
     world_size: int
     pad_multiple: int
 
-    @property
+    @functools.cached_property
     def numels(self) -> Tuple[int, ...]:
         return tuple(math.prod(s) for s in self.shapes)
 
-    @property
+    @functools.cached_property
     def offsets(self) -> Tuple[int, ...]:
         out, acc = [], 0
         for n in self.numels:
@@ -46,20 +48,20 @@ class FlatLayout:
             acc += n
         return tuple(out)
 
-    @property
+    @functools.cached_property
     def numel(self) -> int:
         return sum(self.numels)
 
-    @property
+    @functools.cached_property
     def padded_numel(self) -> int:
         # At least one element per rank so every rank owns a non-empty shard.
         return round_up(max(self.numel, 1), self.world_size * self.pad_multiple)
 
-    @property
+    @functools.cached_property
     def shard_numel(self) -> int:
         return self.padded_numel // self.world_size
 
-    @property
+    @functools.cached_property
     def padding(self) -> int:
         return self.padded_numel - self.numel
 
@@ -74,31 +76,31 @@ class Dim0Layout:
     shape: Shape
     world_size: int
 
-    @property
+    @functools.cached_property
     def rows(self) -> int:
         return self.shape[0] if self.shape else 1
 
-    @property
+    @functools.cached_property
     def row_shape(self) -> Shape:
         return tuple(self.shape[1:])
 
-    @property
+    @functools.cached_property
     def padded_rows(self) -> int:
         return round_up(max(self.rows, 1), self.world_size)
 
-    @property
+    @functools.cached_property
     def shard_shape(self) -> Shape:
         return (self.padded_rows // self.world_size,) + self.row_shape
 
-    @property
+    @functools.cached_property
     def numel(self) -> int:
         return math.prod(self.shape) if self.shape else 1
 
-    @property
+    @functools.cached_property
     def padded_numel(self) -> int:
         return self.padded_rows * math.prod(self.row_shape)
 
-    @property
+    @functools.cached_property
     def padding(self) -> int:
         return self.padded_numel - self.numel
 
