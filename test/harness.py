@@ -236,7 +236,9 @@ class _null:
 
 def _inner_units_freed(root: FSDP) -> bool:
     units = [m for m in root.modules() if isinstance(m, FSDP) and m is not root]
-    return bool(units) and all(not g.is_unsharded() and not g.comms.is_allocated(g.full)
+    # A world-size-1 alias of the shard (torch transport, no cast) owns nothing to free.
+    return bool(units) and all(g.comms.aliases_shard(g.full) or
+                               (not g.is_unsharded() and not g.comms.is_allocated(g.full))
                                for u in units for g in u._groups)
 
 

@@ -166,9 +166,12 @@ def test_checkpoint_module_runs_no_extra_gather(gloo, monkeypatch):
     x, y = models.batch("lm", 0, 0)
     models.loss_fn("lm", root(x), y).backward()
     groups = sum(len(u._groups) for u in root.modules() if isinstance(u, FSDP))
-    block_groups = sum(len(u._groups) for u in root.modules() if isinstance(u, FSDP) and u is not root)
-    # every group gathered in forward; block units (ZeRO-3) once more for backward; no others
-    assert len(calls) == groups + block_groups
+    # block units (ZeRO-3) gather again for backward, except one-rank aliases of the shard, which
+    # are never freed
+    regathers = sum(1 for u in root.modules() if isinstance(u, FSDP) and u is not root
+                    for g in u._groups if not g.comms.aliases_shard(g.full))
+    # every group gathered in forward, the freed ones once more for backward; none in the recompute
+    assert len(calls) == groups + regathers
 
 
 def test_clear_error_for_non_float_params_names_the_fix(gloo):
@@ -278,9 +281,11 @@ def _overlapped(events):
 @pytest.mark.parametrize("prefetch", [True, False])
 def test_next_unit_is_gathered_while_this_one_computes(gloo, monkeypatch, prefetch):
     """From the second step on, each block's gather starts before the unit ahead of it computes,
-    in forward (successor) and backward (predecessor); prefetch=False gathers just in time."""
+    in forward (successor) and backward (predecessor); prefetch=False gathers just in time.
+    bf16 compute: at one rank without a cast the module would use the shard itself, no gather."""
     torch.manual_seed(0)
-    root = FSDP(models.TinyLM(layers=3), auto_wrap_policy=harness.BLOCK_POLICY, prefetch=prefetch)
+    root = FSDP(models.TinyLM(layers=3), auto_wrap_policy=harness.BLOCK_POLICY, prefetch=prefetch,
+                compute_dtype=torch.bfloat16)
     blocks = {f"_fsdp_wrapped_module.blocks.{i}" for i in range(3)}
     x, y = models.batch("lm", 0, 0)
     models.loss_fn("lm", root(x), y).backward()  # step 1 records the order
@@ -294,3 +299,42 @@ def test_next_unit_is_gathered_while_this_one_computes(gloo, monkeypatch, prefet
     assert _overlapped(backward) == ({"_fsdp_wrapped_module.blocks.0", "_fsdp_wrapped_module.blocks.1"}
                                      if prefetch else set())
     assert all(u._unshard_in_flight is None for u in root.modules() if isinstance(u, FSDP))
+
+
+def _nested_linear(flat: bool, **kw) -> FSDP:
+    torch.manual_seed(0)
+    inner = FSDP(nn.Linear(4, 8), flatten_parameters=flat, **kw)
+    return FSDP(nn.Sequential(inner, nn.ReLU(), nn.Linear(8, 2)), flatten_parameters=flat, **kw)
+
+
+@pytest.mark.parametrize("flat", [True, False], ids=["flat", "per-param"])
+def test_world_size_1_computes_on_the_shard_itself(gloo, flat):
+    """One rank, no cast: the module reads the shard's own storage (nothing gathered, copied or
+    freed), and gradients land in the shard's, summed over steps exactly as the plain model's."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    model = _nested_linear(flat)  # same seed, same construction order: the same weights
+    inner = model.module[0]
+    x = torch.randn(3, 4)
+    for _ in range(2):
+        out = model(x)
+        # ZeRO-3 frees the inner unit here at more ranks; at one rank the alias stays installed.
+        assert inner.module.weight is not None
+        assert inner.module.weight.data_ptr() == inner._groups[0].shard.data_ptr()
+        out.sum().backward()
+        ref(x).sum().backward()
+    got = torch.cat([g.shard.grad.reshape(-1) for g in inner._groups])
+    want = torch.cat([ref[0].weight.grad.reshape(-1), ref[0].bias.grad])
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+def test_freed_units_drop_the_module_views(gloo):
+    """A unit freed after forward (ZeRO-3; here bf16 compute, so the full copy is its own) leaves no
+    view of the freed data on the module: on XLA a live view is a full-size output of every step."""
+    model = _nested_linear(True, compute_dtype=torch.bfloat16)
+    inner = model.module[0]
+    out = model(torch.randn(3, 4))
+    assert inner.module.weight is None and inner.module.bias is None
+    out.float().sum().backward()
+    assert inner.module.weight is None
+    assert all(g.shard.grad is not None for g in inner._groups)

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 import harness
 from xla_fsdp import XlaFullyShardedDataParallel as FSDP
+from xla_fsdp.param_group import ParamGroup
 from xla_fsdp.wrap import lambda_auto_wrap_policy
 
 
@@ -73,16 +74,17 @@ def test_master_shards_keep_updates_below_low_precision_resolution(gloo):
 
 
 @pytest.mark.parametrize("fp32_reduce_scatter", [True, False])
-def test_fp32_reduce_scatter_reduces_in_fp32(gloo, fp32_reduce_scatter):
+def test_fp32_reduce_scatter_reduces_in_fp32(gloo, monkeypatch, fp32_reduce_scatter):
+    """The gradient is reduced in fp32 or in the compute dtype as asked; what the reduction
+    hands back (here at one rank, where the reduction is the identity) is in that dtype."""
     model = FSDP(nn.Linear(4, 4), compute_dtype=torch.bfloat16, fp32_reduce_scatter=fp32_reduce_scatter)
     seen = []
-    original = model.comms.start_reduce_scatter
-    model.comms.start_reduce_scatter = lambda t, ch: seen.append(t.dtype) or original(t, ch)
-    try:
-        model(torch.ones(2, 4)).float().sum().backward()
-    finally:
-        model.comms.start_reduce_scatter = original
+    original = ParamGroup.finish_grad
+    monkeypatch.setattr(ParamGroup, "finish_grad",
+                        lambda self, reduced, post: seen.append(reduced.dtype) or original(self, reduced, post))
+    model(torch.ones(2, 4)).float().sum().backward()
     assert seen and set(seen) == {torch.float32 if fp32_reduce_scatter else torch.bfloat16}
+    assert all(p.grad.dtype == torch.float32 for p in model.parameters())
 
 
 STEPS = 50

@@ -450,6 +450,12 @@ class XlaFullyShardedDataParallel(nn.Module):
         if not self._require_backward_grad_sync:
             return  # no_sync: keep accumulating the full gradient
         full.grad = None
+        if self.comms.world_size == 1 and self.comms.num_replicas == 1:
+            # Nothing to reduce (one rank): straight into the shard gradient, no bookkeeping.
+            padded = group.prepare_grad(grad, self.gradient_predivide_factor, self.fp32_reduce_scatter)
+            group.accumulate_shard_grad(group.finish_grad(padded, self.gradient_postdivide_factor))
+            group.reshard()
+            return
         if self.optimization_barrier_in_backward:
             self.comms.optimization_barrier([grad])
         self._pending_grads.append((group, grad))

@@ -92,6 +92,8 @@ class ParamGroup:
         return padded[:self.layout.numel].view(self.full_shape)
 
     def _pad_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        if self.layout.padding == 0:
+            return grad.reshape(self.padded_shape)  # nothing to pad: no copy (one rank, CPU)
         if self.dim0:
             return pad_dim0(grad, self.layout)
         if self.flat:
@@ -118,10 +120,13 @@ class ParamGroup:
 
     def reshard(self) -> None:
         """Free the full data; the shard stays."""
-        if self.state is ShardedState.SHARDED:
-            return
+        if self.state is ShardedState.SHARDED or self._aliases_shard():
+            return  # an alias owns no memory: it stays installed, and the next gather is free
         self.comms.free(self.full)
         self.state = ShardedState.SHARDED
+        # Drop the module's views too: a live view keeps the freed data alive (on XLA every
+        # live tensor is an output of the step graph, so stale views cost a full-size write).
+        self.install()
 
     def install(self) -> None:
         """Point the module's attributes at the full data (views of the flat buffer if flattened)."""
@@ -156,6 +161,8 @@ class ParamGroup:
             reduced = reduced.to(torch.float32)
         if post_divide != 1:
             reduced.div_(post_divide)
+        if reduced.shape == self.shard.shape:
+            return reduced  # not a view: on XLA a live view and its live base are two graph outputs
         return reduced.view(self.shard.shape)
 
     def accumulate_shard_grad(self, reduced: torch.Tensor) -> None:
@@ -170,7 +177,13 @@ class ParamGroup:
         return [r.fqn for r in self.refs]
 
     def is_unsharded(self) -> bool:
-        return self.state is ShardedState.UNSHARDED
+        # An alias is current only while it still points at the shard (``module.to`` may move it).
+        return self.state is ShardedState.UNSHARDED and (
+            not self.comms.aliases_shard(self.full) or self._aliases_shard())
+
+    def _aliases_shard(self) -> bool:
+        """World size 1 without a cast: ``full`` is the shard's own storage (torch transport)."""
+        return self.comms.aliases_shard(self.full) and self.full.data_ptr() == self.shard.data_ptr()
 
 
 # --- several groups of one unit in one collective (fewer, larger messages) -------------------------

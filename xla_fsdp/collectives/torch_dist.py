@@ -35,6 +35,10 @@ def _waiter(work, result: torch.Tensor, source: torch.Tensor) -> Callable[[], to
     return wait
 
 
+def _done() -> None:
+    return None
+
+
 class TorchDistCollectives(Collectives):
     """Eager collectives; full parameters are freed by shrinking their storage to zero bytes so
     every view autograd saved sees the data again once it is re-gathered into the same storage."""
@@ -118,6 +122,8 @@ class TorchDistCollectives(Collectives):
             # One rank, no cast (NO_SHARD, world size 1): the full parameter *is* the shard's storage,
             # so there is no copy and no second copy in memory; the optimizer's in-place updates
             # of the shard show through.
+            if self.aliases_shard(full) and full.data_ptr() == shard.data_ptr():
+                return _done  # aliased at the first gather (the unpadded data starts at the shard's)
             source = unpad(shard.detach().view(padded_shape))
             if not self.aliases_shard(full) or full.data_ptr() != source.data_ptr():
                 with torch.no_grad():
