@@ -23,7 +23,7 @@ XLA_KWARGS = dict(pin_layout_in_collective_ops=False, optimization_barrier_in_fo
 # FSDP1 (use_orig_params=False) runs on gloo; per-parameter collectives are slower for everyone here.
 
 
-def wrap_gloo(name: str, model: nn.Module, w: Workload, ws: int) -> nn.Module:
+def wrap_gloo(name: str, model: nn.Module, w: Workload, ws: int, flatten_parameters: bool = True) -> nn.Module:
     classes = set(unit_classes(w))
     if name == "unwrapped":
         return model
@@ -46,12 +46,13 @@ def wrap_gloo(name: str, model: nn.Module, w: Workload, ws: int) -> nn.Module:
     if name == "xla_fsdp":
         from xla_fsdp import XlaFullyShardedDataParallel
         from xla_fsdp.wrap import transformer_auto_wrap_policy
-        return XlaFullyShardedDataParallel(model, flatten_parameters=True, auto_wrap_policy=functools.partial(
-            transformer_auto_wrap_policy, transformer_layer_cls=classes))
+        return XlaFullyShardedDataParallel(model, flatten_parameters=flatten_parameters,
+                                           auto_wrap_policy=functools.partial(
+                                               transformer_auto_wrap_policy, transformer_layer_cls=classes))
     raise ValueError(name)
 
 
-def wrap_xla(name: str, model: nn.Module, w: Workload, device) -> nn.Module:
+def wrap_xla(name: str, model: nn.Module, w: Workload, device, flatten_parameters: bool = True) -> nn.Module:
     classes = set(unit_classes(w))
     if name == "xla_plain":
         return model.to(device)
@@ -64,7 +65,8 @@ def wrap_xla(name: str, model: nn.Module, w: Workload, device) -> nn.Module:
         from xla_fsdp import XlaFullyShardedDataParallel
         from xla_fsdp.wrap import transformer_auto_wrap_policy
         return XlaFullyShardedDataParallel(model, auto_wrap_policy=functools.partial(
-            transformer_auto_wrap_policy, transformer_layer_cls=classes), **XLA_KWARGS)
+            transformer_auto_wrap_policy, transformer_layer_cls=classes),
+            **dict(XLA_KWARGS, flatten_parameters=flatten_parameters))
     raise ValueError(name)
 
 

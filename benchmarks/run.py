@@ -5,8 +5,10 @@
 Every measurement runs in a fresh process (:mod:`benchmarks.worker`). Contenders at one world size
 are run in alternating rounds (ours, peers, ours, ...) so slow drifts of this shared machine hit all
 of them alike; a figure is the median over every measured step of every round (step time = slowest
-rank). Writes ``benchmarks/results/<date>[-quick].json``, a Markdown table (``.md``) and a chart
-(``.png``); see :mod:`benchmarks.report`.
+rank). The world-size-1 overhead targets come from :mod:`benchmarks.overhead` (every world-size-1
+contender in one process, steps interleaved), whose ratios do not swing with the machine's drift.
+Writes ``benchmarks/results/<date>[-quick].json``, a Markdown table (``.md``) and a chart (``.png``);
+see :mod:`benchmarks.report`.
 """
 from __future__ import annotations
 
@@ -68,6 +70,22 @@ def run_one(contender: str, ws: int, workload, warmup: int, steps: int, timeout:
     return {"ranks": ranks, "error": error, "wall_s": time.time() - t0}
 
 
+def run_overhead(transport: str, workload, warmup: int, steps: int, timeout: int) -> Dict[str, Any]:
+    """The world-size-1 contenders, steps interleaved in one fresh process (:mod:`benchmarks.overhead`)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=ROOT)
+    for key in ("PJRT_DEVICE", "CPU_NUM_DEVICES"):
+        env.pop(key, None)
+    argv = [sys.executable, "-m", "benchmarks.overhead", transport, json.dumps(workload.describe()),
+            str(warmup), str(steps)]
+    try:
+        proc = subprocess.run(argv, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout} s"}
+    if proc.returncode != 0:
+        return {"error": f"exit {proc.returncode}: {proc.stderr.strip()[-600:]}"}
+    return {"contenders": json.loads(proc.stdout.strip().splitlines()[-1])}
+
+
 def summarize(contender: str, ws: int, runs: List[Dict[str, Any]]) -> Dict[str, Any]:
     """Merge rounds: median over all measured steps of the per-step slowest rank."""
     ok = [r for r in runs if r["error"] is None]
@@ -121,6 +139,9 @@ def run_suite(args) -> Dict[str, Any]:
     }
     for wl in names:
         out["rows"][wl] = [summarize(c, ws, results[(wl, c, ws)]) for c, wss in plan for ws in wss]
+    if 1 in world_sizes and not args.contenders:
+        out["ws1_interleaved"] = {wl: {t: run_overhead(t, workloads[wl], warmup, 2 * steps, args.timeout)
+                                       for t in ("gloo", "xla")} for wl in names}
     return out
 
 

@@ -30,3 +30,19 @@ def test_benchmark_run_writes_json_table_and_chart(tmp_path):
     table = json_path.with_suffix(".md").read_text()
     assert "| xla_fsdp | gloo | 2 |" in table and "## Targets" in table
     assert json_path.with_suffix(".png").stat().st_size > 10_000
+
+
+def test_world_size_1_contenders_interleaved_in_one_process_train_identically():
+    """benchmarks.overhead (the ws-1 overhead targets): every contender steps in turn in one process
+    and, from the same seed and batches, reports the unwrapped model's losses."""
+    from benchmarks.workloads import QUICK
+    env = {k: v for k, v in os.environ.items() if k not in ("PJRT_DEVICE", "CPU_NUM_DEVICES")}
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.overhead", "gloo",
+                           json.dumps(QUICK["transformer"].describe()), "1", "3"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(result) == {"unwrapped", "xla_fsdp", "xla_fsdp flat", "fsdp1"}
+    for name, c in result.items():
+        assert len(c["times"]) == 3 and len(c["losses"]) == 4 and c["ratio_to_plain"] > 0, name
+        assert c["max_loss_diff_to_plain"] <= 1e-5, (name, c["losses"], result["unwrapped"]["losses"])
