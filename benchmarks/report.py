@@ -88,7 +88,9 @@ def markdown(data: Dict) -> str:
              "rank. `x ours` = this contender's median / xla_fsdp's at the same world size on the same transport "
              "(gloo: `xla_fsdp`, XLA:CPU: `xla_fsdp_xla`). State = params + grads + optimizer state per rank "
              "(max over ranks); ideal = total / N (so DDP shows N). SPMD runs one program for all devices: "
-             "one row per run, its collectives are inserted by the compiler (not counted).", ""]
+             "one row per run, its collectives are inserted by the compiler (not counted). `xla_plain` at ws > 1: "
+             "the unwrapped model on every XLA:CPU device, each training alone with no communication at all: "
+             "the floor an XLA FSDP could reach on this machine (its devices share 2 cores).", ""]
     for wl, rows in data["rows"].items():
         kind = data["workloads"][wl]["kind"]
         spec = {k: v for k, v in data["workloads"][wl].items()
