@@ -57,6 +57,9 @@ def install_collective_counters() -> None:
                                             lambda b: (_nbytes(b.get("output_tensor")), "process"))
     dist.reduce_scatter_tensor = _counting(dist.reduce_scatter_tensor, ("output", "input"),
                                            lambda b: (_nbytes(b.get("input")), "process"))
+    # FSDP1 gathers CPU tensors with the list form (c10d has no gloo all_gather_into_tensor path there).
+    dist.all_gather = _counting(dist.all_gather, ("tensor_list", "tensor"),
+                                lambda b: (_nbytes(b.get("tensor_list")), "process"))
     dist.all_reduce = _counting(dist.all_reduce, ("tensor",), lambda b: (_nbytes(b.get("tensor")), "process"))
     try:
         import torch_xla.core.xla_model as xm

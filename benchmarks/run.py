@@ -109,7 +109,8 @@ def summarize(contender: str, ws: int, runs: List[Dict[str, Any]]) -> Dict[str, 
         "param_bytes": param_bytes,
         "peak_rss_mib_max": max(rank["peak_rss_mib"] for rank in ranks),
         "collective_bytes_per_step": max(coll) if all(c is not None for c in coll) else None,
-        "compiles_warm": ranks[0]["compiles_warm"], "compiles_end": ranks[0]["compiles_end"],
+        # XLA compilations after the second step, the most any round saw (one process: rank 0 counts all).
+        "new_compiles_after_step2": max(r["ranks"][0]["compiles_end"] - r["ranks"][0]["compiles_step2"] for r in ok),
     })
     return row
 
