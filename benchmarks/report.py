@@ -145,7 +145,7 @@ def markdown(data: Dict) -> str:
     scale = data.get("scale")
     if scale:
         lines += ["## Largest transformer for one AdamW step at ws 4 (gloo, process tree RSS limit "
-                  f"{scale.get('limit_gib', '?')} GiB)", "", "| contender | layers (d_model 2048) | params M | result | "
+                  f"{scale.get('limit_gib', '?')} GiB{'; measured ' + scale['date'] if 'date' in scale else ''})", "", "| contender | layers (d_model 2048) | params M | result | "
                   "step s | peak tree RSS GiB |", "|---|---|---|---|---|---|"]
         for name in ("xla_fsdp", "ddp"):
             for p in scale.get(name, {}).get("probes", []):

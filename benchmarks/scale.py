@@ -11,6 +11,7 @@ killed when its summed RSS exceeds the limit.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import signal
@@ -158,7 +159,7 @@ def search(contender: str, limit_gib: float, start: int = 1, max_layers: int = 6
 
 
 def probe_all(contenders=("xla_fsdp", "ddp"), limit_gib: float = 20.0) -> Dict:
-    out: Dict = {"limit_gib": limit_gib, "world_size": WORLD_SIZE}
+    out: Dict = {"limit_gib": limit_gib, "world_size": WORLD_SIZE, "date": datetime.date.today().isoformat()}
     for c in contenders:
         out[c] = search(c, limit_gib, start=8 if c == "xla_fsdp" else 1)
     return out
