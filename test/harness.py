@@ -182,6 +182,7 @@ def train_sharded(name: str, rank: int, device: torch.device, sync: Callable[[],
     elif save_prefix:
         xla_fsdp.save_sharded_checkpoint(wrapped, opt, save_prefix + "_init")
     losses, freed, norms = [], [], []
+    seen = _record_params_seen(wrapped) if cfg.get("check_freed") else []
     for step in range(start, start + steps):
         opt.zero_grad()
         micro = cfg.get("micro", 1)
@@ -195,7 +196,8 @@ def train_sharded(name: str, rank: int, device: torch.device, sync: Callable[[],
             with ctx:
                 out = wrapped(x)
                 if cfg.get("check_freed"):
-                    freed.append(_inner_units_freed(wrapped))
+                    freed.append(_inner_units_freed(wrapped) and _seen_params_freed(wrapped, seen))
+                seen.clear()
                 if cfg.get("check_kept"):
                     freed.append(_inner_units_kept(wrapped))
                 loss = models.loss_fn(cfg["model"], out, y)
@@ -240,6 +242,23 @@ def _inner_units_freed(root: FSDP) -> bool:
     return bool(units) and all(g.comms.aliases_shard(g.full) or
                                (not g.is_unsharded() and not g.comms.is_allocated(g.full))
                                for u in units for g in u._groups)
+
+
+def _record_params_seen(root: FSDP) -> list:
+    """Collects the parameter tensors each nested unit's module sees in forward (the tensors its
+    layers save for backward), so a test can check that they too are freed after forward."""
+    seen = []
+    for unit in root.modules():
+        if isinstance(unit, FSDP) and unit is not root:
+            slots = [(g, slot) for g in unit._groups for ref in g.refs for slot in ref.slots]
+            unit.module.register_forward_pre_hook(
+                lambda *_, slots=slots: seen.extend((g, getattr(m, a)) for g, (m, a) in slots))
+    return seen
+
+
+def _seen_params_freed(root: FSDP, seen: list) -> bool:
+    # A world-size-1 alias of the shard (torch transport, no cast) owns nothing to free.
+    return bool(seen) and all(g.comms.aliases_shard(g.full) or not g.comms.is_allocated(t) for g, t in seen)
 
 
 def _inner_units_kept(root: FSDP) -> bool:

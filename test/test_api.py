@@ -252,9 +252,9 @@ def _gather_events(monkeypatch, root):
     events = []
     start, finish = FSDP._start_unshard, FSDP._finish_unshard
 
-    def logged_start(unit, backward):
+    def logged_start(unit, backward, refill_saved=False):
         was = unit._unshard_in_flight
-        start(unit, backward)
+        start(unit, backward, refill_saved)
         if was is None and unit._unshard_in_flight is not None:
             events.append(("start", names[id(unit)]))
 

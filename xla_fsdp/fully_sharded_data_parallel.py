@@ -384,18 +384,20 @@ class XlaFullyShardedDataParallel(nn.Module):
             outputs = self._register_pre_backward_hooks(outputs)
         return outputs
 
-    def _unshard(self, backward: bool = False, prefetch: Optional["XlaFullyShardedDataParallel"] = None) -> None:
-        """Gather this unit's parameters; start ``prefetch``'s gather behind it before waiting."""
-        self._start_unshard(backward)
+    def _unshard(self, backward: bool = False, prefetch: Optional["XlaFullyShardedDataParallel"] = None,
+                 refill_saved: bool = False) -> None:
+        """Gather this unit's parameters; start ``prefetch``'s gather behind it before waiting.
+        ``refill_saved``: for the backward of the last forward (see ``ParamGroup.install``)."""
+        self._start_unshard(backward, refill_saved)
         if prefetch is not None:
-            prefetch._start_unshard(backward)
+            prefetch._start_unshard(backward, refill_saved)
         self._finish_unshard()
 
-    def _start_unshard(self, backward: bool) -> None:
+    def _start_unshard(self, backward: bool, refill_saved: bool = False) -> None:
         if self._unshard_in_flight is None:
             pending = [g for g in self._groups if not g.is_unsharded()]
             if pending:
-                self._unshard_in_flight = start_unshard(pending, backward=backward)
+                self._unshard_in_flight = start_unshard(pending, backward=backward, refill_saved=refill_saved)
 
     def _finish_unshard(self) -> None:
         finish, self._unshard_in_flight = self._unshard_in_flight, None
@@ -438,7 +440,7 @@ class XlaFullyShardedDataParallel(nn.Module):
         previous = self._prefetch_target(-1)
         if previous is not None and previous._pre_backward_done:
             previous = None  # its backward already ran (the root's, first): nothing left to gather for
-        self._unshard(backward=True, prefetch=previous)
+        self._unshard(backward=True, prefetch=previous, refill_saved=True)
 
     @torch.no_grad()
     def _on_full_grad_ready(self, group: ParamGroup, full: torch.Tensor) -> None:

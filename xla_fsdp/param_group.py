@@ -71,6 +71,7 @@ class ParamGroup:
         comms.free(self.full)
         self.state = ShardedState.SHARDED
         self.flat_name: Optional[str] = None  # set by the unit for flattened groups
+        self._members: Optional[List[torch.Tensor]] = None  # a flat group's parameters (lazy transports)
         # The originals stop being registered parameters; the module reads full data through
         # plain attributes that ``install`` refreshes after every gather.
         for ref in refs:
@@ -106,16 +107,17 @@ class ParamGroup:
         if self.state is not ShardedState.UNSHARDED:
             self.start_unshard(backward)()
 
-    def start_unshard(self, backward: bool = False) -> Callable[[], None]:
+    def start_unshard(self, backward: bool = False, refill_saved: bool = False) -> Callable[[], None]:
         """Begin the all-gather into ``full``; the returned function waits for it and hands the
-        data to the module."""
+        data to the module. ``refill_saved``: this is the re-gather for the backward of the last
+        forward, whose parameter tensors autograd saved (see :meth:`install`)."""
         channel = self.channel_backward if backward else self.channel_forward
         wait = self.comms.start_gather_into(self.full, self.shard, channel, self.padded_shape, self._unpad)
 
         def finish() -> None:
             wait()
             self.state = ShardedState.UNSHARDED
-            self.install()
+            self.install(refill_saved)
         return finish
 
     def reshard(self) -> None:
@@ -123,28 +125,44 @@ class ParamGroup:
         if self.state is ShardedState.SHARDED or self._aliases_shard():
             return  # an alias owns no memory: it stays installed, and the next gather is free
         self.comms.free(self.full)
+        for member in self._members or ():
+            self.comms.free(member)
         self.state = ShardedState.SHARDED
         # Drop the module's views too: a live view keeps the freed data alive (on XLA every
         # live tensor is an output of the step graph, so stale views cost a full-size write).
         self.install()
 
-    def install(self) -> None:
-        """Point the module's attributes at the full data (views of the flat buffer if flattened)."""
+    def install(self, refill_saved: bool = False) -> None:
+        """Point the module's attributes at the full data (the flat buffer's parameters if flattened)."""
         if self.flat:
-            if self.state is ShardedState.UNSHARDED:
-                # One split, not one slice per parameter: autograd then joins the gradients with a
-                # single concatenation instead of a full-size zero-filled buffer per parameter.
-                sizes = list(self.layout.numels)
-                padding = self.layout.padded_numel - sum(sizes)
-                chunks = torch.split(self.full, sizes + ([padding] if padding else []))
-                values = [c.view(shape) for c, shape in zip(chunks, self.layout.shapes)]
-            else:
-                values = [None] * len(self.refs)
+            values = (self._flat_values(refill_saved) if self.state is ShardedState.UNSHARDED
+                      else [None] * len(self.refs))
         else:
             values = [self.full]
         for ref, value in zip(self.refs, values):
             for module, attr in ref.slots:
                 object.__setattr__(module, attr, value)
+
+    def _flat_values(self, refill_saved: bool) -> List[torch.Tensor]:
+        """A flat group's parameters, cut from ``full``.
+
+        Eager storage: views. Autograd's saved views read the same storage, which the backward
+        re-gather refills. Lazy tensors (XLA) have no shared storage: a saved view would keep the
+        forward's gather alive until backward, the full unit for the whole step. There each
+        parameter is a tensor of its own; the backward re-gather refills the saved ones in place,
+        as the unflattened layout does with its parameters."""
+        sizes = list(self.layout.numels) + [self.layout.padded_numel - sum(self.layout.numels)]
+        if self.comms.views_see_refills:
+            # One split, not one slice per parameter: autograd then joins the gradients with a
+            # single concatenation instead of a full-size zero-filled buffer per parameter.
+            chunks = torch.split(self.full, sizes)
+            return [c.view(shape) for c, shape in zip(chunks, self.layout.shapes)]
+        if refill_saved and self._members is not None:
+            for member, piece, shape in zip(self._members, torch.split(self.full, sizes), self.layout.shapes):
+                self.comms.fill_full(member, piece, tuple(shape), lambda t: t)
+        else:
+            self._members = list(_SplitFlat.apply(self.full, tuple(sizes), tuple(self.layout.shapes)))
+        return self._members
 
     def prepare_grad(self, grad: torch.Tensor, pre_divide: float, fp32_reduce_scatter: bool) -> torch.Tensor:
         """The padded, pre-divided full gradient, ready to reduce-scatter."""
@@ -187,7 +205,8 @@ class ParamGroup:
 
 
 # --- several groups of one unit in one collective (fewer, larger messages) -------------------------
-def start_unshard(groups: List[ParamGroup], backward: bool = False) -> Callable[[], None]:
+def start_unshard(groups: List[ParamGroup], backward: bool = False,
+                  refill_saved: bool = False) -> Callable[[], None]:
     """Begin all-gathering a unit's groups; the returned function waits and installs them.
 
     Transports that coalesce gather every group's shard with one collective: the shards are
@@ -195,7 +214,7 @@ def start_unshard(groups: List[ParamGroup], backward: bool = False) -> Callable[
     columns copied into its full parameter in rank order."""
     comms = groups[0].comms
     if len(groups) == 1 or not comms.coalesces:
-        finishes = [g.start_unshard(backward) for g in groups]
+        finishes = [g.start_unshard(backward, refill_saved) for g in groups]
 
         def finish_each() -> None:
             for finish in finishes:
@@ -213,7 +232,7 @@ def start_unshard(groups: List[ParamGroup], backward: bool = False) -> Callable[
             comms.fill_full(group.full, gathered[:, offset:offset + n], group.padded_shape, group._unpad)
             offset += n
             group.state = ShardedState.UNSHARDED
-            group.install()
+            group.install(refill_saved)
     return finish
 
 
@@ -253,3 +272,21 @@ def start_reduce(groups: List[ParamGroup], grads: List[torch.Tensor], pre_divide
     joined = torch.cat([b.to(dtype) for b in blocks], dim=1).reshape(-1)
     return ReduceInFlight(groups, [b.shape[1] for b in blocks],
                           comms.start_reduce_scatter(joined, groups[0].channel_reduce), post_divide)
+
+
+class _SplitFlat(torch.autograd.Function):
+    """A padded flat buffer cut into parameters that are tensors of their own, not views (so
+    they can be refilled in place); their gradients join back with one concatenation."""
+
+    @staticmethod
+    def forward(ctx, full: torch.Tensor, sizes: Tuple[int, ...], shapes: Tuple[Tuple[int, ...], ...]):
+        ctx.padding = sizes[-1]
+        pieces = torch.split(full, list(sizes))
+        return tuple(piece.view(shape).clone() for piece, shape in zip(pieces, shapes))
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        flat = [g.reshape(-1) for g in grads]
+        if ctx.padding:
+            flat.append(grads[0].new_zeros(ctx.padding))
+        return torch.cat(flat), None, None

@@ -99,6 +99,10 @@ class Collectives(abc.ABC):
         """Make ``full`` hold ``unpad(data)``, ``data`` being already-gathered padded values (in rank
         order, any shape with ``prod(padded_shape)`` elements)."""
 
+    #: whether a view of ``full`` kept from before a free sees the next gather's data (eager
+    #: storage does; a lazy transport's views hold the IR value they were cut from)
+    views_see_refills: bool = True
+
     #: whether a unit's groups share one all-gather and one reduce-scatter (see param_group)
     coalesces: bool = False
 

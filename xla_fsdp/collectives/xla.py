@@ -118,6 +118,7 @@ class XlaCollectives(Collectives):
     ``_replace_xla_tensor`` so the autograd leaf survives and its dtype stays the compute dtype."""
 
     name = "xla"
+    views_see_refills = False
 
     def __init__(self, groups: Optional[Sequence[Sequence[int]]] = None,
                  rank: Optional[int] = None, world_size: Optional[int] = None,
