@@ -294,10 +294,11 @@ def test_next_unit_is_gathered_while_this_one_computes(gloo, monkeypatch, prefet
     forward_end = events.index(("finish", "_fsdp_wrapped_module.blocks.2"))
     forward, backward = events[:forward_end + 1], events[forward_end + 1:]
     assert _overlapped(forward) == (blocks if prefetch else set())
-    # backward: blocks 1 and 0 are fetched while the block after them computes (block 2 was freed
-    # last in forward and is needed first)
-    assert _overlapped(backward) == ({"_fsdp_wrapped_module.blocks.0", "_fsdp_wrapped_module.blocks.1"}
-                                     if prefetch else set())
+    # backward: block 2 ended forward last and kept its parameters (no gather); block 1's gather is
+    # started when block 2's backward begins and block 0's before block 1 computes
+    b0, b1 = "_fsdp_wrapped_module.blocks.0", "_fsdp_wrapped_module.blocks.1"
+    assert backward == ([("start", b1), ("start", b0), ("finish", b1), ("finish", b0)] if prefetch else
+                        [("start", b1), ("finish", b1), ("start", b0), ("finish", b0)])
     assert all(u._unshard_in_flight is None for u in root.modules() if isinstance(u, FSDP))
 
 
@@ -330,11 +331,33 @@ def test_world_size_1_computes_on_the_shard_itself(gloo, flat):
 
 def test_freed_units_drop_the_module_views(gloo):
     """A unit freed after forward (ZeRO-3; here bf16 compute, so the full copy is its own) leaves no
-    view of the freed data on the module: on XLA a live view is a full-size output of every step."""
-    model = _nested_linear(True, compute_dtype=torch.bfloat16)
-    inner = model.module[0]
+    view of the freed data on the module: on XLA a live view is a full-size output of every step.
+    The unit that ends forward last keeps its parameters for backward, and drops them after it."""
+    torch.manual_seed(0)
+    kw = dict(flatten_parameters=True, compute_dtype=torch.bfloat16)
+    inner, last = FSDP(nn.Linear(4, 8), **kw), FSDP(nn.Linear(8, 2), **kw)
+    model = FSDP(nn.Sequential(inner, nn.ReLU(), last), **kw)
     out = model(torch.randn(3, 4))
     assert inner.module.weight is None and inner.module.bias is None
+    assert last.module.weight is not None and model._schedule.kept is last
     out.float().sum().backward()
-    assert inner.module.weight is None
+    assert inner.module.weight is None and last.module.weight is None
     assert all(g.shard.grad is not None for g in inner._groups)
+
+
+def test_unit_kept_for_a_backward_that_never_ran_is_freed_by_the_next_forward(gloo):
+    """A forward with gradients on but no backward (an evaluation without no_grad) leaves the last
+    unit gathered; the next forward frees it before anything else runs, and training goes on."""
+    torch.manual_seed(0)
+    kw = dict(compute_dtype=torch.bfloat16)
+    inner, last = FSDP(nn.Linear(4, 8), **kw), FSDP(nn.Linear(8, 2), **kw)
+    model = FSDP(nn.Sequential(inner, nn.ReLU(), last), **kw)
+    x = torch.randn(3, 4)
+    model(x)
+    assert model._schedule.kept is last and last._groups[0].is_unsharded()
+    freed_at_start = []
+    inner.register_forward_pre_hook(lambda *_: freed_at_start.append(not last._groups[0].is_unsharded()))
+    model(x).float().sum().backward()
+    assert freed_at_start == [True]
+    assert all(g.shard.grad is not None for u in (inner, last) for g in u._groups)
+    assert not any(g.is_unsharded() for u in (inner, last) for g in u._groups)

@@ -367,6 +367,8 @@ class XlaFullyShardedDataParallel(nn.Module):
         else:
             if self._is_root:
                 self._schedule.recording = []
+                self._schedule.release_kept()
+            self._schedule.release_deferred()
             self._schedule.recording.append(self)
             self._unshard(prefetch=self._prefetch_target(+1))
         outputs = self.module(*args, **kwargs)
@@ -377,7 +379,9 @@ class XlaFullyShardedDataParallel(nn.Module):
                                     outputs)
         if in_backward:  # a checkpoint recompute: parameters stay for this backward
             return outputs
-        if self.reshard_after_forward or not torch.is_grad_enabled():
+        if self.reshard_after_forward and torch.is_grad_enabled() and not self._is_root:
+            self._schedule.defer_reshard(self)  # freed when the next unit starts forward
+        elif self.reshard_after_forward or not torch.is_grad_enabled():
             self._reshard()
         self.training_state = TrainingState.IDLE
         if torch.is_grad_enabled():

@@ -18,10 +18,31 @@ class Schedule:
         self.recording: List[XlaFullyShardedDataParallel] = []
         self._position: Dict[int, int] = {}
         self._order: List[XlaFullyShardedDataParallel] = []
+        # ZeRO-3 units free their parameters when the next unit starts forward, not when they end
+        # theirs: the unit that ends forward last is the first in backward and keeps them.
+        self.deferred: Optional[XlaFullyShardedDataParallel] = None
+        self.kept: Optional[XlaFullyShardedDataParallel] = None
+
+    def defer_reshard(self, unit: "XlaFullyShardedDataParallel") -> None:
+        """``unit`` has ended forward; free the one before it, whose successor has now run."""
+        self.release_deferred()
+        self.deferred = unit
+
+    def release_deferred(self) -> None:
+        unit, self.deferred = self.deferred, None
+        if unit is not None:
+            unit._reshard()
+
+    def release_kept(self) -> None:
+        """A new forward starts: a unit kept for a backward that never ran is freed now."""
+        unit, self.kept = self.kept, None
+        if unit is not None:
+            unit._reshard()
 
     def end_forward(self, units: List["XlaFullyShardedDataParallel"]) -> None:
         """The root's forward has returned: what was recorded becomes the order."""
         self._order, self.recording = self.recording, []
+        self.kept, self.deferred = self.deferred, None
         self._position = {}
         for index, unit in enumerate(self._order):
             self._position.setdefault(id(unit), index)
