@@ -10,22 +10,21 @@ A unit owns the parameters of its module that no nested unit owns, split into
 from __future__ import annotations
 
 import contextlib
-import enum
 import functools
 import warnings
 from typing import Any, Callable, Dict, Generator, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
-from torch.autograd import Variable
 from torch.utils._pytree import tree_map_only
 
 from . import param_names, unit_init
 from .collectives import Collectives, resolve_transport, shared_collectives
 from .param_names import WRAPPED, flat_parts
 from .sharding import default_predivide_factor
-from .param_group import ParamGroup, ReduceInFlight, start_reduce, start_unshard
-from .schedule import Schedule
+from .param_group import ParamGroup, ReduceInFlight, start_unshard
+from .backward import GradientReduction
+from .schedule import Schedule, TrainingState
 from .strategy import plan_for_unit
 from .wrap import recursive_wrap
 
@@ -33,14 +32,7 @@ SHARD_SEPARATOR = "_FSDP_SHARD_SEPARATOR_"
 METADATA_VERSION = 1
 
 
-class TrainingState(enum.Enum):
-    IDLE = "idle"
-    FORWARD = "forward"
-    BACKWARD_PRE = "backward_pre"
-    BACKWARD_POST = "backward_post"
-
-
-class XlaFullyShardedDataParallel(nn.Module):
+class XlaFullyShardedDataParallel(GradientReduction, nn.Module):
     """Shard a module's parameters, gradients and optimizer state across ranks (ZeRO-3/ZeRO-2).
 
     Drop-in for ``torch_xla.distributed.fsdp.XlaFullyShardedDataParallel``: same keywords and
@@ -415,95 +407,6 @@ class XlaFullyShardedDataParallel(nn.Module):
     def _reshard(self) -> None:
         for group in self._groups:
             group.reshard()
-
-    # ------------------------------------------------------------------ backward
-    def _register_pre_backward_hooks(self, outputs: Any) -> Any:
-        self._pre_backward_done = False
-
-        def hook(grad: torch.Tensor) -> None:
-            self._pre_backward(grad)
-
-        def register(t: torch.Tensor) -> torch.Tensor:
-            if t.requires_grad:
-                t.register_hook(hook)
-            return t
-
-        return tree_map_only(torch.Tensor, register, outputs)
-
-    def _pre_backward(self, grad: torch.Tensor) -> None:
-        if self._pre_backward_done:
-            return
-        self._pre_backward_done = True
-        if self._is_root:
-            Variable._execution_engine.queue_callback(self._finalize_backward)
-        self.training_state = TrainingState.BACKWARD_PRE
-        if self.optimization_barrier_in_backward:
-            # Make the re-gather depend on the incoming gradient, so XLA does not hoist every
-            # unit's gather to the start of backward.
-            self.comms.optimization_barrier([g.shard for g in self._groups] + [grad])
-        previous = self._prefetch_target(-1)
-        if previous is not None and previous._pre_backward_done:
-            previous = None  # its backward already ran (the root's, first): nothing left to gather for
-        self._unshard(backward=True, prefetch=previous, refill_saved=True)
-
-    @torch.no_grad()
-    def _on_full_grad_ready(self, group: ParamGroup, full: torch.Tensor) -> None:
-        """All gradient for ``group`` has been accumulated into ``full.grad``: reduce-scatter it."""
-        self.training_state = TrainingState.BACKWARD_POST
-        grad = full.grad
-        if grad is None:
-            return
-        if not self._require_backward_grad_sync:
-            return  # no_sync: keep accumulating the full gradient
-        full.grad = None
-        if self.comms.world_size == 1 and self.comms.num_replicas == 1:
-            # Nothing to reduce (one rank): straight into the shard gradient, no bookkeeping.
-            padded = group.prepare_grad(grad, self.gradient_predivide_factor, self.fp32_reduce_scatter)
-            group.accumulate_shard_grad(group.finish_grad(padded, self.gradient_postdivide_factor))
-            group.reshard()
-            return
-        if self.optimization_barrier_in_backward:
-            self.comms.optimization_barrier([grad])
-        self._pending_grads.append((group, grad))
-        # Coalescing transports wait for the unit's other gradients and reduce them all in one collective.
-        if not self.comms.coalesces or len(self._pending_grads) == self._num_grad_groups:
-            self._reduce_pending()
-
-    def _reduce_pending(self) -> None:
-        """Start the reduce-scatter of the gradients waiting for their unit (all of them, or at the
-        end of backward those of parameters that got gradients while others of the unit did not),
-        free their full parameters, and finish the reduce-scatter started before it: one stays on
-        the wire while the next unit's backward computes."""
-        if not self._pending_grads:
-            return
-        groups, grads = zip(*self._pending_grads)
-        self._pending_grads = []
-        started = start_reduce(list(groups), list(grads), self.gradient_predivide_factor,
-                               self.gradient_postdivide_factor, self.fp32_reduce_scatter)
-        for group in groups:
-            group.reshard()
-        self._finish_reduces()
-        self._reduces_in_flight.append(started)
-
-    def _finish_reduces(self) -> None:
-        """Wait for the started reduce-scatters, oldest first, and accumulate their shard gradients."""
-        while self._reduces_in_flight:
-            self._reduces_in_flight.pop(0).finish()
-
-    def _finalize_backward(self) -> None:
-        """Runs once at the end of the root's backward: free what backward left gathered."""
-        for unit in self._units_in_tree:  # same order on every rank: collectives still pair up
-            unit._reduce_pending()
-        self._finish_reduces()
-        for unit in self._units_in_tree:
-            unit._finish_unshard()  # a prefetch for a unit that did not run backward
-            # Under no_sync a ZeRO-2 unit keeps its parameters for the next micro-batch.
-            if unit._require_backward_grad_sync or unit.reshard_after_forward:
-                unit._reshard()
-            unit._pre_backward_done = False
-            unit.training_state = TrainingState.IDLE
-        if self.sync_on_finalization:
-            self.comms.sync()
 
     # ------------------------------------------------------------------ public methods
     @contextlib.contextmanager

@@ -1,12 +1,21 @@
 """The order in which a root's units run forward, which prefetching follows."""
 from __future__ import annotations
 
+import enum
 from typing import TYPE_CHECKING, Dict, List, Optional
 
 import torch
 
 if TYPE_CHECKING:
     from .fully_sharded_data_parallel import XlaFullyShardedDataParallel
+
+
+class TrainingState(enum.Enum):
+    """Where a unit is in its step (checked to catch re-entrant or out-of-order calls)."""
+    IDLE = "idle"
+    FORWARD = "forward"
+    BACKWARD_PRE = "backward_pre"
+    BACKWARD_POST = "backward_post"
 
 
 class Schedule:
