@@ -83,7 +83,20 @@ def test_flattened_shard_mixing_optimizer_options_is_a_clear_error(gloo):
     assert sum(p.numel() for g in groups for p in g["params"]) == \
         sum(p.numel() for p in models.make_model("lm").parameters())
     names = [n for n, _ in split.get_original_names_and_sharded_parameters()]
-    assert names == ["flat_param_0", "flat_param_2"]
+    # decayed matrices, the no-decay matrix (pos), the vectors (never flattened with matrices)
+    assert names == ["flat_param_0", "flat_param_2", "flat_param_3"]
+
+
+def test_flat_shards_keep_vectors_apart_from_matrices(gloo):
+    """Norm scales and biases get a flat shard of their own (see ``flat_parts``), so a rule on
+    dimensions forms optimizer groups without ``flatten_group_fn``."""
+    model = FSDP(nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 2, bias=False)),
+                 flatten_parameters=True)
+    groups = model._groups
+    assert [g.flat_name for g in groups] == ["flat_param_0", "flat_param_2"]
+    assert [sorted(g.names) for g in groups] == [["0.weight", "2.weight"], ["0.bias", "1.bias", "1.weight"]]
+    options = model.optimizer_param_groups(lambda n: {"weight_decay": 0.0} if n.endswith(("bias", "1.weight")) else {})
+    assert sorted(str(g.get("weight_decay")) for g in options) == ["0.0", "None"]
 
 
 def test_weight_decay_groups_change_training():

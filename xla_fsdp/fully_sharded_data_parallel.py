@@ -76,6 +76,7 @@ class XlaFullyShardedDataParallel(GradientReduction, nn.Module):
         flatten_group_fn: ``fn(name, param) -> key`` (name relative to this unit's module): with
             ``flatten_parameters`` trainable parameters with different keys go to different flat
             shards, so optimizer groups by name stay possible (see :meth:`optimizer_param_groups`).
+            Vectors (norm scales, biases) and matrices are always flattened apart.
         shard_param_on_dim_0: split each (unflattened) parameter along dim 0 instead of flattening.
         pin_layout_in_collective_ops: pin collective layouts on XLA (never on XLA:CPU, whose
             channel-id collectives need no pinning).

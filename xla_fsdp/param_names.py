@@ -28,13 +28,18 @@ def hashable(value: Any) -> Any:
 
 def flat_parts(refs: list, flatten_group_fn: Optional[Callable[[str, nn.Parameter], Any]]) -> Tuple[List[list], List[str]]:
     """Trainable parameters split by ``flatten_group_fn`` (one flat shard per key, so optimizer
-    groups such as "no weight decay" can be formed), frozen ones in a shard of their own.
-    Names as torch_xla: ``flat_param_0`` (trainable), ``flat_param_1`` (frozen), then 2, 3..."""
+    groups can be formed by name), frozen ones in a shard of their own.
+    Names as torch_xla: ``flat_param_0`` (trainable), ``flat_param_1`` (frozen), then 2, 3...
+
+    Vectors (norm scales, biases) never share a flat shard with matrices: on XLA the fused
+    normalization that backward recomputes reads its scale straight from the gathered buffer, which
+    kept a unit's whole gathered weights alive until its backward; and the usual "no weight decay on
+    vectors" rule then needs no ``flatten_group_fn``."""
     keyed: Dict[Any, list] = {}
     for r in refs:
         if r.param.requires_grad:
             key = flatten_group_fn(r.fqn, r.param) if flatten_group_fn else None
-            keyed.setdefault(hashable(key), []).append(r)
+            keyed.setdefault((r.param.dim() > 1, hashable(key)), []).append(r)
     parts, names = [], []
     for index, part in enumerate(keyed.values()):
         parts.append(part)
