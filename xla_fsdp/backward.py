@@ -83,7 +83,7 @@ class GradientReduction:
         for group in groups:
             group.reshard()
         self._finish_reduces()
-        self._reduces_in_flight.append(started)
+        self._reduces_in_flight.extend(started)
 
     def _finish_reduces(self) -> None:
         """Wait for the started reduce-scatters, oldest first, and accumulate their shard gradients."""

@@ -205,21 +205,42 @@ class ParamGroup:
 
 
 # --- several groups of one unit in one collective (fewer, larger messages) -------------------------
+#: a group whose full size reaches this many elements (4 MiB in fp32) gets collectives of its own:
+#: coalescing costs a copy of the full data (rank-major columns), dearer than one more call
+SOLO_NUMEL = 1 << 20
+
+
+def split_for_coalescing(groups: List[ParamGroup]) -> Tuple[List[ParamGroup], List[ParamGroup]]:
+    """(groups with collectives of their own, groups sharing one): only on coalescing transports
+    and only small groups share, since sharing copies the data once more."""
+    if len(groups) == 1 or not groups[0].comms.coalesces:
+        return list(groups), []
+    shared = [g for g in groups if g.layout.padded_numel < SOLO_NUMEL]
+    if len(shared) < 2:
+        return list(groups), []
+    return [g for g in groups if g.layout.padded_numel >= SOLO_NUMEL], shared
+
+
 def start_unshard(groups: List[ParamGroup], backward: bool = False,
                   refill_saved: bool = False) -> Callable[[], None]:
     """Begin all-gathering a unit's groups; the returned function waits and installs them.
 
-    Transports that coalesce gather every group's shard with one collective: the shards are
-    concatenated (cast to the compute dtype), gathered as ``(world_size, total)`` and each group's
-    columns copied into its full parameter in rank order."""
-    comms = groups[0].comms
-    if len(groups) == 1 or not comms.coalesces:
-        finishes = [g.start_unshard(backward, refill_saved) for g in groups]
+    Small groups on transports that coalesce share one collective: their shards are concatenated
+    (cast to the compute dtype), gathered as ``(world_size, total)`` and each group's columns
+    copied into its full parameter in rank order. The others gather straight into their own."""
+    solo, shared = split_for_coalescing(groups)
+    finishes = [g.start_unshard(backward, refill_saved) for g in solo]
+    if shared:
+        finishes.append(_start_shared_unshard(shared, backward, refill_saved))
 
-        def finish_each() -> None:
-            for finish in finishes:
-                finish()
-        return finish_each
+    def finish_each() -> None:
+        for finish in finishes:
+            finish()
+    return finish_each
+
+
+def _start_shared_unshard(groups: List[ParamGroup], backward: bool, refill_saved: bool) -> Callable[[], None]:
+    comms = groups[0].comms
     shards = [g.shard.detach().reshape(-1).to(g.compute_dtype) for g in groups]
     channel = groups[0].channel_backward if backward else groups[0].channel_forward
     wait = comms.start_all_gather(torch.cat(shards), channel)
@@ -237,8 +258,8 @@ def start_unshard(groups: List[ParamGroup], backward: bool = False,
 
 
 class ReduceInFlight:
-    """A started reduce-scatter of one unit's gradients. :meth:`finish` waits for it, sums over
-    replicas, divides and accumulates every group's block into its shard gradient."""
+    """A started reduce-scatter of one or more groups' gradients. :meth:`finish` waits for it,
+    sums over replicas, divides and accumulates every group's block into its shard gradient."""
 
     def __init__(self, groups: List[ParamGroup], widths: List[int], wait: Callable[[], torch.Tensor],
                  post_divide: float):
@@ -258,10 +279,23 @@ class ReduceInFlight:
 
 
 def start_reduce(groups: List[ParamGroup], grads: List[torch.Tensor], pre_divide: float,
-                 post_divide: float, fp32_reduce_scatter: bool) -> ReduceInFlight:
-    """Start one reduce-scatter for the full gradients of a unit's groups (several groups'
-    padded gradients side by side, as ``(world_size, total)`` columns, so each rank's block holds
-    its block of every group)."""
+                 post_divide: float, fp32_reduce_scatter: bool) -> List[ReduceInFlight]:
+    """Start the reduce-scatters of a unit's full gradients: one per large group, one for the small
+    groups together (see :func:`split_for_coalescing`)."""
+    solo, shared = split_for_coalescing(groups)
+    grad_of = dict(zip(map(id, groups), grads))
+    started = [_start_reduce([g], [grad_of[id(g)]], pre_divide, post_divide, fp32_reduce_scatter) for g in solo]
+    if shared:
+        started.append(_start_reduce(shared, [grad_of[id(g)] for g in shared], pre_divide, post_divide,
+                                     fp32_reduce_scatter))
+    return started
+
+
+def _start_reduce(groups: List[ParamGroup], grads: List[torch.Tensor], pre_divide: float,
+                  post_divide: float, fp32_reduce_scatter: bool) -> ReduceInFlight:
+    """One reduce-scatter for the full gradients of ``groups`` (several groups' padded gradients
+    side by side, as ``(world_size, total)`` columns, so each rank's block holds its block of every
+    group)."""
     comms = groups[0].comms
     padded = [g.prepare_grad(grad, pre_divide, fp32_reduce_scatter) for g, grad in zip(groups, grads)]
     if len(groups) == 1:
