@@ -112,3 +112,24 @@ def test_weight_decay_groups_change_training():
         opt.step()
     worst = max((grouped[k] - v).abs().max().item() for k, v in model.state_dict().items())
     assert worst > 1e-4
+
+
+def test_only_small_groups_share_a_collective():
+    """On coalescing transports groups from 1 Mi elements up gather alone (sharing copies the full
+    data once more); the small ones share, and a lone small one is not 'shared' with nobody."""
+    from types import SimpleNamespace
+
+    from xla_fsdp.param_group import SOLO_NUMEL, split_for_coalescing
+
+    def groups(sizes, coalesces=True):
+        comms = SimpleNamespace(coalesces=coalesces)
+        return [SimpleNamespace(comms=comms, layout=SimpleNamespace(padded_numel=n), n=n) for n in sizes]
+
+    def sizes(split):
+        return tuple([g.n for g in part] for part in split)
+
+    big, small = SOLO_NUMEL, SOLO_NUMEL - 1
+    assert sizes(split_for_coalescing(groups([big, 10, small, 3 * big]))) == ([big, 3 * big], [10, small])
+    assert sizes(split_for_coalescing(groups([big, 10]))) == ([big, 10], [])
+    assert sizes(split_for_coalescing(groups([10, 20], coalesces=False))) == ([10, 20], [])
+    assert sizes(split_for_coalescing(groups([10]))) == ([10], [])
