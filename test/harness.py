@@ -8,7 +8,7 @@ import os
 import socket
 import tempfile
 import threading
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -112,6 +112,10 @@ CONFIGS: Dict[str, Dict[str, Any]] = {  # noqa: E501
     # drained (ZeRO-3 freeing checked every step).
     "reorder_lm_adamw": dict(model="lm_reorder", opt="adamw", check_freed=True, wrap=lambda m: FSDP(
         m, auto_wrap_policy=BLOCK_POLICY)),
+    # torch.distributed joins a unit's small groups into one collective and gathers large ones
+    # alone: lowered threshold, so every unit of this tiny model mixes both paths.
+    "coalesce_mixed_lm_adamw": dict(model="lm", opt="adamw", wrap=lambda m: FSDP(
+        m, auto_wrap_policy=BLOCK_POLICY, _solo_collective_numel=256), check_freed=True),
     "clip_lm_sgd": dict(model="lm", opt="sgd", wrap=lambda m: FSDP(m, auto_wrap_policy=BLOCK_POLICY), clip=0.5),
 }
 NO_SYNC_MICRO = 2
@@ -224,8 +228,20 @@ def train_sharded(name: str, rank: int, device: torch.device, sync: Callable[[],
         "metadata": wrapped.get_shard_metadata(),
         "state_bytes": state_bytes(wrapped, opt),
         "freed_after_forward": freed,
+        "collective_split": _collective_split(wrapped),
     })
     return result
+
+
+def _collective_split(root: FSDP) -> List[Tuple[int, int]]:
+    """Per unit: (groups gathered and reduced alone, groups sharing one collective)."""
+    from xla_fsdp.param_group import split_for_coalescing
+    splits = []
+    for unit in root.modules():
+        if isinstance(unit, FSDP) and unit._groups:
+            solo, shared = split_for_coalescing(unit._groups, unit.solo_numel)
+            splits.append((len(solo), len(shared)))
+    return splits
 
 
 class _null:

@@ -75,6 +75,14 @@ def test_matches_unsharded(transport, world_size, name):
             assert all(r["freed_after_forward"]) and len(r["freed_after_forward"]) == harness.STEPS
 
 
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_units_mix_solo_and_shared_collectives(world_size):
+    """The config that checks the mixed path really takes it: on gloo every unit gathers and reduces
+    its matrices alone and its small vectors together (its equivalence is checked above)."""
+    for r in results("torch", world_size)["coalesce_mixed_lm_adamw"]:
+        assert r["collective_split"] and all(solo >= 1 and shared >= 2 for solo, shared in r["collective_split"])
+
+
 OPT_STATE_COPIES = {"sgd": 1, "adamw": 2, "adamw_groups": 2}  # momentum; exp_avg + exp_avg_sq
 # Ranks a parameter is split over, per strategy, at world size N (hybrid: pairs of ranks).
 SHARD_SIZE = {"strategy_no_shard_adamw": lambda n: 1, "strategy_hybrid_adamw": lambda n: min(2, n),

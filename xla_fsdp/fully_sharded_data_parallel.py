@@ -22,7 +22,7 @@ from . import param_names, unit_init
 from .collectives import Collectives, resolve_transport, shared_collectives
 from .param_names import WRAPPED, flat_parts
 from .sharding import default_predivide_factor
-from .param_group import ParamGroup, ReduceInFlight, start_unshard
+from .param_group import SOLO_NUMEL, ParamGroup, ReduceInFlight, start_unshard
 from .backward import GradientReduction
 from .schedule import Schedule, TrainingState
 from .strategy import plan_for_unit
@@ -97,6 +97,9 @@ class XlaFullyShardedDataParallel(GradientReduction, nn.Module):
         transport: ``'xla'`` or ``'torch'`` to override the automatic choice.
         _shard_size_multiple: pad flat shards to a multiple of this many elements per rank
             (default 128 on TPU, for all-gather efficiency; 1 elsewhere, to waste no memory).
+        _solo_collective_numel: on transports that join a unit's groups into one collective
+            (torch.distributed at world size > 1), groups of at least this many elements (default
+            1 Mi) get collectives of their own; joining costs one more copy of the data.
         _use_xla_patched_linear: on XLA, make ``nn.Linear`` save its weight (not a transposed
             copy) for backward, so ZeRO-3 can free full weights after forward.
     """
@@ -125,6 +128,7 @@ class XlaFullyShardedDataParallel(GradientReduction, nn.Module):
         auto_wrapper_callable: Optional[Callable] = None,
         param_init_fn: Optional[Callable[[nn.Module], None]] = None,
         _shard_size_multiple: Optional[int] = None,
+        _solo_collective_numel: int = SOLO_NUMEL,
         _use_xla_patched_linear: bool = True,
         _debug_dummy_forward_pass: bool = False,
         _debug_msg: str = "xla_fsdp",
@@ -174,7 +178,8 @@ class XlaFullyShardedDataParallel(GradientReduction, nn.Module):
             pin_layout_in_collective_ops=pin_layout_in_collective_ops,
             reduce_scatter_bucket_size_mb=reduce_scatter_bucket_size_mb,
             coalesce_all_gather_ops=coalesce_all_gather_ops, param_init_fn=param_init_fn,
-            _shard_size_multiple=_shard_size_multiple, _use_xla_patched_linear=_use_xla_patched_linear,
+            _shard_size_multiple=_shard_size_multiple, _solo_collective_numel=_solo_collective_numel,
+            _use_xla_patched_linear=_use_xla_patched_linear,
             _debug_msg=_debug_msg, _debug_print=_debug_print, transport=transport,
             sharding_strategy=sharding_strategy, hybrid_shard_size=hybrid_shard_size,
             output_dtype=output_dtype, flatten_group_fn=flatten_group_fn, prefetch=prefetch)
@@ -205,6 +210,7 @@ class XlaFullyShardedDataParallel(GradientReduction, nn.Module):
         if _shard_size_multiple is None:
             _shard_size_multiple = 128 if self._on_tpu() else 1
         self._shard_size_multiple = 1 if self._shard_param_on_dim_0 else _shard_size_multiple
+        self.solo_numel = _solo_collective_numel
         self._debug_print = _debug_print
         self._debug_msg = _debug_msg
 
@@ -394,7 +400,7 @@ class XlaFullyShardedDataParallel(GradientReduction, nn.Module):
         if self._unshard_in_flight is None:
             pending = [g for g in self._groups if not g.is_unsharded()]
             if pending:
-                self._unshard_in_flight = start_unshard(pending, backward=backward, refill_saved=refill_saved)
+                self._unshard_in_flight = start_unshard(pending, backward, refill_saved, self.solo_numel)
 
     def _finish_unshard(self) -> None:
         finish, self._unshard_in_flight = self._unshard_in_flight, None

@@ -210,25 +210,26 @@ class ParamGroup:
 SOLO_NUMEL = 1 << 20
 
 
-def split_for_coalescing(groups: List[ParamGroup]) -> Tuple[List[ParamGroup], List[ParamGroup]]:
+def split_for_coalescing(groups: List[ParamGroup], solo_numel: int = SOLO_NUMEL
+                         ) -> Tuple[List[ParamGroup], List[ParamGroup]]:
     """(groups with collectives of their own, groups sharing one): only on coalescing transports
-    and only small groups share, since sharing copies the data once more."""
+    and only groups under ``solo_numel`` elements share, since sharing copies the data once more."""
     if len(groups) == 1 or not groups[0].comms.coalesces:
         return list(groups), []
-    shared = [g for g in groups if g.layout.padded_numel < SOLO_NUMEL]
+    shared = [g for g in groups if g.layout.padded_numel < solo_numel]
     if len(shared) < 2:
         return list(groups), []
-    return [g for g in groups if g.layout.padded_numel >= SOLO_NUMEL], shared
+    return [g for g in groups if g.layout.padded_numel >= solo_numel], shared
 
 
-def start_unshard(groups: List[ParamGroup], backward: bool = False,
-                  refill_saved: bool = False) -> Callable[[], None]:
+def start_unshard(groups: List[ParamGroup], backward: bool = False, refill_saved: bool = False,
+                  solo_numel: int = SOLO_NUMEL) -> Callable[[], None]:
     """Begin all-gathering a unit's groups; the returned function waits and installs them.
 
     Small groups on transports that coalesce share one collective: their shards are concatenated
     (cast to the compute dtype), gathered as ``(world_size, total)`` and each group's columns
     copied into its full parameter in rank order. The others gather straight into their own."""
-    solo, shared = split_for_coalescing(groups)
+    solo, shared = split_for_coalescing(groups, solo_numel)
     finishes = [g.start_unshard(backward, refill_saved) for g in solo]
     if shared:
         finishes.append(_start_shared_unshard(shared, backward, refill_saved))
@@ -279,10 +280,11 @@ class ReduceInFlight:
 
 
 def start_reduce(groups: List[ParamGroup], grads: List[torch.Tensor], pre_divide: float,
-                 post_divide: float, fp32_reduce_scatter: bool) -> List[ReduceInFlight]:
+                 post_divide: float, fp32_reduce_scatter: bool,
+                 solo_numel: int = SOLO_NUMEL) -> List[ReduceInFlight]:
     """Start the reduce-scatters of a unit's full gradients: one per large group, one for the small
     groups together (see :func:`split_for_coalescing`)."""
-    solo, shared = split_for_coalescing(groups)
+    solo, shared = split_for_coalescing(groups, solo_numel)
     grad_of = dict(zip(map(id, groups), grads))
     started = [_start_reduce([g], [grad_of[id(g)]], pre_divide, post_divide, fp32_reduce_scatter) for g in solo]
     if shared:
