@@ -11,7 +11,9 @@ import torch.nn as nn
 from .workloads import Workload, unit_classes
 
 GLOO = ("unwrapped", "ddp", "fsdp1", "fsdp2", "xla_fsdp")
-XLA_THREADS = ("xla_plain", "torchxla_fsdp", "xla_fsdp_xla")
+XLA_THREADS = ("xla_plain", "torchxla_fsdp", "xla_fsdp_xla", "torchxla_fsdp_perparam", "xla_fsdp_xla_perparam")
+#: suffix of the XLA FSDP contenders run in the default per-parameter layout (flatten_parameters=False)
+PER_PARAM = "_perparam"
 SPMD = ("torchxla_spmd",)
 ALL = GLOO + XLA_THREADS + SPMD
 
@@ -19,8 +21,8 @@ ALL = GLOO + XLA_THREADS + SPMD
 # (torch_xla 2.9 aborts on nn.Embedding with them on XLA:CPU), unpinned collective layouts.
 XLA_KWARGS = dict(pin_layout_in_collective_ops=False, optimization_barrier_in_forward=False,
                   optimization_barrier_in_backward=False, flatten_parameters=True)
-# flatten_parameters=True for both (the default of both is False): one flat parameter per unit, as
-# FSDP1 (use_orig_params=False) runs on gloo; per-parameter collectives are slower for everyone here.
+# flatten_parameters=True for both: one flat parameter per unit, as FSDP1 (use_orig_params=False) runs
+# on gloo. The ``_perparam`` contenders keep the default of both packages (False).
 
 
 def wrap_gloo(name: str, model: nn.Module, w: Workload, ws: int, flatten_parameters: bool = True) -> nn.Module:
@@ -54,13 +56,16 @@ def wrap_gloo(name: str, model: nn.Module, w: Workload, ws: int, flatten_paramet
 
 def wrap_xla(name: str, model: nn.Module, w: Workload, device, flatten_parameters: bool = True) -> nn.Module:
     classes = set(unit_classes(w))
+    if name.endswith(PER_PARAM):
+        name, flatten_parameters = name[:-len(PER_PARAM)], False
     if name == "xla_plain":
         return model.to(device)
     if name == "torchxla_fsdp":
         from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel
         from torch_xla.distributed.fsdp.wrap import transformer_auto_wrap_policy
         return XlaFullyShardedDataParallel(model, auto_wrap_policy=functools.partial(
-            transformer_auto_wrap_policy, transformer_layer_cls=classes), **XLA_KWARGS)
+            transformer_auto_wrap_policy, transformer_layer_cls=classes),
+            **dict(XLA_KWARGS, flatten_parameters=flatten_parameters))
     if name == "xla_fsdp_xla":
         from xla_fsdp import XlaFullyShardedDataParallel
         from xla_fsdp.wrap import transformer_auto_wrap_policy
@@ -92,4 +97,4 @@ def wrap_spmd(model: nn.Module, w: Workload, ws: int) -> Tuple[nn.Module, Callab
 def collective_theory(name: str) -> float:
     """Theoretical collective bytes per step, in multiples of the fp32 parameter bytes."""
     return {"ddp": 2.0, "fsdp1": 3.0, "fsdp2": 3.0, "xla_fsdp": 3.0, "torchxla_fsdp": 3.0,
-            "xla_fsdp_xla": 3.0, "torchxla_spmd": 3.0}.get(name, 0.0)
+            "xla_fsdp_xla": 3.0, "torchxla_spmd": 3.0}.get(name.replace(PER_PARAM, ""), 0.0)

@@ -37,6 +37,8 @@ ROOT = os.path.dirname(HERE)
 PLAN = [
     ("unwrapped", [1]), ("xla_fsdp", [1, 2, 4]), ("ddp", [2, 4]), ("fsdp1", [2, 4]), ("fsdp2", [2, 4]),
     ("xla_plain", [1, 2, 4]), ("xla_fsdp_xla", [1, 2, 4]), ("torchxla_fsdp", [1, 2, 4]), ("torchxla_spmd", [4]),
+    # the default layout of both XLA FSDPs (flatten_parameters=False); world size 1 is in the interleaved run
+    ("xla_fsdp_xla_perparam", [2, 4]), ("torchxla_fsdp_perparam", [2, 4]),
 ]
 
 # Interleaved world-size-1 rounds per workload: a few percent of overhead against a step-to-step
