@@ -2,13 +2,15 @@
 and unsharded in one process, so tests can compare the two."""
 from __future__ import annotations
 
+import atexit
 import copy
 import functools
 import os
+import shutil
 import socket
 import tempfile
 import threading
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Collection, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -160,10 +162,11 @@ def train_sharded(name: str, rank: int, device: torch.device, sync: Callable[[],
                   barrier: Callable[[], None] = lambda: None, steps: int = STEPS, start: int = 0,
                   per_rank: int = 4, save_prefix: Optional[str] = None,
                   load_prefix: Optional[str] = None, load_full_path: Optional[str] = None,
-                  full_state: bool = False) -> Dict[str, Any]:
+                  full_state: Union[bool, Collection[str]] = False) -> Dict[str, Any]:
     """One rank's run of config ``name`` for steps [start, start + steps); optionally loads a
     sharded checkpoint first and saves one at the end (``save_prefix + '_init'`` before training).
-    Returns losses, shards, metadata and memory figures."""
+    Returns losses, shards, metadata and memory figures, and with ``full_state`` (True, or the
+    names of the configs that want it) the gathered full model and optimizer state."""
     cfg = CONFIGS[name]
     # Paths may name the config: "{name}" is replaced, so one launch can run several configs.
     save_prefix, load_prefix, load_full_path = (p.format(name=name) if p else p
@@ -217,7 +220,7 @@ def train_sharded(name: str, rank: int, device: torch.device, sync: Callable[[],
     if save_prefix:
         xla_fsdp.save_sharded_checkpoint(wrapped, opt, save_prefix)
     result = {}
-    if full_state:
+    if full_state is True or (full_state and name in full_state):
         from xla_fsdp.checkpoints import full_optim_state_dict, full_state_dict
         result["full"] = full_state_dict(wrapped, rank0_only=False)
         result["full_optim"] = full_optim_state_dict(wrapped, opt, rank0_only=False)
@@ -381,6 +384,31 @@ def run_xla(names: List[str], world_size: int, **kwargs: Any) -> Dict[str, List[
             else:
                 os.environ[k] = v
     return {n: [results[r][n] for r in range(world_size)] for n in names}
+
+
+# ----------------------------------------------------------------------------- one run per session
+EQUIVALENCE = [n for n, c in CONFIGS.items() if c.get("equivalence", True)]
+#: configs whose checkpoints test_checkpoints consolidates and compares bit for bit
+ROUND_TRIP = ["zero3_nested_adamw", "zero2_nested_adamw", "flatten_nested_adamw", "dim0_nested_sgd",
+              "tied_param_adamw", "tied_flat_sgd", "frozen_flat_adamw", "autowrap_type_lm_adamw",
+              "convbn_bf16_sgd", "strategy_hybrid_adamw", "strategy_no_shard_adamw", "wd_groups_flat_lm_adamw"]
+_SESSION_RUNS: Dict[Tuple[str, int], Tuple[Dict[str, List[Dict[str, Any]]], str]] = {}
+
+
+def session_run(transport: str, world_size: int) -> Tuple[Dict[str, List[Dict[str, Any]]], str]:
+    """Every equivalence and round-trip config trained once per (transport, world size) and test
+    session, with checkpoints saved before and after training: the equivalence and checkpoint tests
+    read the same run (on XLA:CPU most of a run is compiling). Returns (results per config, the
+    checkpoint prefix, with ``{name}`` for the config)."""
+    key = (transport, world_size)
+    if key not in _SESSION_RUNS:
+        names = [n for n in CONFIGS if n in EQUIVALENCE or n in ROUND_TRIP]
+        ckpt_dir = tempfile.mkdtemp(prefix=f"xla_fsdp_{transport}{world_size}_")
+        atexit.register(shutil.rmtree, ckpt_dir, ignore_errors=True)
+        prefix = os.path.join(ckpt_dir, "{name}")
+        run = run_gloo if transport == "torch" else run_xla
+        _SESSION_RUNS[key] = run(names, world_size, save_prefix=prefix, full_state=ROUND_TRIP), prefix
+    return _SESSION_RUNS[key]
 
 
 def first_replica(rank_results: List[Dict[str, Any]]) -> List[Dict[str, Any]]:

@@ -12,9 +12,7 @@ import models
 from xla_fsdp.consolidate_sharded_ckpts import main as consolidate_cli
 from xla_fsdp.reshard import main as reshard_cli
 
-ROUND_TRIP = ["zero3_nested_adamw", "zero2_nested_adamw", "flatten_nested_adamw", "dim0_nested_sgd",
-              "tied_param_adamw", "tied_flat_sgd", "frozen_flat_adamw", "autowrap_type_lm_adamw",
-              "convbn_bf16_sgd", "strategy_hybrid_adamw", "strategy_no_shard_adamw", "wd_groups_flat_lm_adamw"]
+ROUND_TRIP = harness.ROUND_TRIP
 GLOBAL_BATCH = 8  # divisible by every world size used, so resumed runs see the same global batch
 
 
@@ -32,12 +30,11 @@ def assert_bit_exact(got, want):
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 @pytest.mark.parametrize("transport", ["torch", "xla"])
-def test_round_trip_is_bit_exact(transport, world_size, tmp_path):
+def test_round_trip_is_bit_exact(transport, world_size):
     """consolidate(checkpoint) == the unsharded model's state dict, key for key, bit for bit: at save
-    time against the original model; after training against the live model's gathered full state."""
-    run = harness.run_gloo if transport == "torch" else harness.run_xla
-    prefix = str(tmp_path / "{name}")
-    results = run(ROUND_TRIP, world_size, steps=2, save_prefix=prefix, full_state=True)
+    time against the original model; after training against the live model's gathered full state.
+    (The session's shared run: the same training the equivalence tests compare.)"""
+    results, prefix = harness.session_run(transport, world_size)
     for name in ROUND_TRIP:
         initial = consolidate(prefix.format(name=name) + "_init")["model"]
         assert_bit_exact(initial, models.make_model(harness.CONFIGS[name]["model"]).state_dict())

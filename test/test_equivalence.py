@@ -23,17 +23,12 @@ def _record(transport, kind, value):
     worst[kind] = max(worst[kind], value)
 
 
-EQUIVALENCE = [n for n, c in harness.CONFIGS.items() if c.get("equivalence", True)]
+EQUIVALENCE = harness.EQUIVALENCE
 
 
 def results(transport, world_size):
-    """Run every config once per (transport, world size): one launch, all configs inside."""
-    key = (transport, world_size)
-    if key not in _CACHE:
-        names = EQUIVALENCE
-        run = harness.run_gloo if transport == "torch" else harness.run_xla
-        _CACHE[key] = run(names, world_size)
-    return _CACHE[key]
+    """Every config's run at this (transport, world size): one launch per session, all configs inside."""
+    return harness.session_run(transport, world_size)[0]
 
 
 def _reference(name, world_size):
