@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -149,6 +149,7 @@ class XlaCollectives(Collectives):
         # A pinned all-gather is lowered per rank (pad by ordinal + all-reduce): never pin on the
         # channel-id path, whose point is identical, id-matched collectives.
         self.pin_layout = pin_layout and not use_channel_ids
+        self._placeholders: Dict[torch.dtype, torch.Tensor] = {}
         if xr.device_type() == "CPU" and global_ws > 1:
             install_safe_sync()
 
@@ -246,7 +247,12 @@ class XlaCollectives(Collectives):
     def free(self, full: torch.Tensor) -> None:
         import torch_xla
 
-        torch_xla._XLAC._replace_xla_tensor(full, torch.zeros(1, dtype=full.dtype, device=self._device))
+        # One 1-element placeholder per dtype, shared by every freed parameter: nothing reads it,
+        # and building a fresh constant per free is a visible part of tracing a step.
+        placeholder = self._placeholders.get(full.dtype)
+        if placeholder is None:
+            placeholder = self._placeholders[full.dtype] = torch.zeros(1, dtype=full.dtype, device=self._device)
+        torch_xla._XLAC._replace_xla_tensor(full, placeholder)
         full._xla_fsdp_freed = True
 
     def is_allocated(self, full: torch.Tensor) -> bool:
