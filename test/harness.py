@@ -242,7 +242,7 @@ def _collective_split(root: FSDP) -> List[Tuple[int, int]]:
     splits = []
     for unit in root.modules():
         if isinstance(unit, FSDP) and unit._groups:
-            solo, shared = split_for_coalescing(unit._groups, unit.solo_numel)
+            solo, shared = split_for_coalescing(unit._groups, unit._solo_numel)
             splits.append((len(solo), len(shared)))
     return splits
 

@@ -79,7 +79,7 @@ class GradientReduction:
         groups, grads = zip(*self._pending_grads)
         self._pending_grads = []
         started = start_reduce(list(groups), list(grads), self.gradient_predivide_factor,
-                               self.gradient_postdivide_factor, self.fp32_reduce_scatter, self.solo_numel)
+                               self.gradient_postdivide_factor, self.fp32_reduce_scatter, self._solo_numel)
         for group in groups:
             group.reshard()
         self._finish_reduces()

@@ -210,7 +210,7 @@ class XlaFullyShardedDataParallel(GradientReduction, nn.Module):
         if _shard_size_multiple is None:
             _shard_size_multiple = 128 if self._on_tpu() else 1
         self._shard_size_multiple = 1 if self._shard_param_on_dim_0 else _shard_size_multiple
-        self.solo_numel = _solo_collective_numel
+        self._solo_numel = _solo_collective_numel
         self._debug_print = _debug_print
         self._debug_msg = _debug_msg
 
@@ -400,7 +400,7 @@ class XlaFullyShardedDataParallel(GradientReduction, nn.Module):
         if self._unshard_in_flight is None:
             pending = [g for g in self._groups if not g.is_unsharded()]
             if pending:
-                self._unshard_in_flight = start_unshard(pending, backward, refill_saved, self.solo_numel)
+                self._unshard_in_flight = start_unshard(pending, backward, refill_saved, self._solo_numel)
 
     def _finish_unshard(self) -> None:
         finish, self._unshard_in_flight = self._unshard_in_flight, None
