@@ -2,9 +2,9 @@
 
     python -m benchmarks.run [--quick] [--skip_scale] [--rounds N] [--workloads transformer,resnet18]
 
-Every measurement runs in a fresh process (:mod:`benchmarks.worker`). Contenders at one world size
-are run in alternating rounds (ours, peers, ours, ...) so slow drifts of this shared machine hit all
-of them alike; a figure is the median over every measured step of every round (step time = slowest
+Every measurement runs in a fresh process (:mod:`benchmarks.worker`). The contenders of one workload
+and world size run back to back, in alternating rounds (ours first, then peers first, ...) so slow
+drifts of this shared machine hit all of them alike; a figure is the median over every measured step of every round (step time = slowest
 rank). The world-size-1 overhead targets come from :mod:`benchmarks.overhead` (every world-size-1
 contender in one process, steps interleaved), whose ratios do not swing with the machine's drift.
 Writes ``benchmarks/results/<date>[-quick].json``, a Markdown table (``.md``) and a chart (``.png``);
@@ -117,6 +117,24 @@ def summarize(contender: str, ws: int, runs: List[Dict[str, Any]]) -> Dict[str, 
     return row
 
 
+def side_by_side(names: List[str], plan: List[tuple], world_sizes: List[int]) -> List[tuple]:
+    """(workload, contender, world size) jobs, those compared with each other adjacent: grouped by
+    workload and world size, so a ratio's two step times are taken minutes apart, not an hour."""
+    return [(wl, c, ws) for wl in names for ws in sorted(world_sizes) for c, wss in plan if ws in wss]
+
+
+def _reversed_within_groups(jobs: List[tuple]) -> List[tuple]:
+    """The same groups in the same order, each group's contenders in reverse: over two rounds no
+    contender always runs first (warmer or colder machine) within its group."""
+    out: List[tuple] = []
+    start = 0
+    for i in range(1, len(jobs) + 1):
+        if i == len(jobs) or jobs[i][::2] != jobs[start][::2]:
+            out.extend(reversed(jobs[start:i]))
+            start = i
+    return out
+
+
 def run_suite(args) -> Dict[str, Any]:
     workloads = QUICK if args.quick else FULL
     names = (args.workloads or ("transformer" if args.quick else "transformer,resnet18")).split(",")
@@ -130,11 +148,11 @@ def run_suite(args) -> Dict[str, Any]:
         if c == "torchxla_spmd":  # SPMD at the largest world size of the run
             wss = [max(world_sizes)] if max(world_sizes) > 1 else []
         plan.append((c, [w for w in wss if w in world_sizes]))
-    jobs = [(wl, c, ws) for wl in names for c, wss in plan for ws in wss]
+    jobs = side_by_side(names, plan, world_sizes)
     results: Dict[tuple, List] = {}
     bar = tqdm(total=len(jobs) * rounds, desc="benchmarks", unit="run")
-    for _ in range(rounds):  # alternate: every contender once per round
-        for wl, c, ws in jobs:
+    for r in range(rounds):  # alternate: every contender once per round
+        for wl, c, ws in (jobs if r % 2 == 0 else _reversed_within_groups(jobs)):
             bar.set_postfix_str(f"{wl} {c} ws{ws}")
             results.setdefault((wl, c, ws), []).append(
                 run_one(c, ws, workloads[wl], warmup, steps, args.timeout))

@@ -46,3 +46,19 @@ def test_world_size_1_contenders_interleaved_in_one_process_train_identically():
     for name, c in result.items():
         assert len(c["times"]) == 3 and len(c["losses"]) == 4 and c["ratio_to_plain"] > 0, name
         assert c["max_loss_diff_to_plain"] <= 1e-5, (name, c["losses"], result["unwrapped"]["losses"])
+
+
+def test_compared_contenders_run_adjacent_and_alternate_who_goes_first():
+    from benchmarks.run import PLAN, _reversed_within_groups, side_by_side
+
+    jobs = side_by_side(["transformer", "resnet18"], PLAN, [1, 2, 4])
+    assert len(jobs) == len(set(jobs)) == 2 * sum(len(wss) for _, wss in PLAN)
+    later = _reversed_within_groups(jobs)
+    assert sorted(later) == sorted(jobs)
+    # each (workload, world size) is one contiguous block in both orders, reversed in the second
+    for order in (jobs, later):
+        keys = [(wl, ws) for wl, _, ws in order]
+        assert all(keys.index(k) + keys.count(k) - 1 == len(keys) - 1 - keys[::-1].index(k) for k in keys)
+    ws4 = [c for wl, c, ws in jobs if (wl, ws) == ("resnet18", 4)]
+    assert [c for wl, c, ws in later if (wl, ws) == ("resnet18", 4)] == ws4[::-1]
+    assert ws4.index("xla_fsdp_xla") < ws4.index("torchxla_fsdp")
