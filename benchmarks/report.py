@@ -101,7 +101,8 @@ def markdown(data: Dict) -> str:
     lines = [f"# Benchmarks {data['date']}{' (quick)' if data['quick'] else ''}", "",
              f"Machine: {data['machine']['cpus']} CPUs. Each figure: median over {data['steps']} measured steps "
              f"x {data['rounds']} round(s) after {data['warmup']} warm-up steps (one workload and world size's "
-             "contenders back to back, their order reversed every other round); step time = slowest rank. `x ours` = this contender's median / xla_fsdp's at the same world size on the same transport "
+             "contenders back to back, their order reversed every other round); step time = slowest rank. "
+             "`x ours` = this contender's median / xla_fsdp's at the same world size on the same transport "
              "(gloo: `xla_fsdp`, XLA:CPU: `xla_fsdp_xla`). State = params + grads + optimizer state per rank "
              "(max over ranks); ideal = total / N (so DDP shows N). SPMD runs one program for all devices: "
              "one row per run, its collectives are inserted by the compiler (not counted). `xla_plain` at ws > 1: "

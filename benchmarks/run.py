@@ -4,9 +4,10 @@
 
 Every measurement runs in a fresh process (:mod:`benchmarks.worker`). The contenders of one workload
 and world size run back to back, in alternating rounds (ours first, then peers first, ...) so slow
-drifts of this shared machine hit all of them alike; a figure is the median over every measured step of every round (step time = slowest
-rank). The world-size-1 overhead targets come from :mod:`benchmarks.overhead` (every world-size-1
-contender in one process, steps interleaved), whose ratios do not swing with the machine's drift.
+drifts of this shared machine hit all of them alike; a figure is the median over every measured
+step of every round (step time = slowest rank). The world-size-1 overhead targets come from
+:mod:`benchmarks.overhead` (every world-size-1 contender in one process, steps interleaved), whose
+ratios do not swing with the machine's drift.
 Writes ``benchmarks/results/<date>[-quick].json``, a Markdown table (``.md``) and a chart (``.png``);
 see :mod:`benchmarks.report`.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import os
 import socket
@@ -126,13 +128,8 @@ def side_by_side(names: List[str], plan: List[tuple], world_sizes: List[int]) ->
 def _reversed_within_groups(jobs: List[tuple]) -> List[tuple]:
     """The same groups in the same order, each group's contenders in reverse: over two rounds no
     contender always runs first (warmer or colder machine) within its group."""
-    out: List[tuple] = []
-    start = 0
-    for i in range(1, len(jobs) + 1):
-        if i == len(jobs) or jobs[i][::2] != jobs[start][::2]:
-            out.extend(reversed(jobs[start:i]))
-            start = i
-    return out
+    groups = itertools.groupby(jobs, key=lambda job: (job[0], job[2]))
+    return [job for _, group in groups for job in reversed(list(group))]
 
 
 def run_suite(args) -> Dict[str, Any]:
