@@ -62,3 +62,26 @@ def test_compared_contenders_run_adjacent_and_alternate_who_goes_first():
     ws4 = [c for wl, c, ws in jobs if (wl, ws) == ("resnet18", 4)]
     assert [c for wl, c, ws in later if (wl, ws) == ("resnet18", 4)] == ws4[::-1]
     assert ws4.index("xla_fsdp_xla") < ws4.index("torchxla_fsdp")
+
+
+def test_targets_leave_out_comparisons_not_run_but_show_failed_ones_as_missed():
+    from benchmarks.report import targets
+
+    def row(contender, ws, step_s=None):
+        r = {"contender": contender, "ws": ws, "param_bytes": 400, "state_bytes_max": 600,
+             "collective_bytes_per_step": 1000, "new_compiles_after_step2": 0}
+        if step_s is None:
+            r["error"] = "timed out after 900 s"
+        else:
+            r["median_step_s"] = step_s
+        return r
+
+    # a subset run: XLA contenders only, torch_xla failed at ws 4
+    rows = [row("xla_fsdp_xla", 2, 0.9), row("torchxla_fsdp", 2, 1.0), row("xla_fsdp_xla", 4, 2.0),
+            row("torchxla_fsdp", 4)]
+    found = {name: (value, met) for _, name, value, _, met in
+             targets({"rows": {"resnet18": rows}, "workloads": {"resnet18": {"kind": "resnet"}}})}
+    assert abs(found["XLA:CPU ws2 step time / torch_xla XlaFSDP"][0] - 0.9) < 1e-12
+    assert found["XLA:CPU ws2 step time / torch_xla XlaFSDP"][1]
+    assert found["XLA:CPU ws4 step time / torch_xla XlaFSDP"] == (None, False)
+    assert not any("gloo" in name or "per-parameter" in name or "ws1" in name for name in found)
