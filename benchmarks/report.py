@@ -1,6 +1,7 @@
 """Turns a benchmark run into a readable Markdown table, the target checks and a PNG chart."""
 from __future__ import annotations
 
+import statistics
 from typing import Any, Dict, List, Optional, Tuple
 
 MIB = 1024 * 1024
@@ -37,6 +38,23 @@ def _ratio(a: Optional[Dict], b: Optional[Dict]) -> Optional[float]:
     if a is None or b is None:
         return None
     return a["median_step_s"] / b["median_step_s"]
+
+
+#: step-time comparisons whose round-to-round spread the report shows (ours, then the reference)
+ROUND_PAIRS = (("xla_fsdp_xla", "torchxla_fsdp"), ("xla_fsdp_xla" + PER_PARAM, "torchxla_fsdp" + PER_PARAM),
+               ("xla_fsdp_xla", "xla_plain"), ("xla_fsdp_xla" + PER_PARAM, "xla_plain"),
+               ("torchxla_fsdp", "xla_plain"), ("xla_fsdp", "fsdp1"), ("xla_fsdp", "fsdp2"))
+
+
+def per_round_ratios(a: Dict, b: Dict, steps: int) -> Optional[List[float]]:
+    """Round-by-round ratio of two rows' median step times (each round's contenders ran back to
+    back); None unless every round of both succeeded, since a failed round shifts the steps."""
+    if a["ok_rounds"] != a["rounds"] or b["ok_rounds"] != b["rounds"] or a["rounds"] != b["rounds"]:
+        return None
+    def medians(row: Dict) -> List[float]:
+        t = row["step_times"]
+        return [statistics.median(t[i:i + steps]) for i in range(0, len(t), steps)]
+    return [x / y for x, y in zip(medians(a), medians(b))]
 
 
 def _fmt(x: Any, spec: str = ".3f") -> str:
@@ -143,6 +161,20 @@ def markdown(data: Dict) -> str:
                 f"{r['state_bytes_max'] / MIB:.1f} | {r['state_bytes_max'] / ideal_bytes(r, kind):.3f} | "
                 f"{r['peak_rss_mib_max']:.0f} | {_fmt(coll / r['param_bytes'] if coll is not None else None, '.2f')} | "
                 f"{_fmt(new, 'd')} | {r['losses'][-1]:.4f} | ok ({r['ok_rounds']}/{r['rounds']}) |")
+        lines.append("")
+    if data["rounds"] > 1:
+        lines += ["## Round by round", "",
+                  "The pooled ratio (median over all rounds' steps) and each round's (median of that round's "
+                  "steps): their spread is this machine's noise between processes.", "",
+                  "| workload | ws | step time of / over | pooled | per round |", "|---|---|---|---|---|"]
+        for wl, rows in data["rows"].items():
+            for ws in sorted({r["ws"] for r in rows}):
+                for ours, ref in ROUND_PAIRS:
+                    a, b = _row(rows, ours, ws), _row(rows, ref, ws)
+                    rounds = per_round_ratios(a, b, data["steps"]) if a and b else None
+                    if rounds:
+                        lines.append(f"| {wl} | {ws} | {ours} / {ref} | {_ratio(a, b):.3f} | "
+                                     + ", ".join(f"{x:.3f}" for x in rounds) + " |")
         lines.append("")
     interleaved = data.get("ws1_interleaved")
     if interleaved:

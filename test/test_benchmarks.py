@@ -85,3 +85,12 @@ def test_targets_leave_out_comparisons_not_run_but_show_failed_ones_as_missed():
     assert found["XLA:CPU ws2 step time / torch_xla XlaFSDP"][1]
     assert found["XLA:CPU ws4 step time / torch_xla XlaFSDP"] == (None, False)
     assert not any("gloo" in name or "per-parameter" in name or "ws1" in name for name in found)
+
+
+def test_round_by_round_ratios_pair_each_rounds_steps_and_skip_rows_with_a_failed_round():
+    from benchmarks.report import per_round_ratios
+
+    ours = {"rounds": 2, "ok_rounds": 2, "step_times": [1.0, 1.2, 1.1, 3.0, 2.8, 2.9]}
+    peer = {"rounds": 2, "ok_rounds": 2, "step_times": [2.0, 2.2, 2.4, 3.0, 3.1, 3.2]}
+    assert per_round_ratios(ours, peer, steps=3) == [1.1 / 2.2, 2.9 / 3.1]
+    assert per_round_ratios(ours, dict(peer, ok_rounds=1, step_times=peer["step_times"][:3]), steps=3) is None
