@@ -11,11 +11,67 @@ from torch.utils._pytree import tree_map_only
 
 from .param_group import ParamGroup, start_reduce
 from .schedule import TrainingState
+from .usage import GradientPlan, reachable_edges, used_members
 
 
 class GradientReduction:
     """Backward hooks of :class:`~xla_fsdp.XlaFullyShardedDataParallel` (a mixin: it uses the
     unit's groups, collectives, schedule and divide factors)."""
+
+    # --- which groups get gradients this step (see usage.py) -----------------------------------
+    def _begin_gradient_plan(self) -> None:
+        """The root's forward begins."""
+        record = self._plans_gradients and torch.is_grad_enabled() and self._require_backward_grad_sync
+        for unit in self._units_in_tree:
+            for group in unit._groups:
+                group.begin_forward(record)
+
+    def _end_gradient_plan(self, outputs: Any) -> None:
+        """The root's forward has returned: find the groups its outputs reach and start summing
+        that over ranks (the sum is waited for at the first gradient, or at the end of backward)."""
+        self._schedule.plan = None
+        record = self._plans_gradients and torch.is_grad_enabled() and self._require_backward_grad_sync
+        if not record:
+            return
+        edges = reachable_edges(outputs)
+        used = []
+        for unit in self._units_in_tree:
+            # torch_xla's checkpoint is reentrant: what it recomputes is not in this graph. A unit
+            # that ran forward under it counts as using all its parameters.
+            opaque = (unit.comms.name == "xla" and self._schedule.ran_forward(unit)
+                      and getattr(unit.module, "_xla_fsdp_checkpointed", False))
+            used.extend(used_members(g, edges, opaque) for g in unit._groups if g.requires_grad)
+        for group in self._trainable_groups:
+            group.end_edge_record()
+        self._schedule.plan = GradientPlan(self._trainable_groups, used, self.comms.start_sum_over_ranks)
+
+    def _holds_gradients(self) -> bool:
+        """Whether ranks used different groups this step, so gradients wait for the end of backward."""
+        plan = self._schedule.plan
+        if plan is None:
+            return False
+        plan.resolve()
+        return not plan.uniform
+
+    def _reduce_agreed(self, plan: GradientPlan) -> None:
+        """Ranks used different groups: reduce, in tree order on every rank, each group some rank
+        has a gradient for, with zeros where this rank has none. Which ranks have one is summed
+        again here (the forward's graph walk decided only that gradients had to wait)."""
+        held = plan.held
+        present = [int(id(g) in held) for g in plan.groups]
+        counts = self.comms.start_sum_over_ranks(present)() or present
+        index = {id(g): i for i, g in enumerate(plan.groups)}
+        for unit in self._units_in_tree:
+            groups = [g for g in unit._groups if g.requires_grad and counts[index[id(g)]] > 0]
+            if not groups:
+                continue
+            grads = [held.pop(id(g), None) for g in groups]
+            grads = [gr if gr is not None else torch.zeros(g.full_shape, dtype=g.compute_dtype, device=unit.comms.device)
+                     for g, gr in zip(groups, grads)]
+            started = start_reduce(groups, grads, unit.gradient_predivide_factor, unit.gradient_postdivide_factor,
+                                   unit.fp32_reduce_scatter, unit._solo_numel)
+            self._finish_reduces()
+            self._reduces_in_flight.extend(started)
 
     def _register_pre_backward_hooks(self, outputs: Any) -> Any:
         self._pre_backward_done = False
@@ -62,6 +118,11 @@ class GradientReduction:
             group.accumulate_shard_grad(group.finish_grad(padded, self.gradient_postdivide_factor))
             group.reshard()
             return
+        if self._holds_gradients():
+            held = self._schedule.plan.held  # twice for a module recomputed twice (reentrant checkpoint)
+            held[id(group)] = held[id(group)] + grad if id(group) in held else grad
+            group.reshard()
+            return
         if self.optimization_barrier_in_backward:
             self.comms.optimization_barrier([grad])
         self._pending_grads.append((group, grad))
@@ -92,6 +153,11 @@ class GradientReduction:
 
     def _finalize_backward(self) -> None:
         """Runs once at the end of the root's backward: free what backward left gathered."""
+        plan, self._schedule.plan = self._schedule.plan, None
+        if plan is not None:
+            plan.resolve()  # also when no gradient arrived: every rank takes part in the sum
+            if not plan.uniform:
+                self._reduce_agreed(plan)
         for unit in self._units_in_tree:  # same order on every rank: collectives still pair up
             unit._reduce_pending()
         self._finish_reduces()

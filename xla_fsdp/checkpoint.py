@@ -37,8 +37,17 @@ def checkpoint_module(module: nn.Module) -> nn.Module:
             if not any(t.requires_grad for t in tensors):
                 return original_forward(*args, **kwargs)
             import torch_xla.utils.checkpoint as xla_checkpoint
-            return xla_checkpoint.checkpoint(original_forward, *args, **kwargs)
+            return xla_checkpoint.checkpoint(recompute_ready_forward, *args, **kwargs)
         return torch_checkpoint.checkpoint(original_forward, *args, use_reentrant=False, **kwargs)
+
+    def recompute_ready_forward(*args: Any, **kwargs: Any) -> Any:
+        # The reentrant checkpoint calls this again inside backward, bypassing the owning unit. A
+        # module run twice in one forward is recomputed twice, in two separate backward passes, and
+        # the first one's gradient frees the unit's parameters: the unit re-gathers them here.
+        before = getattr(module, "_xla_fsdp_before_recompute", None)
+        if before is not None and torch._C._current_graph_task_id() != -1:
+            before()
+        return original_forward(*args, **kwargs)
 
     module._xla_checkpointed_forward_original = original_forward  # name kept from torch_xla
     module.forward = checkpointed_forward

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
+import weakref
 from typing import Any, Callable, Dict, Generator, List, Optional, Tuple
 
 import torch
@@ -228,6 +229,10 @@ class XlaFullyShardedDataParallel(GradientReduction, nn.Module):
             patch_linear_layers(module)
         refs = unit_init.collect_params(module)
         self._fsdp_wrapped_module = module
+        if getattr(module, "_xla_fsdp_checkpointed", False):
+            # Weakly: the module must not keep its unit alive (nor make a reference cycle nn.Module sees).
+            unit = weakref.ref(self)
+            object.__setattr__(module, "_xla_fsdp_before_recompute", lambda: unit()._unshard(backward=True))
         self._groups: List[ParamGroup] = self._build_groups(refs)
         self._shard_names: List[str] = []
         for group in self._groups:
@@ -338,6 +343,12 @@ class XlaFullyShardedDataParallel(GradientReduction, nn.Module):
                 unit._is_root = False
             unit._reduces_in_flight = self._reduces_in_flight
             unit._schedule = self._schedule
+        self._trainable_groups = [g for u in self._units_in_tree for g in u._groups if g.requires_grad]
+        # Which groups get gradients is worth finding out after each forward where ranks could
+        # disagree, or where a flat shard could be only partly used (see usage.py).
+        data_parallel = self.comms.world_size * self.comms.num_replicas
+        self._plans_gradients = bool(self._trainable_groups) and (
+            data_parallel > 1 or any(g.flat and len(g.refs) > 1 for g in self._trainable_groups))
         if self.disable_reshard_on_root:
             self.reshard_after_forward = False
         self.comms.check_construction()
@@ -367,12 +378,15 @@ class XlaFullyShardedDataParallel(GradientReduction, nn.Module):
             if self._is_root:
                 self._schedule.recording = []
                 self._schedule.release_kept()
-            self._schedule.release_deferred()
+                self._begin_gradient_plan()
+            if self._schedule.deferred is not self:  # called again: keep what the first call gathered
+                self._schedule.release_deferred()
             self._schedule.recording.append(self)
             self._unshard(prefetch=self._prefetch_target(+1))
         outputs = self.module(*args, **kwargs)
         if self._is_root and not in_backward:
             self._schedule.end_forward(self._units_in_tree)
+            self._end_gradient_plan(outputs)
         if self.output_dtype is not None:
             outputs = tree_map_only(torch.Tensor, lambda t: t.to(self.output_dtype) if t.is_floating_point() else t,
                                     outputs)
@@ -398,6 +412,10 @@ class XlaFullyShardedDataParallel(GradientReduction, nn.Module):
 
     def _start_unshard(self, backward: bool, refill_saved: bool = False) -> None:
         if self._unshard_in_flight is None:
+            if refill_saved:
+                for group in self._groups:
+                    if group.is_unsharded():
+                        group.refill_freed_members()
             pending = [g for g in self._groups if not g.is_unsharded()]
             if pending:
                 self._unshard_in_flight = start_unshard(pending, backward, refill_saved, self._solo_numel)

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Tuple, Union
+from typing import Callable, List, Optional, Set, Tuple, Union
 
 import torch
 import torch.nn as nn
 
 from .collectives import Collectives
+from .usage import Edge, tensor_edge
 from .sharding import Dim0Layout, FlatLayout, flatten_and_pad, pad_dim0, shard_of
 
 
@@ -70,8 +71,19 @@ class ParamGroup:
                                  requires_grad=self.requires_grad)
         comms.free(self.full)
         self.state = ShardedState.SHARDED
+        # The shard's version counter when ``full`` was last gathered from it: any in-place change
+        # since (a load, an optimizer step) makes the full copy stale (see ``is_unsharded``).
+        self._gathered_version = -1
         self.flat_name: Optional[str] = None  # set by the unit for flattened groups
+        # Gradient edges of each member's installed tensors during a root's forward (flat groups),
+        # for the root's plan of which groups get gradients (see usage.py); None when not recording.
+        self.forward_edges: Optional[List[List[Edge]]] = None
+        self._installed: Optional[List[torch.Tensor]] = None  # what the module sees now (flat)
+        self.warned_unused: Set[str] = set()  # members already reported as partly unused
         self._members: Optional[List[torch.Tensor]] = None  # a flat group's parameters (lazy transports)
+        # Every set of members handed out since the root's forward began: a unit called twice with
+        # another unit in between gathers twice, and backward must refill what both calls saved.
+        self._member_sets: List[List[torch.Tensor]] = []
         # The originals stop being registered parameters; the module reads full data through
         # plain attributes that ``install`` refreshes after every gather.
         for ref in refs:
@@ -104,7 +116,7 @@ class ParamGroup:
     # --- lifecycle ------------------------------------------------------------------------
     def unshard(self, backward: bool = False) -> None:
         """All-gather the shard into ``full`` (idempotent)."""
-        if self.state is not ShardedState.UNSHARDED:
+        if not self.is_unsharded():
             self.start_unshard(backward)()
 
     def start_unshard(self, backward: bool = False, refill_saved: bool = False) -> Callable[[], None]:
@@ -112,21 +124,28 @@ class ParamGroup:
         data to the module. ``refill_saved``: this is the re-gather for the backward of the last
         forward, whose parameter tensors autograd saved (see :meth:`install`)."""
         channel = self.channel_backward if backward else self.channel_forward
+        version = self.shard._version
         wait = self.comms.start_gather_into(self.full, self.shard, channel, self.padded_shape, self._unpad)
 
         def finish() -> None:
             wait()
-            self.state = ShardedState.UNSHARDED
+            self.mark_unsharded(version)
             self.install(refill_saved)
         return finish
+
+    def mark_unsharded(self, shard_version: int) -> None:
+        """``full`` now holds the data of the shard as it was at ``shard_version``."""
+        self.state = ShardedState.UNSHARDED
+        self._gathered_version = shard_version
 
     def reshard(self) -> None:
         """Free the full data; the shard stays."""
         if self.state is ShardedState.SHARDED or self._aliases_shard():
             return  # an alias owns no memory: it stays installed, and the next gather is free
         self.comms.free(self.full)
-        for member in self._members or ():
-            self.comms.free(member)
+        for members in self._member_sets:
+            for member in members:
+                self.comms.free(member)
         self.state = ShardedState.SHARDED
         # Drop the module's views too: a live view keeps the freed data alive (on XLA every
         # live tensor is an output of the step graph, so stale views cost a full-size write).
@@ -142,6 +161,31 @@ class ParamGroup:
         for ref, value in zip(self.refs, values):
             for module, attr in ref.slots:
                 object.__setattr__(module, attr, value)
+        if self.flat:
+            self._installed = values if self.state is ShardedState.UNSHARDED else None
+            self._record_edges()
+
+    def refill_freed_members(self) -> None:
+        """Backward of a gathered group: members an earlier call of this forward saved, freed
+        since (the unit ran again after another unit), take the current data back."""
+        if len(self._member_sets) > 1 and any(not self.comms.is_allocated(m[0]) for m in self._member_sets if m):
+            self.install(refill_saved=True)
+
+    def begin_forward(self, record_edges: bool) -> None:
+        """A root's forward begins: members handed out before are no longer saved by any graph
+        that will run backward. ``record_edges``: note which tensors the module is given (flat)."""
+        self._member_sets = [self._members] if self._members is not None and self.is_unsharded() else []
+        if self.flat and record_edges:
+            self.forward_edges = [[] for _ in self.refs]
+            self._record_edges()
+
+    def end_edge_record(self) -> None:
+        self.forward_edges = None
+
+    def _record_edges(self) -> None:
+        if self.forward_edges is not None and self._installed is not None and self.requires_grad:
+            for edges, value in zip(self.forward_edges, self._installed):
+                edges.append(tensor_edge(value))
 
     def _flat_values(self, refill_saved: bool) -> List[torch.Tensor]:
         """A flat group's parameters, cut from ``full``.
@@ -158,10 +202,13 @@ class ParamGroup:
             chunks = torch.split(self.full, sizes)
             return [c.view(shape) for c, shape in zip(chunks, self.layout.shapes)]
         if refill_saved and self._members is not None:
-            for member, piece, shape in zip(self._members, torch.split(self.full, sizes), self.layout.shapes):
-                self.comms.fill_full(member, piece, tuple(shape), lambda t: t)
+            pieces = torch.split(self.full, sizes)
+            for members in self._member_sets:
+                for member, piece, shape in zip(members, pieces, self.layout.shapes):
+                    self.comms.fill_full(member, piece, tuple(shape), lambda t: t)
         else:
             self._members = list(_SplitFlat.apply(self.full, tuple(sizes), tuple(self.layout.shapes)))
+            self._member_sets.append(self._members)
         return self._members
 
     def prepare_grad(self, grad: torch.Tensor, pre_divide: float, fp32_reduce_scatter: bool) -> torch.Tensor:
@@ -195,9 +242,18 @@ class ParamGroup:
         return [r.fqn for r in self.refs]
 
     def is_unsharded(self) -> bool:
-        # An alias is current only while it still points at the shard (``module.to`` may move it).
-        return self.state is ShardedState.UNSHARDED and (
-            not self.comms.aliases_shard(self.full) or self._aliases_shard())
+        """Whether ``full`` holds the shard's current data, so a gather can be skipped.
+
+        A unit left gathered by a forward that had no backward (an eval loop without
+        ``torch.no_grad()``, a step skipped after a NaN loss) keeps its full copy; a load or an
+        optimizer step since then changed the shard in place, which bumps its version counter, and
+        the copy is stale. (Writes through ``shard.data`` bypass the counter: use the shard itself.)
+        An alias is current only while it still points at the shard (``module.to`` may move it)."""
+        if self.state is not ShardedState.UNSHARDED:
+            return False
+        if self.comms.aliases_shard(self.full):
+            return self._aliases_shard()
+        return self._gathered_version == self.shard._version
 
     def _aliases_shard(self) -> bool:
         """World size 1 without a cast: ``full`` is the shard's own storage (torch transport)."""
@@ -244,16 +300,17 @@ def _start_shared_unshard(groups: List[ParamGroup], backward: bool, refill_saved
     comms = groups[0].comms
     shards = [g.shard.detach().reshape(-1).to(g.compute_dtype) for g in groups]
     channel = groups[0].channel_backward if backward else groups[0].channel_forward
+    versions = [g.shard._version for g in groups]
     wait = comms.start_all_gather(torch.cat(shards), channel)
 
     def finish() -> None:
         gathered = wait().view(comms.world_size, -1)
         offset = 0
-        for group, shard in zip(groups, shards):
+        for group, shard, version in zip(groups, shards, versions):
             n = shard.numel()
             comms.fill_full(group.full, gathered[:, offset:offset + n], group.padded_shape, group._unpad)
             offset += n
-            group.state = ShardedState.UNSHARDED
+            group.mark_unsharded(version)
             group.install(refill_saved)
     return finish
 

@@ -74,7 +74,9 @@ def optimizer_param_groups(root: "XlaFullyShardedDataParallel",
             names = [prefix + n for n in group.names]
             options = [options_fn(n) or {} for n in names]
             keys = [hashable(o) for o in options]
-            if len(set(keys)) > 1:
+            # A frozen shard never gets a gradient, so no option can act on it: it joins the group
+            # of its first parameter (flatten_group_fn does not split frozen parameters).
+            if len(set(keys)) > 1 and group.requires_grad:
                 pairs = sorted({(k, n) for k, n in zip(map(str, options), names)})[:4]
                 raise ValueError(
                     f"xla_fsdp: one flattened shard holds parameters with different optimizer options "

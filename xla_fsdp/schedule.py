@@ -6,6 +6,8 @@ from typing import TYPE_CHECKING, Dict, List, Optional
 
 import torch
 
+from .usage import GradientPlan
+
 if TYPE_CHECKING:
     from .fully_sharded_data_parallel import XlaFullyShardedDataParallel
 
@@ -31,9 +33,17 @@ class Schedule:
         # theirs: the unit that ends forward last is the first in backward and keeps them.
         self.deferred: Optional[XlaFullyShardedDataParallel] = None
         self.kept: Optional[XlaFullyShardedDataParallel] = None
+        #: which groups get gradients in this step, agreed by the ranks (usage.GradientPlan)
+        self.plan: Optional[GradientPlan] = None
+
+    def ran_forward(self, unit: "XlaFullyShardedDataParallel") -> bool:
+        """Whether ``unit`` ran in the last forward."""
+        return id(unit) in self._position
 
     def defer_reshard(self, unit: "XlaFullyShardedDataParallel") -> None:
         """``unit`` has ended forward; free the one before it, whose successor has now run."""
+        if self.deferred is unit:  # the same unit ran twice in a row: it stays gathered
+            return
         self.release_deferred()
         self.deferred = unit
 

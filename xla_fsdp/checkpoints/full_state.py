@@ -115,12 +115,42 @@ def full_optim_state_dict(model, optimizer, rank0_only: bool = True) -> Optional
     return {"state": state, "param_groups": groups}
 
 
+def _per_element_fields(state: Mapping[str, Any], layout: Mapping[str, Any]) -> Dict[str, bool]:
+    """Which optimizer state fields hold one value per parameter element (Adam's moments, SGD's
+    momentum) and which are scalars (``step``), learnt from the parameters that are not 0-d: there
+    a field shaped like its parameter is per-element, a 0-d one is a scalar. A 0-d parameter's
+    fields are all 0-d and cannot tell by themselves."""
+    shapes = {n: list(shape) for entry in layout.values() for n, shape in zip(entry["names"], entry["shapes"])}
+    verdict: Dict[str, bool] = {}
+    for name, fields in state.items():
+        shape = shapes.get(name)
+        if not shape:
+            continue
+        for field, value in fields.items():
+            if isinstance(value, torch.Tensor):
+                if list(value.shape) == shape:
+                    verdict[field] = True
+                elif value.dim() == 0:
+                    verdict.setdefault(field, False)
+    return verdict
+
+
+def _is_per_element(field: str, value: Any, shape: Any, per_element: Mapping[str, bool]) -> bool:
+    if not isinstance(value, torch.Tensor) or list(value.shape) != list(shape):
+        return False
+    if value.dim() > 0:
+        return True
+    # A 0-d parameter: as the other parameters say; ``step`` counts steps when none can tell.
+    return per_element.get(field, field != "step")
+
+
 @torch.no_grad()
 def load_full_optim_state_dict(model, optimizer, full_osd: Mapping[str, Any]) -> None:
     """Load optimizer state keyed by original names (from full_optim_state_dict or consolidation)."""
     metadata, _ = _shard_of_layout(model)
     keys = _optimizer_keys(model, optimizer)
     multiple = metadata["shard_size_multiple"]
+    per_element = _per_element_fields(full_osd["state"], metadata["layout"])
     state = {}
     for idx, key in enumerate(keys):
         entry = metadata["layout"][key]
@@ -131,7 +161,7 @@ def load_full_optim_state_dict(model, optimizer, full_osd: Mapping[str, Any]) ->
             raise CheckpointError(f"optimizer state covers only part of shard '{key}' ({entry['names']})")
         st = {}
         for f, v in per_name[0].items():
-            if isinstance(v, torch.Tensor) and list(v.shape) == list(entry["shapes"][0]) and v.dim() > 0:
+            if _is_per_element(f, v, entry["shapes"][0], per_element):
                 full = [s[f].detach().cpu() for s in per_name]
                 st[f] = reshard_entry(entry, full, model.world_size, multiple)[1][model.rank].view(entry["shard_shape"])
             else:

@@ -127,6 +127,14 @@ class Collectives(abc.ABC):
         """Reserve ``count`` consecutive channel ids; returns the first (0 where unused)."""
         return 0
 
+    def start_sum_over_ranks(self, values: Sequence[int]) -> Callable[[], Optional[List[int]]]:
+        """Begin summing a short list of integers over every rank that trains the model (shard
+        groups and their replicas); the returned function waits and gives the sums, or None where
+        this transport cannot tell (then callers assume all ranks alike). Every rank must call it
+        at the same point. Default: one rank, nothing to sum."""
+        result = list(values)
+        return lambda: result
+
     def check_construction(self) -> None:
         """Raise if ranks built different units (transports whose pairing depends on it)."""
 

@@ -105,6 +105,14 @@ class TorchDistCollectives(Collectives):
         dist.all_reduce(tensor, group=self.replica_group)
         return tensor
 
+    def start_sum_over_ranks(self, values: Sequence[int]) -> Callable[[], Optional[List[int]]]:
+        if dist.get_world_size() == 1:
+            return super().start_sum_over_ranks(values)
+        counts = torch.tensor(list(values), dtype=torch.int32, device=self._device)
+        work = dist.all_reduce(counts, async_op=True)  # every rank of the job trains this model
+        wait = _waiter(work, counts, counts)
+        return lambda: wait().tolist()
+
     def new_full(self, shape: Tuple[int, ...], padded_numel: int, dtype: torch.dtype) -> torch.Tensor:
         numel = math.prod(shape)
         full = torch.empty(padded_numel, dtype=dtype, device=self._device)[:numel].view(shape)

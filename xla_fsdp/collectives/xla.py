@@ -93,6 +93,42 @@ def install_safe_sync() -> None:
         _patched = True
 
 
+class _ThreadExchange:
+    """Sums small integer lists across the rank threads of one process (host-side, no device)."""
+
+    TIMEOUT_S = 600.0
+
+    def __init__(self, world_size: int):
+        self._barrier = threading.Barrier(world_size)
+        self._slots: Dict[int, List[int]] = {}
+
+    def sum(self, rank: int, values: List[int]) -> List[int]:
+        self._slots[rank] = values
+        self._wait()
+        rows = [self._slots[r] for r in sorted(self._slots)]
+        if any(len(r) != len(values) for r in rows):
+            raise RuntimeError(f"xla_fsdp: ranks disagree on the number of parameter groups "
+                               f"({sorted({len(r) for r in rows})}); every rank must wrap the same model")
+        result = [sum(column) for column in zip(*rows)]
+        self._wait()  # nobody overwrites a slot before everyone has read them
+        return result
+
+    def _wait(self) -> None:
+        try:
+            self._barrier.wait(self.TIMEOUT_S)
+        except threading.BrokenBarrierError:
+            raise RuntimeError("xla_fsdp: a rank thread did not reach the end of its forward within "
+                               f"{self.TIMEOUT_S:.0f} s (it failed or runs a different program)") from None
+
+
+_EXCHANGES: Dict[int, _ThreadExchange] = {}
+
+
+def _thread_exchange(world_size: int) -> _ThreadExchange:
+    with _PATCH_LOCK:
+        return _EXCHANGES.setdefault(world_size, _ThreadExchange(world_size))
+
+
 class _ChannelAllocator:
     """Hands out channel ids in construction order; each rank thread has its own counter, so the
     n-th unit built on every rank gets the same ids."""
@@ -225,6 +261,19 @@ class XlaCollectives(Collectives):
             return xm.all_reduce(xm.REDUCE_SUM, tensor, groups=self.replica_groups, pin_layout=self.pin_layout)
         gathered = self._gather(tensor.reshape(1, -1), channel, self.replica_groups)
         return gathered.sum(dim=0).view(tensor.shape)
+
+    def start_sum_over_ranks(self, values: Sequence[int]) -> Callable[[], Optional[List[int]]]:
+        """Summed on the host, without a device round trip in the middle of tracing a step: where
+        the ranks are threads of this process (XLA:CPU, one-process TPU hosts). Across processes
+        there is no cheap host channel, so ranks are assumed alike (None)."""
+        import torch_xla.runtime as xr
+
+        if xr.world_size() == 1:
+            return super().start_sum_over_ranks(values)
+        if xr.process_count() > 1:
+            return lambda: None
+        result = _thread_exchange(xr.world_size()).sum(xr.global_ordinal(), list(values))
+        return lambda: result
 
     def new_full(self, shape: Tuple[int, ...], padded_numel: int, dtype: torch.dtype) -> torch.Tensor:
         # Born at its real shape from host data: a tensor born with the placeholder's shape keeps
