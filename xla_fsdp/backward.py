@@ -29,6 +29,8 @@ class GradientReduction:
     def _end_gradient_plan(self, outputs: Any) -> None:
         """The root's forward has returned: find the groups its outputs reach and start summing
         that over ranks (the sum is waited for at the first gradient, or at the end of backward)."""
+        if self._schedule.plan is not None:  # the previous forward had no backward
+            self._schedule.plan.discard()
         self._schedule.plan = None
         record = self._plans_gradients and torch.is_grad_enabled() and self._require_backward_grad_sync
         if not record:

@@ -85,6 +85,12 @@ class GradientPlan:
         self.uniform = self._counts is None or all(c in (0, max(group_counts)) for c in group_counts)
         self._warn_partly_used_flat()
 
+    def discard(self) -> None:
+        """The forward had no backward: take part in the sum (every rank does), decide nothing."""
+        if not self._resolved:
+            self._resolved = True
+            self._wait()
+
     def group_counts(self) -> List[int]:
         """Per group, how many ranks used it (this rank's 0/1 where ranks cannot be counted)."""
         if self._counts is None:

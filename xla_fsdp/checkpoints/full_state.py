@@ -105,6 +105,8 @@ def full_optim_state_dict(model, optimizer, rank0_only: bool = True) -> Optional
                 per_field[f] = unshard_entry(entry, list(v.cpu().chunk(ws)))
             else:
                 per_field[f] = [v.clone() if isinstance(v, torch.Tensor) else v] * len(entry["names"])
+        if not per_field:
+            continue  # no state yet (frozen, or never stepped): absent, as in torch.optim's own state dicts
         for i, name in enumerate(entry["names"]):
             state[name] = {f: vals[i] for f, vals in per_field.items()}
     groups = []

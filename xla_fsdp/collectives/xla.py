@@ -94,31 +94,42 @@ def install_safe_sync() -> None:
 
 
 class _ThreadExchange:
-    """Sums small integer lists across the rank threads of one process (host-side, no device)."""
+    """Sums small integer lists across the rank threads of one process, on the host. A rank
+    leaves its values and goes on; it waits only when it asks for the sum. The n-th call of every
+    rank thread belongs to the same round."""
 
     TIMEOUT_S = 600.0
 
     def __init__(self, world_size: int):
-        self._barrier = threading.Barrier(world_size)
-        self._slots: Dict[int, List[int]] = {}
+        self.world_size = world_size
+        self._cond = threading.Condition()
+        self._rounds: Dict[int, Dict[int, List[int]]] = {}
+        self._readers: Dict[int, int] = {}
+        self._local = threading.local()
 
-    def sum(self, rank: int, values: List[int]) -> List[int]:
-        self._slots[rank] = values
-        self._wait()
-        rows = [self._slots[r] for r in sorted(self._slots)]
-        if any(len(r) != len(values) for r in rows):
-            raise RuntimeError(f"xla_fsdp: ranks disagree on the number of parameter groups "
-                               f"({sorted({len(r) for r in rows})}); every rank must wrap the same model")
-        result = [sum(column) for column in zip(*rows)]
-        self._wait()  # nobody overwrites a slot before everyone has read them
-        return result
+    def start_sum(self, rank: int, values: List[int]) -> Callable[[], List[int]]:
+        round_ = getattr(self._local, "next", 0)
+        self._local.next = round_ + 1
+        with self._cond:
+            self._rounds.setdefault(round_, {})[rank] = values
+            self._cond.notify_all()
+        return lambda: self._sum(round_)
 
-    def _wait(self) -> None:
-        try:
-            self._barrier.wait(self.TIMEOUT_S)
-        except threading.BrokenBarrierError:
-            raise RuntimeError("xla_fsdp: a rank thread did not reach the end of its forward within "
-                               f"{self.TIMEOUT_S:.0f} s (it failed or runs a different program)") from None
+    def _sum(self, round_: int) -> List[int]:
+        with self._cond:
+            rows = self._rounds[round_]
+            if not self._cond.wait_for(lambda: len(rows) == self.world_size, self.TIMEOUT_S):
+                raise RuntimeError(
+                    f"xla_fsdp: ranks {sorted(set(range(self.world_size)) - set(rows))} did not finish their "
+                    f"forward within {self.TIMEOUT_S:.0f} s (failed, or running a different program)")
+            if len({len(r) for r in rows.values()}) > 1:
+                raise RuntimeError("xla_fsdp: ranks disagree on the number of parameter groups "
+                                   f"({sorted({len(r) for r in rows.values()})}); every rank must wrap the same model")
+            result = [sum(column) for column in zip(*rows.values())]
+            self._readers[round_] = self._readers.get(round_, 0) + 1
+            if self._readers[round_] == self.world_size:  # everyone has read: forget the round
+                del self._rounds[round_], self._readers[round_]
+            return result
 
 
 _EXCHANGES: Dict[int, _ThreadExchange] = {}
@@ -272,8 +283,7 @@ class XlaCollectives(Collectives):
             return super().start_sum_over_ranks(values)
         if xr.process_count() > 1:
             return lambda: None
-        result = _thread_exchange(xr.world_size()).sum(xr.global_ordinal(), list(values))
-        return lambda: result
+        return _thread_exchange(xr.world_size()).start_sum(xr.global_ordinal(), list(values))
 
     def new_full(self, shape: Tuple[int, ...], padded_numel: int, dtype: torch.dtype) -> torch.Tensor:
         # Born at its real shape from host data: a tensor born with the placeholder's shape keeps

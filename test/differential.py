@@ -1,0 +1,439 @@
+"""Differential testing: a randomly drawn training program run sharded on N real ranks and
+unsharded in one process on the global batch, compared by original names.
+
+A :class:`Program` picks one value on every dimension below; ``programs()`` is the hypothesis
+strategy over them. Each program trains a few steps both ways and compares losses, clip norms,
+the full state dict gathered from the live model, the consolidated per-rank ``state_dict()`` s and
+the optimizer state (Adam moments, SGD momentum) by parameter name.
+
+Tolerances: fp32 compute 2e-5 (absolute, losses and tensors; eager and XLA:CPU fuse differently);
+bf16 compute 5e-2 absolute on losses and 1e-1 on tensors (the reference computes in fp32, so
+this bounds bf16 rounding over a few steps, not a bit-exact match: the wrong-reduction self-test
+runs in fp32).
+
+Semantics that cannot equal unsharded training, and are kept out of the drawn programs (each has
+its own test): a flat shard only partly used in a step (warned, see ``xla_fsdp.usage``), and
+BatchNorm running statistics (each rank's forward updates its own; they are not compared).
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import os
+import queue
+import socket
+import threading
+import warnings
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from hypothesis import strategies as st
+
+import xla_fsdp
+from xla_fsdp import XlaFullyShardedDataParallel as FSDP, checkpoint_module
+from xla_fsdp.checkpoints import (full_optim_state_dict, full_state_dict, load_full_optim_state_dict,
+                                  load_full_state_dict)
+from xla_fsdp.state_dict import consolidate_sharded_state_dicts
+from xla_fsdp.wrap import size_based_auto_wrap_policy
+
+PER_RANK = 3
+VOCAB, WIDTH = 16, 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    strategy: str = "FULL_SHARD"       # or SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD, HYBRID_SHARD_ZERO2
+    layout: str = "param"              # param | flat | dim0
+    wrap: str = "nested"               # root | nested | auto
+    dtype: str = "fp32"                # fp32 | bf16
+    optimizer: str = "sgd"             # sgd (momentum, weight decay) | adamw | adamw_groups
+    embedding: bool = False            # integer inputs through nn.Embedding
+    batchnorm: bool = False
+    scalar: bool = True                # a 0-d learnable temperature
+    frozen: bool = False               # the first block's linear layer is frozen
+    branch: str = "all"                # which ranks use the branch layer in a step: all | steps (every rank,
+    #                                    even steps only) | ranks (rank + step even) | none
+    twice: bool = False                # the first block runs again after the second
+    remat: bool = False                # activation checkpointing on the blocks (checkpoint_module)
+    micro: int = 1                     # micro-batches per step (no_sync before the last)
+    clip: Optional[float] = None
+    eval_before_reload: bool = False   # a forward with grad and no backward before the reload
+    reload: bool = False               # load the state saved after step 0 before step 2 (both runs)
+    steps: int = 3
+    wrong_reduction: bool = False      # self-test: sum gradients over ranks instead of averaging
+
+
+def programs(world_size: int) -> st.SearchStrategy[Program]:
+    strategies = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"]
+    if world_size >= 4:
+        strategies += ["HYBRID_SHARD", "HYBRID_SHARD_ZERO2"]
+    program = st.builds(
+        Program, strategy=st.sampled_from(strategies), layout=st.sampled_from(["param", "flat", "dim0"]),
+        wrap=st.sampled_from(["root", "nested", "auto"]), dtype=st.sampled_from(["fp32", "fp32", "bf16"]),
+        optimizer=st.sampled_from(["sgd", "adamw", "adamw_groups"]), embedding=st.booleans(),
+        batchnorm=st.booleans(), scalar=st.booleans(), frozen=st.booleans(),
+        branch=st.sampled_from(["all", "steps", "ranks", "none"]), twice=st.booleans(), remat=st.booleans(),
+        micro=st.sampled_from([1, 1, 2]), clip=st.sampled_from([None, None, 0.05]),
+        eval_before_reload=st.booleans(), reload=st.booleans(), steps=st.integers(3, 4))
+    return program.filter(functools.partial(_exact, world_size=world_size))
+
+
+def _exact(p: Program, world_size: int) -> bool:
+    """Programs where sharded training must equal unsharded (see the module docstring).
+
+    A flat shard must be used whole or not at all in a step: the branch layer has flat shards of
+    its own only as its own unit, which every rank must run (a unit's gather is a collective), so
+    a branch that some ranks skip stays inside a unit every rank runs and is drawn only where some
+    rank uses it in every step. BatchNorm is drawn with fp32 compute only: in bf16, batch
+    statistics of 3 samples turn rounding into gradient differences of 20 % and more against the
+    fp32 reference (README: keep BatchNorm in an fp32 unit)."""
+    if p.dtype == "bf16" and p.batchnorm:
+        return False
+    if p.layout == "flat" and p.branch == "ranks":
+        return world_size > 1
+    return not (p.layout == "flat" and p.branch in ("steps", "none") and not branch_is_unit(p))
+
+
+def branch_is_unit(p: Program) -> bool:
+    return p.wrap == "nested" and p.branch != "ranks"
+
+
+# ----------------------------------------------------------------------------- the model
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(WIDTH)
+        self.fc = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, h):
+        return h + torch.tanh(self.fc(self.norm(h)))
+
+
+class Net(nn.Module):
+    def __init__(self, p: Program):
+        super().__init__()
+        self.embedding = p.embedding
+        self.inp = nn.Embedding(VOCAB, WIDTH) if p.embedding else nn.Linear(6, WIDTH)
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.branch = nn.Linear(WIDTH, WIDTH)
+        self.bn = nn.BatchNorm1d(WIDTH) if p.batchnorm else None
+        self.temp = nn.Parameter(torch.tensor(1.25)) if p.scalar else None
+        self.head = nn.Linear(WIDTH, 5)
+        self.twice = p.twice
+        if p.frozen:
+            self.blocks[0].fc.requires_grad_(False)
+
+    def forward(self, x, use_branch: bool = True):
+        h = self.inp(x).mean(1) if self.embedding else self.inp(x)
+        h = self.blocks[1](self.blocks[0](h))
+        if self.twice:
+            h = self.blocks[0](h)
+        if self.bn is not None:
+            h = self.bn(h)
+        if use_branch:  # after the BatchNorm, which would cancel the branch's bias (a zero gradient
+            h = h + self.branch(h)  # that AdamW turns into steps of rounding noise)
+        out = self.head(h)
+        return out * self.temp if self.temp is not None else out
+
+
+def batch(p: Program, step: int, micro: int, rank: int):
+    g = torch.Generator().manual_seed(1000 * step + 100 * micro + rank)
+    x = (torch.randint(0, VOCAB, (PER_RANK, 4), generator=g) if p.embedding
+         else torch.randn(PER_RANK, 6, generator=g))
+    return x, torch.randint(0, 5, (PER_RANK,), generator=g)
+
+
+def uses_branch(p: Program, step: int, rank: int) -> bool:
+    if p.branch == "ranks":
+        return (rank + step) % 2 == 0  # half the ranks in each step (on one rank: every other step)
+    if p.branch == "steps":
+        return step % 2 == 0
+    return p.branch == "all"
+
+
+def no_decay(name: str) -> bool:
+    return name.endswith("bias") or "norm" in name or name == "temp"
+
+
+def make_optimizer(p: Program, model: nn.Module) -> torch.optim.Optimizer:
+    if p.optimizer == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=0.01)
+    if p.optimizer == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.1, eps=1e-6)
+    options = lambda n: {"weight_decay": 0.0} if no_decay(n) else {}  # noqa: E731
+    if isinstance(model, FSDP):
+        groups = model.optimizer_param_groups(options)
+    else:
+        groups = [dict(options(n), params=[q]) for n, q in model.named_parameters()]
+    return torch.optim.AdamW(groups, lr=2e-3, weight_decay=0.5, eps=1e-6)
+
+
+def wrap(p: Program, model: Net, world_size: int) -> FSDP:
+    kw: Dict[str, Any] = dict(sharding_strategy=p.strategy, flatten_parameters=p.layout == "flat",
+                              shard_param_on_dim_0=p.layout == "dim0")
+    if p.strategy.startswith("HYBRID"):
+        kw["hybrid_shard_size"] = 2
+    if p.dtype == "bf16":
+        kw.update(compute_dtype=torch.bfloat16, fp32_reduce_scatter=True, output_dtype=torch.float32)
+    if p.layout == "flat" and p.optimizer == "adamw_groups":
+        kw["flatten_group_fn"] = lambda name, q: no_decay(name)
+    child = dict(kw, output_dtype=None)
+    remat = checkpoint_module if p.remat else (lambda m: m)
+    if p.wrap == "nested":
+        for i, block in enumerate(model.blocks):
+            model.blocks[i] = FSDP(remat(block), **child)
+        if branch_is_unit(p):
+            model.branch = FSDP(model.branch, **child)
+    elif p.wrap == "auto":
+        kw["auto_wrap_policy"] = functools.partial(size_based_auto_wrap_policy, min_num_params=60)
+        if p.remat:
+            kw["auto_wrapper_callable"] = lambda m, *a, **k: FSDP(checkpoint_module(m), *a, **k)
+    return FSDP(model, **kw)
+
+
+# ----------------------------------------------------------------------------- one run
+def _loss(p: Program, model, x, y, use_branch):
+    return F.cross_entropy(model(x, use_branch=use_branch).float(), y)
+
+
+_BUILD_LOCK = threading.Lock()  # XLA:CPU ranks are threads sharing the CPU RNG
+
+
+def train_sharded(p: Program, rank: int, world_size: int, device, sync,
+                  barrier=lambda: None) -> Dict[str, Any]:
+    with _BUILD_LOCK:
+        torch.manual_seed(0)
+        model = wrap(p, Net(p), world_size)
+    sync()
+    barrier()  # nobody trains (torch_xla's checkpoint forks the CPU RNG) before all have built
+    if p.wrong_reduction:
+        model.set_gradient_divide_factors(1.0, 1.0)  # sums over ranks: the self-test's bug
+    opt = make_optimizer(p, model)
+    losses, norms, saved = [], [], None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", xla_fsdp.usage.UnusedFlatParameterWarning)
+        for step in range(p.steps):
+            if p.reload and step == 2:
+                if p.eval_before_reload:
+                    x, _ = batch(p, 99, 0, rank)
+                    model(x.to(device))  # an eval pass without torch.no_grad(), never backward
+                    sync()
+                load_full_state_dict(model, saved[0])
+                load_full_optim_state_dict(model, opt, saved[1])
+                sync()
+            opt.zero_grad()
+            total = 0.0
+            for k in range(p.micro):
+                x, y = batch(p, step, k, rank)
+                ctx = model.no_sync() if k < p.micro - 1 else _Null()
+                with ctx:
+                    loss = _loss(p, model, x.to(device), y.to(device), uses_branch(p, step, rank))
+                    loss.backward()
+                sync()
+                total += loss.item()
+            if p.clip:
+                norms.append(float(model.clip_grad_norm_(p.clip)))
+            opt.step()
+            sync()
+            losses.append(total)
+            if p.reload and step == 0:
+                saved = (full_state_dict(model, rank0_only=False), full_optim_state_dict(model, opt, rank0_only=False))
+    return {"losses": losses, "norms": norms, "full": full_state_dict(model, rank0_only=False),
+            "optim": full_optim_state_dict(model, opt, rank0_only=False),
+            "state_dict": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
+            "metadata": model.get_shard_metadata(),
+            "warnings": sorted({str(w.message) for w in caught
+                                if issubclass(w.category, xla_fsdp.usage.UnusedFlatParameterWarning)})}
+
+
+class _Null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def train_reference(p: Program, world_size: int) -> Dict[str, Any]:
+    torch.manual_seed(0)
+    model = Net(p)
+    opt = make_optimizer(p, model)
+    losses, norms, saved = [], [], None
+    for step in range(p.steps):
+        if p.reload and step == 2:
+            model.load_state_dict(saved[0])
+            opt.load_state_dict(saved[1])
+        opt.zero_grad()
+        total = 0.0
+        for k in range(p.micro):
+            per_rank = [_loss(p, model, *batch(p, step, k, r), uses_branch(p, step, r)) for r in range(world_size)]
+            loss = torch.stack(per_rank).mean()
+            loss.backward()
+            total += loss.item()
+        if p.clip:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), p.clip)))
+        opt.step()
+        losses.append(total)
+        if p.reload and step == 0:
+            saved = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()))
+    names = {id(q): n for n, q in model.named_parameters()}
+    ordered = [names[id(q)] for g in opt.param_groups for q in g["params"]]
+    optim = {ordered[i]: s for i, s in opt.state_dict()["state"].items()}
+    return {"losses": losses, "norms": norms, "full": model.state_dict(), "optim": optim}
+
+
+# ----------------------------------------------------------------------------- comparison
+def compare(p: Program, sharded: List[Dict[str, Any]], ref: Dict[str, Any]) -> float:
+    """Raise AssertionError where sharded training (every rank's result) departs from ``ref``;
+    returns the largest deviation seen."""
+    loss_tol, tol = (5e-2, 1e-1) if p.dtype == "bf16" else (2e-5, 2e-5)
+    worst = 0.0
+
+    def close(what: str, got, want, tolerance: float) -> None:
+        nonlocal worst
+        got, want = torch.as_tensor(got, dtype=torch.float32), torch.as_tensor(want, dtype=torch.float32)
+        assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+        dev = (got - want).abs().max().item() if got.numel() else 0.0
+        worst = max(worst, dev)
+        assert dev <= tolerance, f"{what}: deviation {dev:.3g} > {tolerance:g} ({p})"
+
+    params = [n for n in ref["full"] if "running_" not in n and "num_batches" not in n]
+    # Each rank's loss is its own batch's; the reference's is their mean.
+    close("losses (mean over ranks)", torch.tensor([r["losses"] for r in sharded]).mean(0), ref["losses"], loss_tol)
+    for rank, r in enumerate(sharded):
+        assert not r["warnings"], f"rank {rank} warned: {r['warnings']}"
+        close(f"rank {rank} clip norms", r["norms"], ref["norms"], loss_tol)
+        for n in params:
+            close(f"rank {rank} parameter {n}", r["full"][n], ref["full"][n], tol)
+        got_optim = r["optim"]["state"]
+        assert set(got_optim) == set(ref["optim"]), (
+            f"rank {rank}: optimizer state for {sorted(got_optim)} != {sorted(ref['optim'])}")
+        for n, fields in ref["optim"].items():
+            for f, v in fields.items():
+                if f != "step" and isinstance(v, torch.Tensor):
+                    close(f"rank {rank} optimizer {n}.{f}", got_optim[n][f], v, tol)
+    replicas = [r for r in sharded if r["metadata"]["replica_rank"] == 0]
+    consolidated = consolidate_sharded_state_dicts([r["state_dict"] for r in replicas], replicas[0]["metadata"])
+    for n in params:
+        close(f"consolidated {n}", consolidated[n], ref["full"][n], tol)
+    return worst
+
+
+# ----------------------------------------------------------------------------- gloo ranks
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _gloo_rank(rank: int, world_size: int, port: int, inbox, outbox) -> None:
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    while True:
+        program = inbox.get()
+        if program is None:
+            break
+        try:
+            outbox.put((rank, train_sharded(program, rank, world_size, torch.device("cpu"), lambda: None)))
+        except Exception as e:  # noqa: BLE001 - reported to the parent, which fails the example
+            outbox.put((rank, f"{type(e).__name__}: {e}"))
+    dist.destroy_process_group()
+
+
+class GlooRanks:
+    """``world_size`` gloo processes kept for a whole test session, each running the programs it
+    is sent; a rank that fails or hangs gets the whole group replaced."""
+
+    TIMEOUT_S = 30  # a program takes about a second: longer is a hang
+
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+        self._procs: List[Any] = []
+
+    def _start(self) -> None:
+        ctx = torch.multiprocessing.get_context("spawn")
+        self._outbox = ctx.Queue()
+        self._inboxes = [ctx.Queue() for _ in range(self.world_size)]
+        port = _free_port()
+        self._procs = [ctx.Process(target=_gloo_rank, args=(r, self.world_size, port, self._inboxes[r], self._outbox),
+                                   daemon=True) for r in range(self.world_size)]
+        for proc in self._procs:
+            proc.start()
+
+    def run(self, program: Program) -> List[Dict[str, Any]]:
+        if not self._procs:
+            self._start()
+        for inbox in self._inboxes:
+            inbox.put(program)
+        results: Dict[int, Any] = {}
+        timeout = self.TIMEOUT_S
+        while len(results) < self.world_size:
+            try:
+                rank, result = self._outbox.get(timeout=timeout)
+            except queue.Empty:
+                self.close()
+                raise AssertionError(f"ranks {sorted(set(range(self.world_size)) - set(results))} did not finish "
+                                     f"within {timeout} s ({program}); other ranks: {results}") from None
+            results[rank] = result
+            if isinstance(result, str):
+                timeout = 10  # the others may be stuck in a collective with the failed rank
+        errors = {r: v for r, v in results.items() if isinstance(v, str)}
+        if errors:
+            self.close()
+            raise AssertionError(f"ranks failed: {errors} ({program})")
+        return [results[r] for r in range(self.world_size)]
+
+    def close(self) -> None:
+        if not self._procs:
+            return
+        for inbox, proc in zip(self._inboxes, self._procs):
+            if proc.is_alive():
+                inbox.put(None)
+        for proc in self._procs:
+            proc.join(5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        self._procs = []
+
+
+# ----------------------------------------------------------------------------- XLA:CPU ranks
+_BARRIERS: Dict[int, threading.Barrier] = {}
+
+
+def _xla_rank(programs_: List[Program]) -> List[Any]:
+    import torch_xla
+    import torch_xla.runtime as xr
+    device, rank, ws = torch_xla.device(), xr.global_ordinal(), xr.world_size()
+    with _BUILD_LOCK:
+        barrier = _BARRIERS.setdefault(ws, threading.Barrier(ws))
+    out: List[Any] = []
+    for program in programs_:
+        try:
+            out.append(train_sharded(program, rank, ws, device, xla_fsdp.sync, lambda: barrier.wait(120)))
+        except Exception as e:  # noqa: BLE001 - reported per program; the others may be stuck
+            out.append(f"{type(e).__name__}: {e}")
+            break
+    return out
+
+
+def run_xla(programs_: List[Program], world_size: int) -> List[List[Any]]:
+    """Every program on ``world_size`` XLA:CPU devices (threads of one spawned process); per
+    program, the list of rank results."""
+    from torch_xla._internal import pjrt
+    saved = {k: os.environ.get(k) for k in ("PJRT_DEVICE", "CPU_NUM_DEVICES")}
+    os.environ.update(PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(world_size))
+    try:
+        per_rank = pjrt.run_multiprocess(_xla_rank, programs_)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return [[per_rank[r][i] if i < len(per_rank[r]) else "did not run" for r in range(world_size)]
+            for i in range(len(programs_))]
