@@ -41,7 +41,7 @@ class GradientReduction:
             # torch_xla's checkpoint is reentrant: what it recomputes is not in this graph. A unit
             # that ran forward under it counts as using all its parameters.
             opaque = (unit.comms.name == "xla" and self._schedule.ran_forward(unit)
-                      and getattr(unit.module, "_xla_fsdp_checkpointed", False))
+                      and getattr(unit._fsdp_wrapped_module, "_xla_fsdp_checkpointed", False))
             used.extend(used_members(g, edges, opaque) for g in unit._groups if g.requires_grad)
         for group in self._trainable_groups:
             group.end_edge_record()

@@ -17,6 +17,21 @@ def _tensors(args: Any, kwargs: Any):
     return [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
 
 
+def _xla_checkpoint(fn, args: tuple, kwargs: dict) -> Any:
+    """torch_xla's checkpoint takes positional arguments only (it rejects keywords such as the
+    attention masks HF models pass): keyword tensors travel as positional inputs, so their
+    gradients still flow, and the rest is bound here."""
+    import torch_xla.utils.checkpoint as xla_checkpoint
+
+    tensor_keys = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
+    others = {k: v for k, v in kwargs.items() if k not in tensor_keys}
+    n = len(args)
+
+    def positional(*inputs: Any) -> Any:
+        return fn(*inputs[:n], **dict(zip(tensor_keys, inputs[n:])), **others)
+    return xla_checkpoint.checkpoint(positional, *args, *(kwargs[k] for k in tensor_keys))
+
+
 def checkpoint_module(module: nn.Module) -> nn.Module:
     """Make ``module`` drop its activations after forward and recompute them in backward.
 
@@ -36,8 +51,7 @@ def checkpoint_module(module: nn.Module) -> nn.Module:
         if any(t.device.type == "xla" for t in tensors):
             if not any(t.requires_grad for t in tensors):
                 return original_forward(*args, **kwargs)
-            import torch_xla.utils.checkpoint as xla_checkpoint
-            return xla_checkpoint.checkpoint(recompute_ready_forward, *args, **kwargs)
+            return _xla_checkpoint(recompute_ready_forward, args, kwargs)
         return torch_checkpoint.checkpoint(original_forward, *args, use_reentrant=False, **kwargs)
 
     def recompute_ready_forward(*args: Any, **kwargs: Any) -> Any:

@@ -33,6 +33,30 @@ SHARD_SEPARATOR = "_FSDP_SHARD_SEPARATOR_"
 METADATA_VERSION = 1
 
 
+_VIEW_CLASSES: Dict[type, type] = {}
+_VIEWED: "weakref.WeakKeyDictionary[nn.Module, nn.Module]" = weakref.WeakKeyDictionary()  # view -> module
+
+
+def torch_xla_view(module: nn.Module) -> nn.Module:
+    """``module`` seen through a subclass whose ``.module`` is ``module`` itself: the object shares
+    ``module``'s ``__dict__`` (parameters, submodules, hooks, config), so everything but that one
+    attribute is the user's module; it is not registered anywhere, so state-dict names do not
+    change. Modules that cannot be viewed so (slots, scripted) are returned as they are."""
+    cls = type(module)
+    try:
+        view_cls = _VIEW_CLASSES.get(cls)
+        if view_cls is None:
+            view_cls = _VIEW_CLASSES[cls] = type(cls.__name__, (cls,), {
+                "__module__": cls.__module__, "__qualname__": cls.__qualname__,
+                "module": property(lambda self: _VIEWED[self])})
+        view = object.__new__(view_cls)
+        view.__dict__ = module.__dict__
+    except TypeError:
+        return module
+    _VIEWED[view] = module  # kept outside the shared dict: the user's module stays unchanged
+    return view
+
+
 class XlaFullyShardedDataParallel(GradientReduction, nn.Module):
     """Shard a module's parameters, gradients and optimizer state across ranks (ZeRO-3/ZeRO-2).
 
@@ -229,6 +253,7 @@ class XlaFullyShardedDataParallel(GradientReduction, nn.Module):
             patch_linear_layers(module)
         refs = unit_init.collect_params(module)
         self._fsdp_wrapped_module = module
+        self._module_view: Optional[nn.Module] = None
         if getattr(module, "_xla_fsdp_checkpointed", False):
             # Weakly: the module must not keep its unit alive (nor make a reference cycle nn.Module sees).
             unit = weakref.ref(self)
@@ -298,8 +323,14 @@ class XlaFullyShardedDataParallel(GradientReduction, nn.Module):
     # ------------------------------------------------------------------ public properties
     @property
     def module(self) -> nn.Module:
-        """The wrapped module."""
-        return self._fsdp_wrapped_module
+        """The wrapped module, as torch_xla shows it: in torch_xla ``model.module`` is a flatten
+        wrapper whose ``.module`` is the user's module, and programs written for it (the HF
+        Trainer's save: ``model.module.module``) go one step further. Here ``model.module`` is the
+        user's module itself (same attributes, state dict, hooks; ``isinstance`` holds) whose
+        ``.module`` leads to it again, once (see :func:`torch_xla_view`)."""
+        if self._module_view is None:  # a plain attribute: registered as a child, it would rename the state dict
+            object.__setattr__(self, "_module_view", torch_xla_view(self._fsdp_wrapped_module))
+        return self._module_view
 
     @property
     def params_with_grad(self) -> List[nn.Parameter]:
@@ -383,7 +414,12 @@ class XlaFullyShardedDataParallel(GradientReduction, nn.Module):
                 self._schedule.release_deferred()
             self._schedule.recording.append(self)
             self._unshard(prefetch=self._prefetch_target(+1))
-        outputs = self.module(*args, **kwargs)
+        try:
+            outputs = self._fsdp_wrapped_module(*args, **kwargs)
+        except BaseException:
+            if not in_backward:
+                self._abandon_forward()
+            raise
         if self._is_root and not in_backward:
             self._schedule.end_forward(self._units_in_tree)
             self._end_gradient_plan(outputs)
@@ -400,6 +436,18 @@ class XlaFullyShardedDataParallel(GradientReduction, nn.Module):
         if torch.is_grad_enabled():
             outputs = self._register_pre_backward_hooks(outputs)
         return outputs
+
+    def _abandon_forward(self) -> None:
+        """The module raised during forward: leave this unit (the root: every unit) idle and
+        resharded, so the next forward starts clean instead of failing on a unit stuck in forward."""
+        units = self._units_in_tree if self._is_root else [self]
+        for unit in units:
+            unit._finish_unshard()
+            unit._reshard()
+            unit.training_state = TrainingState.IDLE
+        if self._is_root:
+            self._schedule.recording = []
+            self._schedule.deferred = self._schedule.kept = None
 
     def _unshard(self, backward: bool = False, prefetch: Optional["XlaFullyShardedDataParallel"] = None,
                  refill_saved: bool = False) -> None:

@@ -16,7 +16,7 @@ METADATA_VERSION = 1
 
 @functools.lru_cache(maxsize=1)
 def _library_versions() -> Dict[str, str]:
-    versions = {"torch": torch.__version__}
+    versions = {"torch": str(torch.__version__)}  # a plain str: TorchVersion fails torch.load(weights_only=True)
     try:  # from the installed metadata: importing torch_xla just for its version costs seconds
         versions["torch_xla"] = importlib.metadata.version("torch_xla")
     except importlib.metadata.PackageNotFoundError:

@@ -23,6 +23,32 @@ from ..state_dict import clean_key
 REOPEN_BYTES = 64 * 1024 * 1024
 
 
+MISSING_OPTIMIZER_KEYS = (
+    "the rank files hold optimizer state but not which shard each optimizer parameter is: the optimizer "
+    "was not built from model.parameters() in order (optimizer_param_groups?), and the metadata has no "
+    "'optimizer_param_keys'. Save with xla_fsdp.save_sharded_checkpoint(model, optimizer, prefix), or add "
+    "shard_metadata['optimizer_param_keys'] = xla_fsdp.checkpoints.optimizer_param_keys(model, optimizer) "
+    "to each rank's file")
+
+
+def _parameters_order_keys(metadata: Dict[str, Any], optimizer: Any, layout: Dict[str, Any]) -> Optional[List[str]]:
+    """Files written the torch_xla way (plain ``torch.save`` of the model's state dict,
+    ``get_shard_metadata()`` and the optimizer's state dict) carry no optimizer map. An optimizer
+    built from ``model.parameters()`` lists the shards in ``metadata['param_keys']`` order: accept
+    that order only where the optimizer's indices and state shapes say so."""
+    keys = metadata.get("param_keys")
+    if not keys or not isinstance(optimizer, dict) or "param_groups" not in optimizer:
+        return None
+    order = [i for g in optimizer["param_groups"] for i in g["params"]]
+    if order != list(range(len(keys))):
+        return None
+    for idx, fields in optimizer.get("state", {}).items():
+        shard_shape = list(layout[keys[idx]]["shard_shape"])
+        if any(isinstance(v, torch.Tensor) and v.dim() > 0 and list(v.shape) != shard_shape for v in fields.values()):
+            return None
+    return list(keys)
+
+
 class ShardedCheckpoint:
     """A complete, validated set of rank files, read lazily."""
 
@@ -47,7 +73,8 @@ class ShardedCheckpoint:
         # Optimizer state is indexed in parameters() order. torch_xla records no map, but its
         # state_dict lists the shards in that same order (both walk the modules alike).
         self.optimizer_param_keys = md0.get("optimizer_param_keys") or (
-            [k for k in ckpts[0]["model"] if k in self.layout] if self.from_torch_xla else None)
+            [k for k in ckpts[0]["model"] if k in self.layout] if self.from_torch_xla
+            else _parameters_order_keys(md0, ckpts[0].get("optimizer"), self.layout))
 
     @property
     def metadata(self) -> Dict[str, Any]:
@@ -139,8 +166,7 @@ class ShardedCheckpoint:
             raise CheckpointError("the checkpoint holds no optimizer state")
         keys = self.optimizer_param_keys
         if keys is None:
-            raise CheckpointError("the checkpoint's metadata has no optimizer_param_keys; "
-                                  "optimizer consolidation needs a checkpoint saved by save_sharded_checkpoint")
+            raise CheckpointError(MISSING_OPTIMIZER_KEYS)
         state: Dict[str, Any] = OrderedDict()
         osds = [c["optimizer"] for c in ckpts]
         for idx, key in enumerate(keys):

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional
 
 import torch
+from torch.torch_version import TorchVersion
 
 RANK_FILE = re.compile(r"_rank-(\d{8})-of-(\d{8})\.pth")
 DEFAULT_SUFFIX = "_rank-*-of-*.pth"
@@ -75,7 +76,10 @@ class RankFile:
 def load_rank_file(path: str, mmap: bool = True) -> Dict[str, Any]:
     """Load one rank file (memory-mapped: tensors are read from disk when touched)."""
     try:
-        ckpt = torch.load(path, map_location="cpu", mmap=mmap, weights_only=False)
+        # Never unpickle code. Files of xla_fsdp before 0.1.1 recorded torch's version as a
+        # TorchVersion object: allowed explicitly, it is a str.
+        with torch.serialization.safe_globals([TorchVersion]):
+            ckpt = torch.load(path, map_location="cpu", mmap=mmap, weights_only=True)
     except Exception as e:  # torch raises several types for damaged zip files
         raise CheckpointError(f"'{path}' is not a readable checkpoint ({type(e).__name__}: {e})") from e
     if not isinstance(ckpt, dict) or "model" not in ckpt or "shard_metadata" not in ckpt:
@@ -85,10 +89,13 @@ def load_rank_file(path: str, mmap: bool = True) -> Dict[str, Any]:
 
 
 def find_rank_files(ckpt_prefix: str, ckpt_suffix: str = DEFAULT_SUFFIX) -> List[RankFile]:
-    """The complete, consistent set of rank files for ``ckpt_prefix``, sorted by rank.
+    """The complete, consistent set of rank files matching ``ckpt_prefix + ckpt_suffix`` (a glob),
+    sorted by rank.
 
-    Only names of the form ``*_rank-RRRRRRRR-of-WWWWWWWW.pth`` (8 digits each) count, so a consolidated output in
-    the same folder is never picked up.
+    Names of the form ``*_rank-RRRRRRRR-of-WWWWWWWW.pth`` (8 digits each) say their rank; where
+    any matching file is named so, only those count, so a consolidated output in the same folder
+    is never picked up. Where none is (the HF Trainer's ``rank*-of-*-pytorch_model.bin``), every
+    matching file is a rank file and its metadata says its rank and world size, as in torch_xla.
     """
     paths = sorted(glob.glob(glob.escape(ckpt_prefix) + ckpt_suffix))
     files = []
@@ -96,6 +103,8 @@ def find_rank_files(ckpt_prefix: str, ckpt_suffix: str = DEFAULT_SUFFIX) -> List
         m = RANK_FILE.fullmatch(p[len(ckpt_prefix):])
         if m:
             files.append(RankFile(p, int(m.group(1)), int(m.group(2))))
+    if not files:
+        files = [_rank_file_from_metadata(p) for p in paths]
     if not files:
         raise CheckpointError(f"no rank files match '{ckpt_prefix}{ckpt_suffix}' (expected names like "
                               f"'{rank_path(ckpt_prefix, 0, 2)}')")
@@ -117,6 +126,14 @@ def find_rank_files(ckpt_prefix: str, ckpt_suffix: str = DEFAULT_SUFFIX) -> List
     if extra:
         raise CheckpointError(f"rank files {extra} are outside world size {world_size}")
     return [by_rank[r] for r in range(world_size)]
+
+
+def _rank_file_from_metadata(path: str) -> RankFile:
+    metadata = load_rank_file(path)["shard_metadata"]
+    rank, world_size = metadata.get("rank"), metadata.get("world_size")
+    if not isinstance(rank, int) or not isinstance(world_size, int):
+        raise CheckpointError(f"'{path}': its shard_metadata has no integer 'rank' and 'world_size'")
+    return RankFile(path, rank, world_size)
 
 
 def check_consistent(files: List[RankFile], metadatas: List[Mapping[str, Any]]) -> None:

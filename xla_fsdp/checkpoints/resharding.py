@@ -7,7 +7,7 @@ from typing import Any, Dict, List
 
 import torch
 
-from .consolidate import ShardedCheckpoint
+from .consolidate import MISSING_OPTIMIZER_KEYS, ShardedCheckpoint
 from .files import DEFAULT_SUFFIX, CheckpointError, atomic_torch_save, rank_path, tensor_checksum
 from .layout_ops import reshard_entry, unshard_entry
 from .migrate import pad_multiple_of
@@ -31,7 +31,7 @@ def reshard_checkpoint(ckpt_prefix: str, world_size: int, out_prefix: str,
     has_opt = all(c.get("optimizer") is not None for c in src._open())
     opt_keys = src.optimizer_param_keys
     if has_opt and opt_keys is None:
-        raise CheckpointError("optimizer state without optimizer_param_keys: only the model can be resharded")
+        raise CheckpointError(MISSING_OPTIMIZER_KEYS)
     paths = []
     for rank in range(world_size):
         model: Dict[str, torch.Tensor] = {}

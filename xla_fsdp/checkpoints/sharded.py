@@ -38,7 +38,10 @@ def _agree_on_run_id(model) -> str:
     return f"{first[0]:08x}{first[1]:08x}"
 
 
-def _optimizer_param_keys(model, optimizer) -> list:
+def optimizer_param_keys(model, optimizer) -> list:
+    """The shard key of each of ``optimizer``'s parameters, in its order: what a rank file written
+    with plain ``torch.save`` needs in ``shard_metadata['optimizer_param_keys']`` to be resharded or
+    consolidated with optimizer state when the optimizer was built from parameter groups."""
     names = {id(p): n for n, p in model.named_parameters()}
     keys = []
     for group in optimizer.param_groups:
@@ -68,7 +71,7 @@ def save_sharded_checkpoint(model, optimizer: Optional[torch.optim.Optimizer], c
     metadata["checksums"] = {"model": {k: tensor_checksum(v) for k, v in state.items()},
                              "optimizer": _optimizer_checksums(osd) if osd else {}}
     if optimizer is not None:
-        metadata["optimizer_param_keys"] = _optimizer_param_keys(model, optimizer)
+        metadata["optimizer_param_keys"] = optimizer_param_keys(model, optimizer)
     ckpt: Dict[str, Any] = {"model": state, "shard_metadata": metadata, "optimizer": osd}
     if extra is not None:
         ckpt["extra"] = dict(extra)
