@@ -16,6 +16,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .base import Collectives
+from .host_exchange import thread_exchange
+from .xla_user import install_user_collectives, is_threaded_cpu, reset_user_channels
 
 ENV_DEFAULTS_CPU = {
     # Executions blocked in a rendezvous occupy pool threads: size the pools above the device count
@@ -28,13 +30,21 @@ ENV_DEFAULTS_CPU = {
 
 
 def configure_cpu_environment() -> None:
-    """Set the XLA:CPU defaults multi-device FSDP needs (only where the user has not set them).
+    """Set the XLA:CPU defaults multi-device FSDP needs (only where the user has not set them),
+    route ``torch_xla.sync``/``xm.mark_step`` through :func:`sync` and make torch_xla's user-level
+    collectives work across device threads (:mod:`.xla_user`).
 
     Called when ``xla_fsdp`` is imported with ``PJRT_DEVICE=CPU``, before the runtime starts.
     """
     if os.environ.get("PJRT_DEVICE", "").upper() == "CPU":
         for key, value in ENV_DEFAULTS_CPU.items():
             os.environ.setdefault(key, value)
+        try:
+            import torch_xla  # noqa: F401
+        except ImportError:
+            return
+        install_safe_sync()
+        install_user_collectives()
 
 
 _PATCH_LOCK = threading.Lock()
@@ -54,7 +64,7 @@ def sync(wait: bool = False) -> None:
 
     xlac = torch_xla._XLAC
     dev = xlac._xla_get_default_device()
-    threaded = _is_threaded_cpu()
+    threaded = is_threaded_cpu()
     if threaded and os.environ.get("PJRT_CPU_ASYNC_CLIENT", "").lower() in ("false", "0"):
         # One rank thread compiles, the others find the executable in the shared cache: no rank
         # waits in a collective while a peer is still compiling (XLA:CPU aborts a rendezvous after
@@ -68,14 +78,10 @@ def sync(wait: bool = False) -> None:
         xlac._xla_wait_device_ops(xlac._xla_real_devices([dev]))
     xm._run_step_closures()
     xlac._set_all_reduce_token(dev, None)
+    reset_user_channels()
 
 
 _patched = False
-
-
-def _is_threaded_cpu() -> bool:
-    import torch_xla.runtime as xr
-    return xr.device_type() == "CPU" and xr.addressable_runtime_device_count() > 1
 
 
 def install_safe_sync() -> None:
@@ -91,53 +97,6 @@ def install_safe_sync() -> None:
         torch_xla.sync = lambda wait=False, reset_scope=True: sync(wait)
         xm.mark_step = lambda wait=False, reset_scope=True: sync(wait)
         _patched = True
-
-
-class _ThreadExchange:
-    """Sums small integer lists across the rank threads of one process, on the host. A rank
-    leaves its values and goes on; it waits only when it asks for the sum. The n-th call of every
-    rank thread belongs to the same round."""
-
-    TIMEOUT_S = 600.0
-
-    def __init__(self, world_size: int):
-        self.world_size = world_size
-        self._cond = threading.Condition()
-        self._rounds: Dict[int, Dict[int, List[int]]] = {}
-        self._readers: Dict[int, int] = {}
-        self._local = threading.local()
-
-    def start_sum(self, rank: int, values: List[int]) -> Callable[[], List[int]]:
-        round_ = getattr(self._local, "next", 0)
-        self._local.next = round_ + 1
-        with self._cond:
-            self._rounds.setdefault(round_, {})[rank] = values
-            self._cond.notify_all()
-        return lambda: self._sum(round_)
-
-    def _sum(self, round_: int) -> List[int]:
-        with self._cond:
-            rows = self._rounds[round_]
-            if not self._cond.wait_for(lambda: len(rows) == self.world_size, self.TIMEOUT_S):
-                raise RuntimeError(
-                    f"xla_fsdp: ranks {sorted(set(range(self.world_size)) - set(rows))} did not finish their "
-                    f"forward within {self.TIMEOUT_S:.0f} s (failed, or running a different program)")
-            if len({len(r) for r in rows.values()}) > 1:
-                raise RuntimeError("xla_fsdp: ranks disagree on the number of parameter groups "
-                                   f"({sorted({len(r) for r in rows.values()})}); every rank must wrap the same model")
-            result = [sum(column) for column in zip(*rows.values())]
-            self._readers[round_] = self._readers.get(round_, 0) + 1
-            if self._readers[round_] == self.world_size:  # everyone has read: forget the round
-                del self._rounds[round_], self._readers[round_]
-            return result
-
-
-_EXCHANGES: Dict[int, _ThreadExchange] = {}
-
-
-def _thread_exchange(world_size: int) -> _ThreadExchange:
-    with _PATCH_LOCK:
-        return _EXCHANGES.setdefault(world_size, _ThreadExchange(world_size))
 
 
 class _ChannelAllocator:
@@ -283,7 +242,15 @@ class XlaCollectives(Collectives):
             return super().start_sum_over_ranks(values)
         if xr.process_count() > 1:
             return lambda: None
-        return _thread_exchange(xr.world_size()).start_sum(xr.global_ordinal(), list(values))
+        gather = thread_exchange("gradient plan", xr.world_size()).start_gather(xr.global_ordinal(), list(values))
+
+        def total() -> List[int]:
+            rows = gather()
+            if len({len(r) for r in rows}) > 1:
+                raise RuntimeError("xla_fsdp: ranks disagree on the number of parameter groups "
+                                   f"({sorted({len(r) for r in rows})}); every rank must wrap the same model")
+            return [sum(column) for column in zip(*rows)]
+        return total
 
     def new_full(self, shape: Tuple[int, ...], padded_numel: int, dtype: torch.dtype) -> torch.Tensor:
         # Born at its real shape from host data: a tensor born with the placeholder's shape keeps

@@ -1,0 +1,108 @@
+"""torch_xla's user-level collectives across several XLA:CPU devices (threads of one process),
+where torch_xla 2.9 aborts: xm.all_reduce (every form), all_gather, reduce_scatter, mesh_reduce,
+rendezvous, xm.save and the ``xla`` torch.distributed backend (issue 22)."""
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("torch_xla")
+# Imported at the top, as a user script does: in the spawned device process this runs before the
+# XLA runtime starts, with PJRT_DEVICE=CPU, which is when xla_fsdp sets XLA:CPU up.
+import xla_fsdp  # noqa: E402,F401
+
+
+def _user_program(folder):
+    import torch.distributed as dist
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+    import torch_xla.runtime as xr
+    import xla_fsdp  # noqa: F401  (installed the patches when imported with PJRT_DEVICE=CPU)
+    dev, r, ws = torch_xla.device(), xr.global_ordinal(), xr.world_size()
+    out = {}
+    t = torch.tensor([float(r + 1), 2.0 * (r + 1)]).to(dev)
+    for kind in ("sum", "max", "min", "mul"):
+        out[kind] = xm.all_reduce(kind, t).cpu().tolist()
+    out["scaled"] = xm.all_reduce(xm.REDUCE_SUM, t, scale=0.5).cpu().tolist()
+    in_place = [torch.tensor([r]).to(dev), torch.tensor([1.0]).to(dev)]
+    xm.all_reduce(xm.REDUCE_SUM, in_place)
+    out["list"] = [x.cpu().tolist() for x in in_place]
+    out["and"] = xm.all_reduce(xm.REDUCE_AND, torch.tensor([r % 2 == 0]).to(dev)).cpu().tolist()
+    out["or"] = xm.all_reduce(xm.REDUCE_OR, torch.tensor([r == 0]).to(dev)).cpu().tolist()
+    halves = [list(range(ws // 2)), list(range(ws // 2, ws))]
+    out["groups"] = xm.all_reduce(xm.REDUCE_SUM, torch.tensor([float(r)]).to(dev), groups=halves).cpu().tolist()
+    out["gather"] = xm.all_gather(torch.tensor([r, 10 + r]).to(dev)).cpu().tolist()
+    out["reduce_scatter"] = xm.reduce_scatter(xm.REDUCE_SUM, torch.arange(2 * ws, dtype=torch.float32).to(dev),
+                                              1.0, 0, ws).cpu().tolist()
+    out["mesh_reduce"] = xm.mesh_reduce("accuracy", float(r), lambda xs: sum(xs) / len(xs))
+    xm.rendezvous("before_save")
+    xm.save({"w": torch.full((2,), float(r + 7)).to(dev)}, os.path.join(folder, "master.pt"))  # master only
+    dist.init_process_group("xla", init_method="xla://")
+    x = torch.tensor([float(r)]).to(dev)
+    dist.all_reduce(x)
+    out["dist_all_reduce"] = x.cpu().tolist()
+    got = [torch.zeros(1).to(dev) for _ in range(ws)]
+    dist.all_gather(got, torch.tensor([float(r)]).to(dev))
+    out["dist_all_gather"] = [g.cpu().tolist() for g in got]
+    b = torch.tensor([float(r + 5)]).to(dev)
+    dist.broadcast(b, 0)
+    out["dist_broadcast"] = b.cpu().tolist()
+    dist.barrier()
+    try:
+        xm.rendezvous(f"rank-{r}")  # every rank names a different rendezvous: a clear error on all
+        out["mismatch"] = "no error"
+    except RuntimeError as e:
+        out["mismatch"] = str(e)
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_torch_xla_user_collectives_on_several_xla_cpu_devices(world_size, monkeypatch, tmp_path):
+    from torch_xla._internal import pjrt
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")
+    monkeypatch.setenv("CPU_NUM_DEVICES", str(world_size))
+    results = pjrt.run_multiprocess(_user_program, str(tmp_path))
+    assert sorted(results) == list(range(world_size))
+    ws = world_size
+    a = [float(r + 1) for r in range(ws)]
+    prod = 1.0
+    for v in a:
+        prod *= v
+    half = ws // 2
+    want = {
+        "sum": [sum(a), 2 * sum(a)], "max": [ws, 2.0 * ws], "min": [1.0, 2.0], "mul": [prod, prod * 2 ** ws],
+        "scaled": [sum(a) / 2, sum(a)], "list": [[sum(range(ws))], [float(ws)]], "and": [False], "or": [True],
+        "gather": [v for r in range(ws) for v in (r, 10 + r)],
+        "mesh_reduce": sum(range(ws)) / ws, "dist_all_reduce": [float(sum(range(ws)))],
+        "dist_all_gather": [[float(r)] for r in range(ws)], "dist_broadcast": [5.0],
+    }
+    sums = torch.arange(2 * ws, dtype=torch.float32) * ws
+    for r in range(ws):
+        got = results[r]
+        for key, value in want.items():
+            assert got[key] == value, (r, key, got[key], value)
+        assert got["groups"] == [float(sum(range(half)) if r < half else sum(range(half, ws)))]
+        assert got["reduce_scatter"] == sums[2 * r:2 * r + 2].tolist()
+        assert "met at different rendezvous" in got["mismatch"]
+    assert torch.load(tmp_path / "master.pt", weights_only=True)["w"].tolist() == [7.0, 7.0]  # rank 0's
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("devices", [1, 4])
+def test_torch_xla_style_training_script_on_digits(devices, tmp_path):
+    """MpDeviceLoader, accuracy by xm.mesh_reduce, xm.rendezvous, per-rank xm.save, consolidation:
+    >= 97 % test accuracy at 1 and 4 XLA:CPU devices, and the consolidated model scores the same."""
+    import json
+    import subprocess
+    import sys
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(devices))
+    proc = subprocess.run([sys.executable, os.path.join(here, "torch_xla_style_digits.py"), "--ckpt_dir", str(tmp_path),
+                           "--batch_size", str(32 // devices)], env=env, capture_output=True, text=True, timeout=600)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-2000:]
+    result = json.loads(lines[0][len("RESULT "):])
+    assert result["world_size"] == devices
+    assert result["accuracies"][-1] >= 97.0, result
+    assert abs(result["consolidated_accuracy"] - result["accuracies"][-1]) < 1e-3, result
+    assert len(list(tmp_path.glob("final_ckpt_rank-*.pth"))) == devices

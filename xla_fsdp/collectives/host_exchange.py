@@ -1,0 +1,58 @@
+"""Small host-side exchanges between the rank threads of one process (XLA:CPU devices), for what
+needs no device: which parameters a step used, rendezvous payloads."""
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, Dict, List, Tuple
+
+TIMEOUT_S = 600.0
+
+
+class ThreadExchange:
+    """Gathers one value per rank thread. A rank leaves its value and goes on; it waits only when
+    it asks for the values. The n-th call of every rank thread belongs to the same round."""
+
+    def __init__(self, purpose: str, world_size: int):
+        self.purpose = purpose
+        self.world_size = world_size
+        self._cond = threading.Condition()
+        self._rounds: Dict[int, Dict[int, Any]] = {}
+        self._readers: Dict[int, int] = {}
+        self._local = threading.local()
+
+    def start_gather(self, rank: int, value: Any) -> Callable[[], List[Any]]:
+        round_ = getattr(self._local, "next", 0)
+        self._local.next = round_ + 1
+        with self._cond:
+            self._rounds.setdefault(round_, {})[rank] = value
+            self._cond.notify_all()
+        return lambda: self._gather(round_)
+
+    def gather(self, rank: int, value: Any) -> List[Any]:
+        return self.start_gather(rank, value)()
+
+    def _gather(self, round_: int) -> List[Any]:
+        with self._cond:
+            rows = self._rounds[round_]
+            if not self._cond.wait_for(lambda: len(rows) == self.world_size, TIMEOUT_S):
+                raise RuntimeError(
+                    f"xla_fsdp: ranks {sorted(set(range(self.world_size)) - set(rows))} did not reach the "
+                    f"{self.purpose} within {TIMEOUT_S:.0f} s (they failed, or run a different program)")
+            values = [rows[r] for r in range(self.world_size)]
+            self._readers[round_] = self._readers.get(round_, 0) + 1
+            if self._readers[round_] == self.world_size:  # everyone has read: forget the round
+                del self._rounds[round_], self._readers[round_]
+            return values
+
+
+_EXCHANGES: Dict[Tuple[str, int], ThreadExchange] = {}
+_LOCK = threading.Lock()
+
+
+def thread_exchange(purpose: str, world_size: int) -> ThreadExchange:
+    """The process's exchange for ``purpose`` among ``world_size`` rank threads."""
+    with _LOCK:
+        key = (purpose, world_size)
+        if key not in _EXCHANGES:
+            _EXCHANGES[key] = ThreadExchange(purpose, world_size)
+        return _EXCHANGES[key]
