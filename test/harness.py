@@ -58,6 +58,8 @@ def no_decay(name: str) -> bool:
     return name.endswith("bias") or ".ln" in "." + name or name.startswith("ln") or name == "pos"
 
 
+TIED_SPLIT_POLICY = functools.partial(lambda_auto_wrap_policy, lambda_fn=lambda m: isinstance(
+    m, (nn.Embedding, models.Block)) or (isinstance(m, nn.Linear) and m.out_features == 32))
 BLOCK_POLICY = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={models.Block})
 # Each config: model, optimizer, how to wrap (callable on the unwrapped model), extras.
 CONFIGS: Dict[str, Dict[str, Any]] = {  # noqa: E501
@@ -118,6 +120,12 @@ CONFIGS: Dict[str, Dict[str, Any]] = {  # noqa: E501
     # alone: lowered threshold, so every unit of this tiny model mixes both paths.
     "coalesce_mixed_lm_adamw": dict(model="lm", opt="adamw", wrap=lambda m: FSDP(
         m, auto_wrap_policy=BLOCK_POLICY, _solo_collective_numel=256), check_freed=True),
+    # The tied embedding/head weight is used by two units (and the root, which owns it): GPT-2
+    # under a policy that wraps the embedding and the head.
+    "tied_across_units_adamw": dict(model="lm_tied", opt="adamw", wrap=lambda m: FSDP(
+        m, auto_wrap_policy=TIED_SPLIT_POLICY), check_freed=True),
+    "tied_across_units_flat_sgd": dict(model="lm_tied", opt="sgd", wrap=lambda m: FSDP(
+        m, flatten_parameters=True, auto_wrap_policy=TIED_SPLIT_POLICY)),
     "clip_lm_sgd": dict(model="lm", opt="sgd", wrap=lambda m: FSDP(m, auto_wrap_policy=BLOCK_POLICY), clip=0.5),
 }
 NO_SYNC_MICRO = 2
@@ -391,7 +399,8 @@ EQUIVALENCE = [n for n, c in CONFIGS.items() if c.get("equivalence", True)]
 #: configs whose checkpoints test_checkpoints consolidates and compares bit for bit
 ROUND_TRIP = ["zero3_nested_adamw", "zero2_nested_adamw", "flatten_nested_adamw", "dim0_nested_sgd",
               "tied_param_adamw", "tied_flat_sgd", "frozen_flat_adamw", "autowrap_type_lm_adamw",
-              "convbn_bf16_sgd", "strategy_hybrid_adamw", "strategy_no_shard_adamw", "wd_groups_flat_lm_adamw"]
+              "convbn_bf16_sgd", "strategy_hybrid_adamw", "strategy_no_shard_adamw", "wd_groups_flat_lm_adamw",
+              "tied_across_units_adamw"]
 _SESSION_RUNS: Dict[Tuple[str, int], Tuple[Dict[str, List[Dict[str, Any]]], str]] = {}
 
 

@@ -124,7 +124,16 @@ class ReorderLM(TinyLM):
         return self.head(self.ln(x))
 
 
-MODELS = {"mlp": MLP, "tiny": TinyParams, "frozen": FrozenMLP, "tied": TiedMLP, "convbn": ConvBN, "lm": TinyLM, "lm_reorder": ReorderLM}
+class TiedLM(TinyLM):
+    """GPT-2's tie: the output head's weight is the embedding's. Auto-wrapping the embedding and the
+    head as units of their own splits the tie across units."""
+
+    def __init__(self):
+        super().__init__()
+        self.head.weight = self.emb.weight
+
+
+MODELS = {"mlp": MLP, "tiny": TinyParams, "frozen": FrozenMLP, "tied": TiedMLP, "convbn": ConvBN, "lm": TinyLM, "lm_reorder": ReorderLM, "lm_tied": TiedLM}
 
 
 def make_model(name: str, seed: int = 0) -> nn.Module:

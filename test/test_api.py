@@ -52,6 +52,19 @@ def test_tied_across_units_is_rejected(gloo):
         FSDP(model)
 
 
+def test_tied_across_auto_wrapped_units_goes_to_their_closest_common_unit(gloo):
+    """GPT-2's tie under a policy that wraps the embedding and the head apart: the root owns the
+    shared weight (both names), the head unit keeps only its bias, the embedding unit nothing.
+    (Training equals unsharded: harness config tied_across_units_*.)"""
+    import harness
+    model = harness.CONFIGS["tied_across_units_adamw"]["wrap"](models.make_model("lm_tied"))
+    root_groups = [g for g in model._groups if "emb.weight" in g.names]
+    assert len(root_groups) == 1 and root_groups[0].refs[0].aliases == ["head.weight"]
+    assert model.module.emb._groups == [] and [g.names for g in model.module.head._groups] == [["bias"]]
+    names = [n for n, _ in model.get_original_names_and_sharded_parameters()]
+    assert names.count("emb.weight") == 1 and "head.weight" not in names
+
+
 def test_mark_step_on_finalization_is_a_deprecated_alias(gloo):
     with pytest.warns(DeprecationWarning, match="sync_on_finalization"):
         m = FSDP(nn.Linear(2, 2), mark_step_on_finalization=True)

@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_map_only
 
-from . import param_names, unit_init
+from . import param_names, tied, unit_init
 from .collectives import Collectives, resolve_transport, shared_collectives
 from .param_names import WRAPPED, flat_parts
 from .sharding import default_predivide_factor
@@ -243,15 +243,16 @@ class XlaFullyShardedDataParallel(GradientReduction, nn.Module):
             # output_dtype describes this unit's outputs only: inner units stay in compute dtype so
             # the layers around them see matching dtypes.
             child_kwargs = {k: v for k, v in self._fsdp_kwargs.items() if k != "output_dtype"}
-            recursive_wrap(module, auto_wrap_policy=auto_wrap_policy,
-                           wrapper_cls=auto_wrapper_callable or XlaFullyShardedDataParallel,
-                           only_wrap_children=True, **child_kwargs)
+            with tied.tied_ownership(module):  # tied parameters go to their closest common unit
+                recursive_wrap(module, auto_wrap_policy=auto_wrap_policy,
+                               wrapper_cls=auto_wrapper_callable or XlaFullyShardedDataParallel,
+                               only_wrap_children=True, **child_kwargs)
 
         unit_init.materialize_meta(module, param_init_fn, torch.device("cpu"))
         if _use_xla_patched_linear and self.comms.name == "xla":
             from .xla_patched_linear import patch_linear_layers
             patch_linear_layers(module)
-        refs = unit_init.collect_params(module)
+        refs, self._tied_slots_left = unit_init.collect_params(module, tied.escaping(module))
         self._fsdp_wrapped_module = module
         self._module_view: Optional[nn.Module] = None
         if getattr(module, "_xla_fsdp_checkpointed", False):

@@ -3,12 +3,13 @@ find the parameters it owns (tied ones once), and record buffer dtypes."""
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 import torch.nn as nn
 
 from .param_group import ParamRef
+from .tied import LeftSlot
 
 
 def validate_module(module: nn.Module) -> None:
@@ -76,34 +77,62 @@ def materialize_meta(module: nn.Module, param_init_fn: Optional[Callable[[nn.Mod
                            f"{still_meta[:5]}; make param_init_fn materialize them (e.g. to_empty + init).")
 
 
-def collect_params(module: nn.Module) -> List[ParamRef]:
-    """The parameters this unit owns, each once, with all the places that refer to it."""
+def collect_params(module: nn.Module, leave: Set[int] = frozenset()
+                   ) -> Tuple[List[ParamRef], List[LeftSlot]]:
+    """The parameters this unit owns, each once, with all the places that refer to it; and the
+    places of the parameters it leaves to an enclosing unit (ids in ``leave``: tied to modules
+    outside, see tied.py). Places that nested units left are owned here unless they escape too."""
     refs: "OrderedDict[int, ParamRef]" = OrderedDict()
+    left: List[LeftSlot] = []
+
+    def own(p: nn.Parameter, fqn: str, m: nn.Module, name: str) -> None:
+        if id(p) in refs:
+            refs[id(p)].slots.append((m, name))
+            refs[id(p)].aliases.append(fqn)
+            return
+        _check_shardable(p, fqn)
+        refs[id(p)] = ParamRef(p, fqn, [(m, name)], [])
+
     for prefix, m in owned_modules(module):
         for name, p in m._parameters.items():
             if p is None:
                 continue
-            fqn = prefix + name
-            if getattr(p, "_xla_fsdp_sharded", False):
-                raise RuntimeError(
-                    f"xla_fsdp: parameter '{fqn}' is shared with another FSDP unit. Tied parameters "
-                    "must live in one unit: wrap the modules that share it together (e.g. leave "
-                    "the embedding and the output head in the root unit).")
-            if not p.is_floating_point():
-                raise TypeError(
-                    f"xla_fsdp: parameter '{fqn}' has dtype {p.dtype}; only float32 parameters can "
-                    "be sharded. Register non-trainable integer tensors as buffers instead.")
-            if p.dtype != torch.float32:
-                raise TypeError(
-                    f"xla_fsdp: parameter '{fqn}' is {p.dtype}; only float32 parameters are "
-                    "supported (they are the master copy). Call module.float() before wrapping "
-                    "and use compute_dtype=torch.bfloat16 for low-precision compute.")
-            if id(p) in refs:
-                refs[id(p)].slots.append((m, name))
-                refs[id(p)].aliases.append(fqn)
+            if id(p) in leave:
+                left.append(LeftSlot(m, name, p, prefix + name))
             else:
-                refs[id(p)] = ParamRef(p, fqn, [(m, name)], [])
-    return list(refs.values())
+                own(p, prefix + name, m, name)
+    for prefix, unit in nested_units(module):
+        for slot in unit._tied_slots_left:
+            if id(slot.param) in leave:
+                left.append(LeftSlot(slot.module, slot.attr, slot.param, prefix + slot.fqn))
+            else:
+                own(slot.param, prefix + slot.fqn, slot.module, slot.attr)
+    return list(refs.values()), left
+
+
+def nested_units(module: nn.Module):
+    """(name prefix, unit) for the outermost units nested in ``module``."""
+    for prefix, m in owned_modules(module):
+        for name, child in m._modules.items():
+            if child is not None and is_unit(child):
+                yield f"{prefix}{name}.", child
+
+
+def _check_shardable(p: nn.Parameter, fqn: str) -> None:
+    if getattr(p, "_xla_fsdp_sharded", False):
+        raise RuntimeError(
+            f"xla_fsdp: parameter '{fqn}' is shared with another FSDP unit. Tied parameters must live "
+            "in one unit: let auto_wrap_policy build the units (the closest unit enclosing every user of "
+            "the parameter then owns it), or wrap the modules that share it together.")
+    if not p.is_floating_point():
+        raise TypeError(
+            f"xla_fsdp: parameter '{fqn}' has dtype {p.dtype}; only float32 parameters can "
+            "be sharded. Register non-trainable integer tensors as buffers instead.")
+    if p.dtype != torch.float32:
+        raise TypeError(
+            f"xla_fsdp: parameter '{fqn}' is {p.dtype}; only float32 parameters are "
+            "supported (they are the master copy). Call module.float() before wrapping "
+            "and use compute_dtype=torch.bfloat16 for low-precision compute.")
 
 
 def cast_buffers(module: nn.Module, buffer_dtype: Optional[torch.dtype], module_prefix: str) -> Dict[str, torch.dtype]:
