@@ -153,7 +153,6 @@ class XlaFullyShardedDataParallel(GradientReduction, nn.Module):
         auto_wrapper_callable: Optional[Callable] = None,
         param_init_fn: Optional[Callable[[nn.Module], None]] = None,
         _shard_size_multiple: Optional[int] = None,
-        _solo_collective_numel: int = SOLO_NUMEL,
         _use_xla_patched_linear: bool = True,
         _debug_dummy_forward_pass: bool = False,
         _debug_msg: str = "xla_fsdp",
@@ -169,6 +168,7 @@ class XlaFullyShardedDataParallel(GradientReduction, nn.Module):
         output_dtype: Optional[torch.dtype] = None,
         flatten_group_fn: Optional[Callable[[str, nn.Parameter], Any]] = None,
         prefetch: bool = True,
+        _solo_collective_numel: int = SOLO_NUMEL,
     ):
         super().__init__()
         unit_init.validate_module(module)
@@ -384,6 +384,14 @@ class XlaFullyShardedDataParallel(GradientReduction, nn.Module):
         if self.disable_reshard_on_root:
             self.reshard_after_forward = False
         self.comms.check_construction()
+
+    def assert_state(self, state: Any) -> None:
+        """Raise ValueError unless the unit is in ``state`` (one state or a list; this package's
+        ``TrainingState`` or torch_xla's, compared by name), as torch_xla's method does."""
+        states = state if isinstance(state, (list, tuple)) else [state]
+        if self.training_state.name not in {getattr(s, "name", s) for s in states}:
+            raise ValueError(f"xla_fsdp: unit in state {self.training_state.name}, expected one of "
+                             f"{[getattr(s, 'name', s) for s in states]}")
 
     def _assert_state(self, *states: TrainingState) -> None:
         if self.training_state not in states:

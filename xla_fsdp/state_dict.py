@@ -21,16 +21,17 @@ def clean_key(key: str) -> str:
     return ".".join(p for p in key.split(".") if p not in WRAPPED_PARTS)
 
 
-def consolidate_sharded_state_dicts(state_dicts: Sequence[Mapping[str, torch.Tensor]],
+def consolidate_sharded_state_dicts(state_dict_list: Sequence[Mapping[str, torch.Tensor]],
                                     shard_metadata: Mapping[str, Any]) -> "OrderedDict[str, torch.Tensor]":
-    """Full state dict keyed by the original module's names, from per-rank dicts in rank order."""
+    """Full state dict keyed by the original module's names, from per-rank dicts in rank order
+    (torch_xla's signature)."""
     world_size = shard_metadata["world_size"]
-    if len(state_dicts) != world_size:
-        raise ValueError(f"expected {world_size} rank state dicts (metadata world_size), got {len(state_dicts)}")
+    if len(state_dict_list) != world_size:
+        raise ValueError(f"expected {world_size} rank state dicts (metadata world_size), got {len(state_dict_list)}")
     layout: Dict[str, Any] = shard_metadata["layout"]
     full: "OrderedDict[str, torch.Tensor]" = OrderedDict()
     for key, info in layout.items():
-        shards = [sd[key].detach().cpu() for sd in state_dicts]
+        shards = [sd[key].detach().cpu() for sd in state_dict_list]
         shapes = [tuple(s) for s in info["shapes"]]
         if info["mode"] == "dim0":
             tensors = [consolidate_dim0(shards, Dim0Layout(shapes[0], world_size))]
@@ -47,7 +48,7 @@ def consolidate_sharded_state_dicts(state_dicts: Sequence[Mapping[str, torch.Ten
             for alias in info.get("aliases", {}).get(name, []):
                 full[alias] = tensor
     buffer_info = shard_metadata.get("buffer_info", {})
-    for key, value in state_dicts[0].items():
+    for key, value in state_dict_list[0].items():
         if key in layout or "_fsdp_shard" in key:
             continue
         tensor = value.detach().cpu()

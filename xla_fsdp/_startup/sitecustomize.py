@@ -1,0 +1,9 @@
+"""Run at the start of every Python process by ``python -m xla_fsdp.compat SCRIPT`` (this folder is
+put on PYTHONPATH): serve ``torch_xla.distributed.fsdp`` from xla_fsdp there too, since
+torch_xla.launch starts its device processes afresh."""
+import os
+
+if os.environ.get("XLA_FSDP_REPLACE_TORCH_XLA_FSDP") == "1":
+    from xla_fsdp.compat import replace_torch_xla_fsdp
+
+    replace_torch_xla_fsdp()
