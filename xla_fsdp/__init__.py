@@ -5,7 +5,7 @@ from .collectives.xla import configure_cpu_environment as _configure_cpu_environ
 # Before any XLA runtime starts: the XLA:CPU pool settings multi-device runs need (see collectives/xla.py).
 _configure_cpu_environment()
 
-__version__ = "0.1.0"
+from ._version import __version__  # noqa: E402
 
 from .checkpoint import checkpoint_module  # noqa: E402
 from .checkpoints import (consolidate_sharded_model_checkpoints, load_sharded_checkpoint,  # noqa: E402

@@ -21,7 +21,7 @@ def _library_versions() -> Dict[str, str]:
         versions["torch_xla"] = importlib.metadata.version("torch_xla")
     except importlib.metadata.PackageNotFoundError:
         pass
-    from . import __version__
+    from ._version import __version__
     versions["xla_fsdp"] = __version__
     return versions
 
