@@ -34,9 +34,12 @@ class LeftSlot:
 def tied_ownership(root: nn.Module) -> Generator[None, None, None]:
     """Record, for the wrapping of ``root``'s subtree, the modules that register each parameter."""
     registered: Dict[int, Set[int]] = {}
-    for module in root.modules():
+    alive: List[object] = []  # ids stay unique only while their objects live: meta-device
+    for module in root.modules():  # materialization replaces parameters during wrapping
+        alive.append(module)
         for p in module._parameters.values():
             if p is not None:
+                alive.append(p)
                 registered.setdefault(id(p), set()).add(id(module))
     stack: List[Dict[int, Set[int]]] = getattr(_local, "stack", [])
     _local.stack = stack + [registered]
@@ -44,6 +47,7 @@ def tied_ownership(root: nn.Module) -> Generator[None, None, None]:
         yield
     finally:
         _local.stack = stack
+        del alive
 
 
 def escaping(module: nn.Module) -> Set[int]:
