@@ -53,6 +53,11 @@ def _user_program(folder):
         out["mismatch"] = "no error"
     except RuntimeError as e:
         out["mismatch"] = str(e)
+    try:
+        xm.all_gather(torch.zeros(r + 1).to(dev))  # a different shape on every rank: a clear error, no abort
+        out["shape_mismatch"] = "no error"
+    except RuntimeError as e:
+        out["shape_mismatch"] = str(e)
     return out
 
 
@@ -84,6 +89,7 @@ def test_torch_xla_user_collectives_on_several_xla_cpu_devices(world_size, monke
         assert got["groups"] == [float(sum(range(half)) if r < half else sum(range(half, ws)))]
         assert got["reduce_scatter"] == sums[2 * r:2 * r + 2].tolist()
         assert "met at different rendezvous" in got["mismatch"]
+        assert "issued different collectives" in got["shape_mismatch"]
     assert torch.load(tmp_path / "master.pt", weights_only=True)["w"].tolist() == [7.0, 7.0]  # rank 0's
 
 

@@ -59,6 +59,23 @@ def _all_ranks() -> List[List[int]]:
     return [list(range(xr.world_size()))]
 
 
+def _meet(kind: str, value: Any, groups: Optional[List[List[int]]]) -> None:
+    """Before a user collective, the rank threads meet on the host and compare what they issue.
+    XLA:CPU aborts a device rendezvous after 10 s, and a rank may reach the same collective much
+    later (model building, a Trainer's set-up); and ranks that issue different collectives get a
+    clear error here instead of that abort."""
+    import torch_xla.runtime as xr
+    ws = xr.world_size()
+    if groups and sorted(r for g in groups for r in g) != list(range(ws)):
+        return  # not every rank takes part
+    tensors = value if isinstance(value, (list, tuple)) else [value]
+    mine = (kind, tuple((tuple(t.shape), str(t.dtype)) for t in tensors))
+    rows = thread_exchange("user collectives", ws).gather(xr.global_ordinal(), mine)
+    if any(row != mine for row in rows):
+        raise RuntimeError("xla_fsdp: ranks issued different collectives at the same point (as on TPU, every rank "
+                           f"must issue the same collectives in the same order): {dict(enumerate(rows))}")
+
+
 def _run_now(result: Any) -> Any:
     """Execute a user collective at once, through xla_fsdp's safe sync. Left pending, the first
     ``.item()``/``.cpu()`` would run it from a rank thread that keeps the GIL while it waits in
@@ -75,6 +92,7 @@ def all_gather(value: torch.Tensor, dim: int = 0, groups: Optional[List[List[int
         return _ORIGINALS["all_gather"](value, dim, groups, output, pin_layout, channel_id, use_global_device_ids)
     if channel_id is not None:  # xla_fsdp's own, part of a training step: stays in the graph
         return _ORIGINALS["all_gather"](value, dim, groups or _all_ranks(), output, False, channel_id, True)
+    _meet("all_gather", value, groups)
     return _run_now(_ORIGINALS["all_gather"](value, dim, groups or _all_ranks(), output, False, _next_channel(), True))
 
 
@@ -85,6 +103,8 @@ def reduce_scatter(reduce_type: str, input: Any, scale: float, scatter_dim: int,
         return _ORIGINALS["reduce_scatter"](reduce_type, input, scale, scatter_dim, shard_count, groups, output,
                                             pin_layout, channel_id, use_global_device_ids)
     own = channel_id is not None
+    if not own:
+        _meet("reduce_scatter", input, groups)
     result = _ORIGINALS["reduce_scatter"](reduce_type, input, scale, scatter_dim, shard_count, groups or _all_ranks(),
                                           output, False, channel_id if own else _next_channel(), True)
     return result if own else _run_now(result)
