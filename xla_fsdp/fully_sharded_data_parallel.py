@@ -92,16 +92,14 @@ class XlaFullyShardedDataParallel(GradientReduction, nn.Module):
             auto-wrapped children, e.g. to apply ``checkpoint_module`` first.
         param_init_fn: ``fn(module)`` materializing meta-device parameters; default is
             ``to_empty`` plus each submodule's ``reset_parameters()``.
-        prefetch: on eager transports (gloo/NCCL), start gathering the next unit's parameters
-            (in forward, and in backward the previous unit's, in the order of the last forward)
-            while this unit computes. Costs one more unit's full parameters in memory; XLA
-            schedules collectives itself, so it has no effect there.
+        prefetch: on eager transports (gloo/NCCL), gather the next unit's parameters (backward:
+            the previous one's) while this unit computes; costs one more unit's full parameters.
+            No effect on XLA, which schedules collectives itself.
         transport: ``'xla'`` or ``'torch'`` to override the automatic choice.
         _shard_size_multiple: pad flat shards to a multiple of this many elements per rank
             (default 128 on TPU, for all-gather efficiency; 1 elsewhere, to waste no memory).
-        _solo_collective_numel: on transports that join a unit's groups into one collective
-            (torch.distributed at world size > 1), groups of at least this many elements (default
-            1 Mi) get collectives of their own; joining costs one more copy of the data.
+        _solo_collective_numel: on torch.distributed (world size > 1), groups of at least this
+            many elements (default 1 Mi) get collectives of their own instead of sharing one.
         _use_xla_patched_linear: on XLA, make ``nn.Linear`` save its weight (not a transposed
             copy) for backward, so ZeRO-3 can free full weights after forward.
     """
