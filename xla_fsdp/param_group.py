@@ -199,8 +199,12 @@ class ParamGroup:
         if self.comms.views_see_refills:
             # One split, not one slice per parameter: autograd then joins the gradients with a
             # single concatenation instead of a full-size zero-filled buffer per parameter.
-            chunks = torch.split(self.full, sizes)
-            return [c.view(shape) for c, shape in zip(chunks, self.layout.shapes)]
+            # Grad mode on even in backward's re-gather: a view made with it off has no grad_fn, so
+            # an activation-checkpointing recompute that uses it directly (GPT-2's Conv1D: addmm
+            # of the weight) saves fewer tensors than the forward did and torch's checkpoint fails.
+            with torch.enable_grad():
+                chunks = torch.split(self.full, sizes)
+                return [c.view(shape) for c, shape in zip(chunks, self.layout.shapes)]
         if refill_saved and self._members is not None:
             pieces = torch.split(self.full, sizes)
             for members in self._member_sets:

@@ -269,6 +269,7 @@ class XlaCollectives(Collectives):
 
         torch_xla._XLAC._replace_xla_tensor(full, unpad(data.reshape(padded_shape)))
         full._xla_fsdp_freed = False
+        _refresh_metadata(full)
 
     def free(self, full: torch.Tensor) -> None:
         import torch_xla
@@ -280,6 +281,7 @@ class XlaCollectives(Collectives):
             placeholder = self._placeholders[full.dtype] = torch.zeros(1, dtype=full.dtype, device=self._device)
         torch_xla._XLAC._replace_xla_tensor(full, placeholder)
         full._xla_fsdp_freed = True
+        _refresh_metadata(full)
 
     def is_allocated(self, full: torch.Tensor) -> bool:
         # A freed parameter holds the 1-element placeholder (its reported shape follows the data).
@@ -296,3 +298,13 @@ class XlaCollectives(Collectives):
 
     def sync(self) -> None:
         sync()
+
+
+def _refresh_metadata(tensor: torch.Tensor) -> None:
+    """Make the tensor's sizes and strides follow the data it was just given.
+
+    After a replace, torch_xla refreshes a tensor's cached strides only when its sizes are read.
+    Without this, a member that was read while freed (strides ``(1,)``) and then refilled reports
+    2-D sizes with 1-D strides, and autograd's ``t()`` of it (``addmm``'s backward, as in GPT-2's
+    ``Conv1D``) fails with "dimensionality of sizes (2) must match dimensionality of strides (1)"."""
+    tensor.size()
