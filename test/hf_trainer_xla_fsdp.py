@@ -14,10 +14,12 @@ import sys
 
 import torch
 import torch_xla
+# Imported here, before the device threads start: transformers' lazy imports are not thread-safe
+# (two XLA:CPU threads importing at once saw "cannot import name 'GPT2Config'").
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 
 def build(flags):
-    from transformers import GPT2Config, GPT2LMHeadModel
     torch.manual_seed(0)
     config = GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2, tie_word_embeddings=True,
                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
@@ -39,7 +41,6 @@ class Tokens(torch.utils.data.Dataset):
 
 
 def _mp_fn(index, flags):
-    from transformers import Trainer, TrainingArguments
     fsdp_config = {"xla": True, "xla_fsdp_grad_ckpt": flags.grad_ckpt}
     if flags.wrap == "transformer":
         fsdp_config["transformer_layer_cls_to_wrap"] = ["GPT2Block"]
