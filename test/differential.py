@@ -59,6 +59,8 @@ class Program:
     twice: bool = False                # the first block runs again after the second
     remat: bool = False                # activation checkpointing on the blocks (checkpoint_module)
     addmm: bool = False                # the blocks' layer is GPT-2's Conv1D: addmm saves the weight itself
+    tied: str = "none"                 # the first block's weight also used by: none | blocks (the second
+    #                                    block) | late (a root-level layer after the blocks)
     micro: int = 1                     # micro-batches per step (no_sync before the last)
     clip: Optional[float] = None
     eval_before_reload: bool = False   # a forward with grad and no backward before the reload
@@ -77,7 +79,7 @@ def programs(world_size: int) -> st.SearchStrategy[Program]:
         optimizer=st.sampled_from(["sgd", "adamw", "adamw_groups"]), embedding=st.booleans(),
         batchnorm=st.booleans(), scalar=st.booleans(), frozen=st.booleans(),
         branch=st.sampled_from(["all", "steps", "ranks", "none"]), twice=st.booleans(), remat=st.booleans(),
-        addmm=st.booleans(),
+        addmm=st.booleans(), tied=st.sampled_from(["none", "blocks", "late"]),
         micro=st.sampled_from([1, 1, 2]), clip=st.sampled_from([None, None, 0.05]),
         eval_before_reload=st.booleans(), reload=st.booleans(), steps=st.integers(3, 4))
     return program.filter(functools.partial(_exact, world_size=world_size))
@@ -94,6 +96,8 @@ def _exact(p: Program, world_size: int) -> bool:
     fp32 reference (README: keep BatchNorm in an fp32 unit)."""
     if p.dtype == "bf16" and p.batchnorm:
         return False
+    if p.tied != "none" and p.wrap == "nested":
+        return False  # tied across hand-made units is refused by design (test_api covers the error)
     if p.branch == "ranks" and branch_is_unit(p):
         return False  # a unit some ranks skip: its gather is a collective, so every rank must run it
     if p.layout == "flat" and p.branch == "ranks":
@@ -121,6 +125,11 @@ class Conv1D(nn.Module):
         return torch.addmm(self.bias, x, self.weight)
 
 
+class Late(nn.Linear):
+    """A root-level layer tied to the first block (never auto-wrapped): with checkpointing, its
+    gradient reaches the shared weight before the block's recompute needs it."""
+
+
 class Block(nn.Module):
     def __init__(self, addmm: bool = False):
         super().__init__()
@@ -142,6 +151,11 @@ class Net(nn.Module):
         self.temp = nn.Parameter(torch.tensor(1.25)) if p.scalar else None
         self.head = nn.Linear(WIDTH, 5)
         self.twice = p.twice
+        self.late = Late(WIDTH, WIDTH, bias=False) if p.tied == "late" else None
+        if p.tied == "blocks":
+            self.blocks[1].fc.weight = self.blocks[0].fc.weight
+        elif p.tied == "late":
+            self.late.weight = self.blocks[0].fc.weight
         if p.frozen:
             self.blocks[0].fc.requires_grad_(False)
 
@@ -150,6 +164,8 @@ class Net(nn.Module):
         h = self.blocks[1](self.blocks[0](h))
         if self.twice:
             h = self.blocks[0](h)
+        if self.late is not None:
+            h = h + torch.tanh(self.late(h))
         if self.bn is not None:
             h = self.bn(h)
         if use_branch:  # after the BatchNorm, which would cancel the branch's bias (a zero gradient
@@ -207,7 +223,8 @@ def wrap(p: Program, model: Net, world_size: int) -> FSDP:
         if branch_is_unit(p):
             model.branch = FSDP(model.branch, **child)
     elif p.wrap == "auto":
-        kw["auto_wrap_policy"] = functools.partial(size_based_auto_wrap_policy, min_num_params=60)
+        kw["auto_wrap_policy"] = functools.partial(size_based_auto_wrap_policy, min_num_params=60,
+                                                   exclude_wrap_modules={nn.ModuleList, Late})
         if p.remat:
             kw["auto_wrapper_callable"] = lambda m, *a, **k: FSDP(checkpoint_module(m), *a, **k)
     return FSDP(model, **kw)

@@ -3,7 +3,7 @@ they become ready (one reduce-scatter left on the wire while the next unit compu
 what backward left gathered once the root's backward ends."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, List, Optional, Set
 
 import torch
 from torch.autograd import Variable
@@ -17,6 +17,9 @@ from .usage import GradientPlan, reachable_edges, used_members
 class GradientReduction:
     """Backward hooks of :class:`~xla_fsdp.XlaFullyShardedDataParallel` (a mixin: it uses the
     unit's groups, collectives, schedule and divide factors)."""
+
+    _module_id_cache: Optional[Set[int]] = None
+    _shared_groups: List[ParamGroup] = []
 
     # --- which groups get gradients this step (see usage.py) -----------------------------------
     def _begin_gradient_plan(self) -> None:
@@ -36,16 +39,38 @@ class GradientReduction:
         if not record:
             return
         edges = reachable_edges(outputs)
-        used = []
+        # torch_xla's checkpoint is reentrant: what it recomputes is not in this graph. Every
+        # parameter the modules of a unit that ran under it hold counts as used (its own, and a
+        # tied one its parent owns).
+        hidden: Set[int] = set()
         for unit in self._units_in_tree:
-            # torch_xla's checkpoint is reentrant: what it recomputes is not in this graph. A unit
-            # that ran forward under it counts as using all its parameters.
-            opaque = (unit.comms.name == "xla" and self._schedule.ran_forward(unit)
-                      and getattr(unit._fsdp_wrapped_module, "_xla_fsdp_checkpointed", False))
-            used.extend(used_members(g, edges, opaque) for g in unit._groups if g.requires_grad)
+            if (unit.comms.name == "xla" and self._schedule.ran_forward(unit)
+                    and getattr(unit._fsdp_wrapped_module, "_xla_fsdp_checkpointed", False)):
+                hidden |= unit._module_ids()
+        used = [used_members(g, edges, hidden) for unit in self._units_in_tree for g in unit._groups if g.requires_grad]
         for group in self._trainable_groups:
             group.end_edge_record()
         self._schedule.plan = GradientPlan(self._trainable_groups, used, self.comms.start_sum_over_ranks)
+
+    def _module_ids(self) -> Set[int]:
+        """Ids of the modules under this unit (nested units' included); fixed once wrapped."""
+        if self._module_id_cache is None:
+            self._module_id_cache = {id(m) for m in self._fsdp_wrapped_module.modules()}
+        return self._module_id_cache
+
+    def _find_shared_groups(self, units: List[Any]) -> None:
+        """Groups of units outside this one that this unit's modules hold: tied weights a parent owns."""
+        inside = self._module_ids()
+        self._shared_groups = [g for u in units if u is not self and id(u) not in inside for g in u._groups
+                               if any(id(m) in inside for ref in g.refs for m, _ in ref.slots)]
+
+    def _before_recompute(self) -> None:
+        """torch_xla's checkpoint recomputes this unit's module inside backward, bypassing the
+        unit: gather its parameters again, and the tied ones a parent owns, which the parent may
+        have reduced and freed already (a gradient from the parent's own use came first)."""
+        self._unshard(backward=True)
+        for group in self._shared_groups:
+            group.unshard(backward=True)
 
     def _holds_gradients(self) -> bool:
         """Whether ranks used different groups this step, so gradients wait for the end of backward."""
@@ -93,6 +118,7 @@ class GradientReduction:
             return
         self._pre_backward_done = True
         if self._is_root:
+            self._schedule.backward_task = torch._C._current_graph_task_id()
             Variable._execution_engine.queue_callback(self._finalize_backward)
         self.training_state = TrainingState.BACKWARD_PRE
         if self.optimization_barrier_in_backward:
@@ -104,15 +130,27 @@ class GradientReduction:
             previous = None  # its backward already ran (the root's, first): nothing left to gather for
         self._unshard(backward=True, prefetch=previous, refill_saved=True)
 
+    def _more_gradient_may_come(self) -> bool:
+        """This gradient arrived in a nested backward (a reentrant checkpoint, torch_xla's, running
+        the backward of a module it recomputed) that is not this unit's own recompute: the group
+        is shared with a checkpointed unit (a tied weight its parent owns), and the outer backward
+        may still add to it. Reducing now would free ``full`` under that second gradient."""
+        task = self._schedule.backward_task
+        return (task is not None and torch._C._current_graph_task_id() != task
+                and not getattr(self._fsdp_wrapped_module, "_xla_fsdp_checkpointed", False))
+
     @torch.no_grad()
-    def _on_full_grad_ready(self, group: ParamGroup, full: torch.Tensor) -> None:
-        """All gradient for ``group`` has been accumulated into ``full.grad``: reduce-scatter it."""
+    def _on_full_grad_ready(self, group: ParamGroup, full: torch.Tensor, final: bool = False) -> None:
+        """All gradient for ``group`` has been accumulated into ``full.grad``: reduce-scatter it.
+        ``final``: the end of backward, where nothing more can arrive."""
         self.training_state = TrainingState.BACKWARD_POST
         grad = full.grad
         if grad is None:
             return
         if not self._require_backward_grad_sync:
             return  # no_sync: keep accumulating the full gradient
+        if not final and self._more_gradient_may_come():
+            return  # stays in full.grad: the outer backward, or the end of backward, reduces it
         full.grad = None
         if self.comms.world_size == 1 and self.comms.num_replicas == 1:
             # Nothing to reduce (one rank): straight into the shard gradient, no bookkeeping.
@@ -155,6 +193,12 @@ class GradientReduction:
 
     def _finalize_backward(self) -> None:
         """Runs once at the end of the root's backward: free what backward left gathered."""
+        for unit in self._units_in_tree:  # gradients left in full.grad by nested backward passes
+            if unit._require_backward_grad_sync:
+                for group in unit._groups:
+                    if group.requires_grad and group.full.grad is not None:
+                        unit._on_full_grad_ready(group, group.full, final=True)
+        self._schedule.backward_task = None
         plan, self._schedule.plan = self._schedule.plan, None
         if plan is not None:
             plan.resolve()  # also when no gradient arrived: every rank takes part in the sum

@@ -233,7 +233,7 @@ class XlaFullyShardedDataParallel(GradientReduction, nn.Module):
         if getattr(module, "_xla_fsdp_checkpointed", False):
             # Weakly: the module must not keep its unit alive (nor make a reference cycle nn.Module sees).
             unit = weakref.ref(self)
-            object.__setattr__(module, "_xla_fsdp_before_recompute", lambda: unit()._unshard(backward=True))
+            object.__setattr__(module, "_xla_fsdp_before_recompute", lambda: unit()._before_recompute())
         self._groups: List[ParamGroup] = self._build_groups(refs)
         self._shard_names: List[str] = []
         for group in self._groups:
@@ -351,6 +351,9 @@ class XlaFullyShardedDataParallel(GradientReduction, nn.Module):
             unit._reduces_in_flight = self._reduces_in_flight
             unit._schedule = self._schedule
         self._trainable_groups = [g for u in self._units_in_tree for g in u._groups if g.requires_grad]
+        for unit in self._units_in_tree:
+            if getattr(unit._fsdp_wrapped_module, "_xla_fsdp_checkpointed", False):
+                unit._find_shared_groups(self._units_in_tree)
         # Which groups get gradients is worth finding out after each forward where ranks could
         # disagree, or where a flat shard could be only partly used (see usage.py).
         data_parallel = self.comms.world_size * self.comms.num_replicas

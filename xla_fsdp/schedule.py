@@ -35,6 +35,8 @@ class Schedule:
         self.kept: Optional[XlaFullyShardedDataParallel] = None
         #: which groups get gradients in this step, agreed by the ranks (usage.GradientPlan)
         self.plan: Optional[GradientPlan] = None
+        #: the autograd graph task of the root's backward (a nested one is a reentrant checkpoint's)
+        self.backward_task: Optional[int] = None
 
     def ran_forward(self, unit: "XlaFullyShardedDataParallel") -> bool:
         """Whether ``unit`` ran in the last forward."""

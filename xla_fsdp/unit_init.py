@@ -107,7 +107,19 @@ def collect_params(module: nn.Module, leave: Set[int] = frozenset()
                 left.append(LeftSlot(slot.module, slot.attr, slot.param, prefix + slot.fqn))
             else:
                 own(slot.param, prefix + slot.fqn, slot.module, slot.attr)
+    _name_in_module_order(module, refs.values())
     return list(refs.values()), left
+
+
+def _name_in_module_order(module: nn.Module, refs) -> None:
+    """A parameter's name is the first one ``named_parameters()`` of the unwrapped model gives it
+    (module order), also when a nested unit left it here: optimizer state is keyed by that name."""
+    order = {id(m): i for i, m in enumerate(module.modules())}
+    for ref in refs:
+        if ref.aliases:
+            ranked = sorted(zip(ref.slots, [ref.fqn] + ref.aliases), key=lambda pair: order.get(id(pair[0][0]), len(order)))
+            ref.slots = [slot for slot, _ in ranked]
+            ref.fqn, *ref.aliases = [name for _, name in ranked]
 
 
 def nested_units(module: nn.Module):

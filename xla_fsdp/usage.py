@@ -131,13 +131,14 @@ class UnusedFlatParameterWarning(UserWarning):
     """A member of a flat shard got no gradient while the rest of the shard did."""
 
 
-def used_members(group: Any, edges: Set[Edge], whole_unit_used: bool) -> List[bool]:
-    """Per member of ``group``: will it get a gradient from the graph whose edges are ``edges``."""
-    if whole_unit_used:
-        return [True] * len(group.refs)
+def used_members(group: Any, edges: Set[Edge], hidden_modules: Set[int]) -> List[bool]:
+    """Per member of ``group``: will it get a gradient from the graph whose edges are ``edges``.
+    ``hidden_modules``: ids of modules whose use of a parameter the graph does not show (they ran
+    under a reentrant checkpoint); a member any of them holds counts as used."""
+    hidden = [any(id(module) in hidden_modules for module, _ in ref.slots) for ref in group.refs]
     if not group.flat:
-        return [tensor_edge(group.full) in edges]
-    return [any(e in edges for e in member) for member in group.forward_edges]
+        return [hidden[0] or tensor_edge(group.full) in edges]
+    return [seen or any(e in edges for e in member) for seen, member in zip(hidden, group.forward_edges)]
 
 
 def sum_ints_locally(bits: Sequence[int]) -> Callable[[], Optional[List[int]]]:
