@@ -67,6 +67,9 @@ class ParamGroup:
             self.full_shape = self.padded_shape if flat else tuple(sources[0].shape)
         shard = shard_of(padded, rank, ws).detach().clone().to(torch.float32)
         self.shard = nn.Parameter(shard.to(comms.device), requires_grad=self.requires_grad)
+        # Its gradient is reduced here: torch_xla's all-reduce of every gradient (xm.optimizer_step,
+        # Accelerate's XLA path) must leave it out (see collectives/xla_gradients.py).
+        self.shard._xla_fsdp_reduced = True
         self.full = nn.Parameter(comms.new_full(self.full_shape, self.layout.padded_numel, compute_dtype),
                                  requires_grad=self.requires_grad)
         comms.free(self.full)

@@ -17,6 +17,7 @@ import torch
 
 from .base import Collectives
 from .host_exchange import thread_exchange
+from .xla_gradients import install_gradient_fetch
 from .xla_user import install_user_collectives, is_threaded_cpu, reset_user_channels
 
 ENV_DEFAULTS_CPU = {
@@ -133,6 +134,7 @@ class XlaCollectives(Collectives):
         import torch_xla
         import torch_xla.runtime as xr
 
+        install_gradient_fetch()  # xm.optimizer_step & co. must not all-reduce shard gradients again
         self._device = torch_xla.device()
         global_ws, global_rank = xr.world_size(), xr.global_ordinal()
         self.global_rank = global_rank
