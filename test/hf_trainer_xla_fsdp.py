@@ -17,7 +17,7 @@ import torch
 import torch_xla
 # Imported here, before the device threads start: transformers' lazy imports are not thread-safe
 # (two XLA:CPU threads importing at once saw "cannot import name 'GPT2Config'").
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
 VOCAB, LENGTH = 64, 16
 
@@ -60,6 +60,16 @@ def eval_data() -> Tokens:
     return Tokens(32, 1)
 
 
+class CountSteps(TrainerCallback):
+    """The optimizer steps this process ran (a resumed run runs only the ones left)."""
+
+    def __init__(self):
+        self.steps = 0
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.steps += 1
+
+
 def _mp_fn(index, flags):
     import torch_xla.runtime as xr
     world_size = xr.world_size()
@@ -73,12 +83,14 @@ def _mp_fn(index, flags):
         per_device_eval_batch_size=4, learning_rate=3e-3, logging_steps=1, save_steps=flags.save_steps,
         fsdp="full_shard", fsdp_config=fsdp_config, report_to=[], seed=0, dataloader_drop_last=True,
         save_safetensors=False, optim="adamw_torch")
-    trainer = Trainer(model=initial_model(), args=args, train_dataset=Tokens(256, 0), eval_dataset=eval_data())
+    counter = CountSteps()
+    trainer = Trainer(model=initial_model(), args=args, train_dataset=Tokens(256, 0), eval_dataset=eval_data(),
+                      callbacks=[counter])
     trainer.train(resume_from_checkpoint=flags.resume)
     metrics = trainer.evaluate()
     if xr.global_ordinal() == 0:
         losses = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
-        result = {"world_size": world_size, "losses": losses, "eval_loss": metrics["eval_loss"],
+        result = {"world_size": world_size, "losses": losses, "steps_run": counter.steps, "eval_loss": metrics["eval_loss"],
                   "fsdp_class": f"{type(trainer.model).__module__}.{type(trainer.model).__name__}"}
         with open(os.path.join(flags.out, "result.json"), "w") as f:
             json.dump(result, f)

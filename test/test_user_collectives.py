@@ -2,6 +2,7 @@
 where torch_xla 2.9 aborts: xm.all_reduce (every form), all_gather, reduce_scatter, mesh_reduce,
 rendezvous, xm.save and the ``xla`` torch.distributed backend (issue 22)."""
 import os
+import threading
 
 import pytest
 import torch
@@ -112,3 +113,58 @@ def test_torch_xla_style_training_script_on_digits(devices, tmp_path):
     assert result["accuracies"][-1] >= 97.0, result
     assert abs(result["consolidated_accuracy"] - result["accuracies"][-1]) < 1e-3, result
     assert len(list(tmp_path.glob("final_ckpt_rank-*.pth"))) == devices
+
+
+_BUILD_LOCK = threading.Lock()
+
+
+def _optimizer_step_program(use_xm_step):
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+    import torch_xla.runtime as xr
+    from xla_fsdp import XlaFullyShardedDataParallel as FSDP
+    from xla_fsdp.checkpoints import full_state_dict
+    dev, r = torch_xla.device(), xr.global_ordinal()
+    with _BUILD_LOCK:  # the device threads share torch's CPU generator
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    model = FSDP(net.to(dev))
+    plain = torch.nn.Linear(2, 2).to(dev)  # not sharded: xm.optimizer_step must still all-reduce it
+    with torch.no_grad():
+        plain.weight.fill_(float(r))
+        plain.bias.zero_()
+    opt = torch.optim.SGD(list(model.parameters()) + list(plain.parameters()), lr=0.1)
+    g = torch.Generator().manual_seed(r)
+    for _ in range(3):
+        x = torch.randn(4, 6, generator=g).to(dev)
+        loss = model(x).square().mean() + plain(torch.ones(1, 2).to(dev)).sum() * 0
+        plain.weight.grad = torch.full((2, 2), float(r)).to(dev)  # differs by rank: all-reduce averages it
+        loss.backward()
+        plain.weight.grad = torch.full((2, 2), float(r)).to(dev)
+        if use_xm_step:
+            xm.optimizer_step(opt)
+        else:
+            opt.step()
+        opt.zero_grad()
+        xla_fsdp.sync()
+    state = {k: v.cpu() for k, v in full_state_dict(model, rank0_only=False).items()}
+    return state, plain.weight.detach().cpu()
+
+
+@pytest.mark.parametrize("use_xm_step", [False, True])
+def test_xm_optimizer_step_leaves_fsdp_gradients_alone(use_xm_step, monkeypatch):
+    """``xm.optimizer_step`` all-reduces every gradient the optimizer holds; FSDP's are already
+    reduced, so the result must equal ``optimizer.step()`` (it was 0.41 off after 3 steps), while a
+    parameter FSDP does not own is still averaged over ranks."""
+    from torch_xla._internal import pjrt
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")
+    monkeypatch.setenv("CPU_NUM_DEVICES", "2")
+    results = pjrt.run_multiprocess(_optimizer_step_program, use_xm_step)
+    reference = pjrt.run_multiprocess(_optimizer_step_program, False) if use_xm_step else results
+    for r in range(2):
+        state, plain = results[r]
+        for key, value in reference[0][0].items():
+            assert torch.allclose(state[key], value, atol=1e-6), key
+        # plain.weight: starts at r; grad r on rank r; xm.optimizer_step averages it to 0.5 per step
+        step_grad = 0.5 if use_xm_step else float(r)
+        assert torch.allclose(plain, torch.full((2, 2), r - 3 * 0.1 * step_grad)), (r, plain)

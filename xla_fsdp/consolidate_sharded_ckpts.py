@@ -21,7 +21,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ckpt_prefix", required=True, help="prefix of the rank files")
     parser.add_argument("--ckpt_suffix", default=DEFAULT_SUFFIX,
-                        help="glob appended to the prefix (only *_rank-*-of-*.pth names are used)")
+                        help="glob appended to the prefix (e.g. the HF Trainer's rank*-of-*-pytorch_model.bin); "
+                             "ranks come from each file's metadata")
     parser.add_argument("--save_path", default="", help="output file (default PREFIX_consolidated.pth)")
     parser.add_argument("--format", choices=["pth", "safetensors"], default="pth")
     parser.add_argument("--optimizer", action="store_true",

@@ -1,0 +1,118 @@
+"""The Hugging Face Trainer's XLA FSDP path, unchanged, runs on xla_fsdp (issue 22): tiny GPT-2 from a
+config, synthetic tokens, ``python -m xla_fsdp.compat test/hf_trainer_xla_fsdp.py`` at 1, 2 and 4
+XLA:CPU devices, grad checkpointing on and off, size- and transformer-based wrap (a covering set of
+runs, not every combination: each run costs a launch).
+
+Every run sees the same global batches (8 sequences), so it must log the same losses as the 1-device
+run, step by step, and reach the same eval loss (Trainer logs losses rounded to 4 decimals: 2e-4).
+The rank files the Trainer saved consolidate with our CLI into a state dict that a plain GPT-2 loads
+strictly and that scores the wrapped model's eval loss (1e-4); the Trainer's own consolidated file
+holds the same tensors. A run resumed from the step-3 checkpoint logs the uninterrupted run's losses.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="test extra: pip install -e .[test]")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+STEPS, SAVE_STEPS = 6, 3
+RUNS = {  # name: (devices, wrap, grad checkpointing)
+    "1dev_transformer": (1, "transformer", False),
+    "2dev_size_ckpt": (2, "size", True),
+    "4dev_transformer_ckpt": (4, "transformer", True),
+    "4dev_size": (4, "size", False),
+}
+LOSS_TOL, EVAL_TOL = 2e-4, 1e-4
+
+
+def _launch(out, devices, wrap, grad_ckpt, resume=None):
+    cmd = [sys.executable, "-m", "xla_fsdp.compat", os.path.join(HERE, "hf_trainer_xla_fsdp.py"), str(out),
+           "--steps", str(STEPS), "--save_steps", str(SAVE_STEPS), "--wrap", wrap]
+    if grad_ckpt:
+        cmd.append("--grad_ckpt")
+    if resume:
+        cmd += ["--resume", str(resume)]
+    env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(devices))
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(os.path.join(out, "result.json")) as f:
+        result = json.load(f)
+    result["losses"] = {int(k): v for k, v in result["losses"].items()}
+    return result
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("hf_trainer")
+    return {name: (folder / name, _launch(folder / name, *spec)) for name, spec in RUNS.items()}
+
+
+def _plain_eval_loss(state_dict):
+    """The eval loss of a plain GPT-2 holding ``state_dict``, as the Trainer computes it: the mean
+    over batches (equal sizes) of the summed token loss divided by the batch's label count, which
+    transformers 4.57 passes as ``num_items_in_batch`` (one label more per sequence than it predicts:
+    15/16 of the plain mean here, in training losses and eval loss alike)."""
+    sys.path.insert(0, HERE)
+    try:
+        import hf_trainer_xla_fsdp as harness
+    finally:
+        sys.path.remove(HERE)
+    model = harness.build_model()
+    model.load_state_dict(state_dict, strict=True)
+    model.eval()
+    ids = harness.eval_data().ids
+    with torch.no_grad():
+        batches = [ids[i:i + 4] for i in range(0, len(ids), 4)]
+        return torch.stack([model(input_ids=b, labels=b, num_items_in_batch=torch.tensor(b.numel())).loss
+                            for b in batches]).mean().item()
+
+
+@pytest.mark.parametrize("name", sorted(RUNS))
+def test_trainer_trains_like_one_device(runs, name):
+    _, result = runs[name]
+    _, base = runs["1dev_transformer"]
+    assert result["fsdp_class"] == "xla_fsdp.fully_sharded_data_parallel.XlaFullyShardedDataParallel"
+    assert result["world_size"] == RUNS[name][0]
+    assert sorted(result["losses"]) == list(range(1, STEPS + 1))
+    for step, loss in base["losses"].items():
+        assert abs(result["losses"][step] - loss) <= LOSS_TOL, (step, result["losses"], base["losses"])
+    assert abs(result["eval_loss"] - base["eval_loss"]) <= EVAL_TOL, (result, base)
+    assert result["losses"][STEPS] < result["losses"][1] - 0.1, result["losses"]  # it learns
+
+
+@pytest.mark.parametrize("name", sorted(RUNS))
+def test_trainer_rank_files_consolidate_to_the_wrapped_model(runs, name, tmp_path):
+    out, result = runs[name]
+    ckpt = out / f"checkpoint-{STEPS}"
+    devices = RUNS[name][0]
+    assert sorted(p.name for p in ckpt.glob("rank*-of-*-pytorch_model.bin")) == [
+        f"rank{r}-of-{devices}-pytorch_model.bin" for r in range(devices)]
+    save = tmp_path / "consolidated.pth"
+    proc = subprocess.run([sys.executable, "-m", "xla_fsdp.consolidate_sharded_ckpts", "--ckpt_prefix", f"{ckpt}/",
+                           "--ckpt_suffix", "rank*-of-*-pytorch_model.bin", "--save_path", str(save)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    ours = torch.load(save, weights_only=True)["model"]
+    # The Trainer's own consolidation (through xla_fsdp); save_pretrained keeps one name of the tied pair.
+    trainers = torch.load(ckpt / "pytorch_model.bin", weights_only=True)
+    assert set(trainers) <= set(ours) and len(ours) - len(trainers) <= 1
+    for key, value in trainers.items():
+        assert torch.equal(ours[key], value), key
+    assert abs(_plain_eval_loss(ours) - result["eval_loss"]) <= EVAL_TOL
+
+
+def test_trainer_resumes_from_its_checkpoint(runs, tmp_path):
+    out, full = runs["2dev_size_ckpt"]
+    devices, wrap, grad_ckpt = RUNS["2dev_size_ckpt"]
+    resumed = _launch(tmp_path / "resumed", devices, wrap, grad_ckpt, resume=out / f"checkpoint-{SAVE_STEPS}")
+    assert full["steps_run"] == STEPS and resumed["steps_run"] == STEPS - SAVE_STEPS, (full, resumed)
+    # The log history holds the checkpoint's steps and the ones this run computed.
+    assert sorted(resumed["losses"]) == list(range(1, STEPS + 1)), resumed["losses"]
+    for step, loss in resumed["losses"].items():
+        assert abs(loss - full["losses"][step]) <= LOSS_TOL, (step, resumed["losses"], full["losses"])
+    assert abs(resumed["eval_loss"] - full["eval_loss"]) <= EVAL_TOL
