@@ -7,7 +7,7 @@ Every run sees the same global batches (8 sequences), so it must log the same lo
 run, step by step, and reach the same eval loss (Trainer logs losses rounded to 4 decimals: 2e-4).
 The rank files the Trainer saved consolidate with our CLI into a state dict that a plain GPT-2 loads
 strictly and that scores the wrapped model's eval loss (1e-4); the Trainer's own consolidated file
-holds the same tensors. A run resumed from the step-3 checkpoint (1 device) logs the uninterrupted run's losses.
+holds the same tensors. A run resumed from the step-3 checkpoint (2 devices) logs the uninterrupted run's losses.
 """
 import json
 import os
@@ -107,10 +107,10 @@ def test_trainer_rank_files_consolidate_to_the_wrapped_model(runs, name, tmp_pat
 
 
 def test_trainer_resumes_from_its_checkpoint(runs, tmp_path):
-    # One device: at 2 devices this resume once aborted in CI (1 run in 4) in XLA:CPU's 10 s
-    # rendezvous at the first forward's construction check, one rank thread being late: open.
-    out, full = runs["1dev_transformer"]
-    devices, wrap, grad_ckpt = RUNS["1dev_transformer"]
+    # Two devices, grad checkpointing: the rank threads load their files apart and must still meet
+    # at the first forward (test_xla_defects: a rank late to the first forward).
+    out, full = runs["2dev_size_ckpt"]
+    devices, wrap, grad_ckpt = RUNS["2dev_size_ckpt"]
     resumed = _launch(tmp_path / "resumed", devices, wrap, grad_ckpt, resume=out / f"checkpoint-{SAVE_STEPS}")
     assert full["steps_run"] == STEPS and resumed["steps_run"] == STEPS - SAVE_STEPS, (full, resumed)
     # The log history holds the checkpoint's steps and the ones this run computed.

@@ -1,5 +1,6 @@
 """torch_xla defects fixed here, checked on XLA:CPU (one spawned device process per test)."""
 import os
+import threading
 
 import pytest
 import torch
@@ -70,3 +71,76 @@ def test_ranks_that_built_different_units_fail_fast_with_a_clear_error(monkeypat
     assert sorted(messages) == [0, 1]
     for msg in messages.values():
         assert "ranks built different FSDP units" in msg and "[" in msg, msg
+
+
+LATE_S = 17  # XLA:CPU aborts a device rendezvous whose peers are 15 s late (5 s warning + 10 s)
+_BUILD_LOCK = threading.Lock()  # the rank threads share torch's CPU generator
+
+
+def _one_rank_late_to_its_first_forward():
+    import time
+    import torch_xla
+    import torch_xla.runtime as xr
+    import xla_fsdp
+    from xla_fsdp import XlaFullyShardedDataParallel as FSDP
+    dev = torch_xla.device()
+    with _BUILD_LOCK:
+        torch.manual_seed(0)
+        model = FSDP(models.MLP())
+    x = torch.randn(2, 12, generator=torch.Generator().manual_seed(0)).to(dev)
+    if xr.global_ordinal() == 1:  # as a Trainer loading this rank's files: slow, with pending device work
+        time.sleep(LATE_S)
+        x = x * 1.0 + torch.zeros(2, 12).to(dev)
+    loss = model(x).sum()
+    loss.backward()
+    xla_fsdp.sync()
+    return loss.item()
+
+
+def test_a_rank_late_to_the_first_forward_is_waited_for(monkeypatch):
+    """Ranks reach the first forward's construction check far apart after work of their own (HF
+    Trainer resume); before the host meeting one rank waited in XLA's rendezvous and the process aborted."""
+    from torch_xla._internal import pjrt
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")
+    monkeypatch.setenv("CPU_NUM_DEVICES", "2")
+    losses = pjrt.run_multiprocess(_one_rank_late_to_its_first_forward)
+    torch.manual_seed(0)
+    ref = models.MLP()
+    x = torch.randn(2, 12, generator=torch.Generator().manual_seed(0))
+    assert sorted(losses) == [0, 1]
+    for loss in losses.values():
+        assert abs(loss - ref(x).sum().item()) < 1e-5, (losses, ref(x).sum().item())
+
+
+def _rank_one_fails_before_its_first_forward(index):
+    import torch_xla
+    import torch_xla.runtime as xr
+    from xla_fsdp import XlaFullyShardedDataParallel as FSDP
+    with _BUILD_LOCK:
+        torch.manual_seed(0)
+        model = FSDP(models.MLP())
+    if xr.global_ordinal() == 1:
+        raise FileNotFoundError("rank file missing: ckpt_rank-00000001-of-00000002.pth")
+    model(torch.zeros(2, 12).to(torch_xla.device())).sum()  # the first forward meets the peers
+
+
+def test_a_failing_rank_stops_its_peers_with_its_error(tmp_path):
+    """torch_xla.launch reports a rank's error only after every rank returned: rank 0 waited for the
+    failed rank 1 at the first forward for 10 minutes (the host meeting's timeout)."""
+    import subprocess
+    import sys
+    import time
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="2", PYTHONPATH=here)
+    program = ("import xla_fsdp, torch_xla, test_xla_defects as t\n"
+               "if __name__ == '__main__':\n    torch_xla.launch(t._rank_one_fails_before_its_first_forward)\n")
+    script = tmp_path / "fails.py"  # a file: the spawned device process imports it (xla_fsdp first) as a user's script
+    script.write_text(program)
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    elapsed = time.monotonic() - start
+    assert proc.returncode != 0
+    assert "xla_fsdp: rank 1 failed; stopping the other ranks" in proc.stderr, proc.stderr[-3000:]
+    assert "rank 1 failed before the construction check (FileNotFoundError: rank file missing" in proc.stderr, \
+        proc.stderr[-3000:]
+    assert elapsed < 120, elapsed  # not the 600 s host timeout

@@ -34,10 +34,14 @@ class ThreadExchange:
     def _gather(self, round_: int) -> List[Any]:
         with self._cond:
             rows = self._rounds[round_]
-            if not self._cond.wait_for(lambda: len(rows) == self.world_size, TIMEOUT_S):
+            if not self._cond.wait_for(lambda: len(rows) == self.world_size or _FAILED, TIMEOUT_S):
                 raise RuntimeError(
                     f"xla_fsdp: ranks {sorted(set(range(self.world_size)) - set(rows))} did not reach the "
                     f"{self.purpose} within {TIMEOUT_S:.0f} s (they failed, or run a different program)")
+            if len(rows) < self.world_size:  # a peer failed and will never come
+                rank, error = _FAILED[0]
+                raise RuntimeError(f"xla_fsdp: rank {rank} failed before the {self.purpose} ({error}); "
+                                   "this rank stops too instead of waiting for it")
             values = [rows[r] for r in range(self.world_size)]
             self._readers[round_] = self._readers.get(round_, 0) + 1
             if self._readers[round_] == self.world_size:  # everyone has read: forget the round
@@ -47,6 +51,19 @@ class ThreadExchange:
 
 _EXCHANGES: Dict[Tuple[str, int], ThreadExchange] = {}
 _LOCK = threading.Lock()
+_FAILED: List[Tuple[int, str]] = []  # (rank, error) of the first rank thread that failed
+
+
+def report_rank_failure(rank: int, error: BaseException) -> None:
+    """A rank thread is leaving with an error: its peers must not wait for it in an exchange
+    (every rank agrees on the error instead of hanging until the timeout)."""
+    with _LOCK:
+        if not _FAILED:
+            _FAILED.append((rank, f"{type(error).__name__}: {error}"))
+        exchanges = list(_EXCHANGES.values())
+    for exchange in exchanges:
+        with exchange._cond:
+            exchange._cond.notify_all()
 
 
 def thread_exchange(purpose: str, world_size: int) -> ThreadExchange:

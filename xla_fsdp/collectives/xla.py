@@ -18,6 +18,7 @@ import torch
 from .base import Collectives
 from .host_exchange import thread_exchange
 from .xla_gradients import install_gradient_fetch
+from .xla_launch import install_failure_reporting
 from .xla_user import install_user_collectives, is_threaded_cpu, reset_user_channels
 
 ENV_DEFAULTS_CPU = {
@@ -46,6 +47,7 @@ def configure_cpu_environment() -> None:
             return
         install_safe_sync()
         install_user_collectives()
+        install_failure_reporting()
 
 
 _PATCH_LOCK = threading.Lock()
@@ -178,6 +180,8 @@ class XlaCollectives(Collectives):
         everyone = sorted(r for g in self.groups for r in g)
         if not self.use_channel_ids or len(everyone) == 1:
             return
+        if is_threaded_cpu():
+            self._meet_before_check(everyone)
         mine = torch.tensor([CHANNELS.peek()], dtype=torch.int32).to(self._device)
         counters = self._gather(mine, CHECK_CHANNEL, [everyone])
         sync()
@@ -187,6 +191,19 @@ class XlaCollectives(Collectives):
                 f"xla_fsdp: ranks built different FSDP units before this first forward (channel counters by "
                 f"rank: {values}). Every rank must construct the same wrapped models, in the same order; "
                 "otherwise their collectives cannot be matched.")
+
+    def _meet_before_check(self, everyone: List[int]) -> None:
+        """The check is the first collective after whatever each rank did on its own (building the
+        model, a Trainer loading its rank files), so rank threads can reach it far apart, and XLA:CPU
+        aborts a device rendezvous whose peers are 15 s late. Run this rank's pending work in a graph
+        of its own (it holds no collective, so no rank waits while another compiles it), then meet
+        on the host, where waiting is free; the check's graph is then tiny and the same on every rank."""
+        import torch_xla.runtime as xr
+
+        sync()
+        if everyone != list(range(xr.world_size())):
+            return  # a subset of the process's devices: the meeting would wait for ranks not in it
+        thread_exchange("construction check", len(everyone)).gather(self.global_rank, None)
 
     def _channel_kwargs(self, channel: int) -> dict:
         if not self.use_channel_ids:
