@@ -168,3 +168,38 @@ def test_xm_optimizer_step_leaves_fsdp_gradients_alone(use_xm_step, monkeypatch)
         # plain.weight: starts at r; grad r on rank r; xm.optimizer_step averages it to 0.5 per step
         step_grad = 0.5 if use_xm_step else float(r)
         assert torch.allclose(plain, torch.full((2, 2), r - 3 * 0.1 * step_grad)), (r, plain)
+
+
+def test_safe_globals_blocks_of_rank_threads_leave_each_other_alone(tmp_path):
+    """The HF Trainer loads its RNG files inside torch.serialization.safe_globals: with rank threads,
+    one rank leaving the block removed the globals while another was loading (its resume at 2
+    XLA:CPU devices failed 1 run in 6 with "Weights only load failed")."""
+    import numpy as np
+    from xla_fsdp.collectives.thread_safety import install_shared_safe_globals
+    install_shared_safe_globals()  # done on `import xla_fsdp` with PJRT_DEVICE=CPU
+    path = tmp_path / "rng_state_0.pth"
+    torch.save({"numpy": np.random.get_state()}, path)
+    allow = [np._core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+    inside, left = threading.Event(), threading.Event()
+
+    def other_rank():
+        inside.wait()
+        with torch.serialization.safe_globals(allow):
+            pass
+        left.set()
+
+    before = torch.serialization.get_safe_globals()
+    torch.serialization.clear_safe_globals()  # others imported here may have allowed numpy for good
+    try:
+        thread = threading.Thread(target=other_rank)
+        thread.start()
+        with torch.serialization.safe_globals(allow):
+            inside.set()
+            left.wait()
+            loaded = torch.load(path, weights_only=True)  # after the other rank left its block
+        thread.join()
+        assert loaded["numpy"][0] == "MT19937"
+        assert not set(allow) & set(torch.serialization.get_safe_globals())  # gone once the last block is left
+    finally:
+        torch.serialization.clear_safe_globals()
+        torch.serialization.add_safe_globals(before)

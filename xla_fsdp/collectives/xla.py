@@ -18,6 +18,7 @@ import torch
 from .base import Collectives
 from .host_exchange import thread_exchange
 from .xla_gradients import install_gradient_fetch
+from .thread_safety import install_shared_safe_globals
 from .xla_launch import install_failure_reporting
 from .xla_user import install_user_collectives, is_threaded_cpu, reset_user_channels
 
@@ -48,6 +49,7 @@ def configure_cpu_environment() -> None:
         install_safe_sync()
         install_user_collectives()
         install_failure_reporting()
+        install_shared_safe_globals()
 
 
 _PATCH_LOCK = threading.Lock()

@@ -1,0 +1,44 @@
+"""What several XLA:CPU rank threads of one process share and torch does not guard.
+
+On TPU every rank is a process; on XLA:CPU they are threads of one, so process-wide state that a
+program changes for a moment is changed under its peers' feet. ``torch.serialization.safe_globals``
+(used by the HF Trainer around every ``torch.load`` of its RNG files) adds globals on entry and
+removes them on exit: one rank leaving the block took them away from another rank still loading
+("Weights only load failed ... Unsupported global"), 1 run in 6 of the Trainer's resume at 2 devices.
+Here nested and concurrent blocks count their holders and remove a global only when the last leaves.
+"""
+from __future__ import annotations
+
+import threading
+from collections import Counter
+
+_LOCK = threading.Lock()
+_HOLDERS: Counter = Counter()
+_installed = False
+
+
+def install_shared_safe_globals() -> None:
+    """Make ``torch.serialization.safe_globals`` blocks safe across threads; idempotent."""
+    global _installed
+    from torch import _weights_only_unpickler as unpickler
+
+    with _LOCK:
+        if _installed:
+            return
+
+        def enter(self):
+            with _LOCK:
+                _HOLDERS.update(self.safe_globals)
+                unpickler._add_safe_globals(self.safe_globals)
+
+        def exit_(self, exc_type, exc, tb):
+            with _LOCK:
+                _HOLDERS.subtract(self.safe_globals)
+                released = [g for g in self.safe_globals if _HOLDERS[g] <= 0]
+                for g in released:
+                    del _HOLDERS[g]
+                unpickler._remove_safe_globals(released)
+
+        unpickler._safe_globals.__enter__ = enter
+        unpickler._safe_globals.__exit__ = exit_
+        _installed = True
