@@ -250,7 +250,8 @@ def test_load_checks_the_checkpoint_matches_the_model(gloo, tmp_path):
     key = next(iter(ckpt["model"]))
     ckpt["model"][key] = ckpt["model"][key] + 1
     torch.save(ckpt, str(tmp_path / "bad_rank-00000000-of-00000001.pth"))
-    with pytest.raises(CheckpointError, match=f"bad_rank-00000000-of-00000001.pth.*'{key}' is corrupted"):
+    from xla_fsdp.param_names import readable_key
+    with pytest.raises(CheckpointError, match=f"bad_rank-00000000-of-00000001.pth.*'{readable_key(key)}' is corrupted"):
         xla_fsdp.load_sharded_checkpoint(FSDP(models.MLP()), None, str(tmp_path / "bad"))
     fresh = FSDP(models.MLP())
     fresh_opt = torch.optim.SGD(fresh.parameters(), lr=0.1)

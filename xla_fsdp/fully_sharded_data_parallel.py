@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_map_only
 
 from . import param_names, tied, unit_init
 from .collectives import Collectives, resolve_transport, shared_collectives
-from .param_names import WRAPPED, flat_parts
+from .param_names import SHARD_PREFIX, SHARD_SEPARATOR, WRAPPED, flat_parts
 from .sharding import default_predivide_factor
 from .param_group import SOLO_NUMEL, ParamGroup, ReduceInFlight, start_unshard
 from .backward import GradientReduction
@@ -30,7 +30,6 @@ from .strategy import plan_for_unit
 from .module_view import torch_xla_view
 from .wrap import recursive_wrap
 
-SHARD_SEPARATOR = "_FSDP_SHARD_SEPARATOR_"
 METADATA_VERSION = 1
 
 
@@ -294,7 +293,7 @@ class XlaFullyShardedDataParallel(GradientReduction, nn.Module):
 
     def _shard_param_name(self, group: ParamGroup) -> str:
         path = f"{WRAPPED}.{group.flat_name if group.flat else group.refs[0].fqn}"
-        return "_fsdp_shard" + SHARD_SEPARATOR + path.replace(".", SHARD_SEPARATOR)
+        return SHARD_PREFIX + path.replace(".", SHARD_SEPARATOR)
 
     # ------------------------------------------------------------------ public properties
     @property

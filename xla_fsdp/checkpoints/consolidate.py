@@ -14,10 +14,11 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 import torch
 
 from .files import (DEFAULT_SUFFIX, CheckpointError, atomic_write, check_consistent, find_rank_files,
-                    load_rank_file, tensor_checksum)
+                    load_rank_file, refuse_overwriting_inputs, tensor_checksum, verify_archive)
 from .layout_ops import unshard_entry
 from .migrate import is_torch_xla_metadata, torch_xla_layout
 from .stream_save import PthStreamWriter, SafetensorsStreamWriter
+from ..param_names import readable_key
 from ..state_dict import clean_key
 
 REOPEN_BYTES = 64 * 1024 * 1024
@@ -55,6 +56,8 @@ class ShardedCheckpoint:
     def __init__(self, ckpt_prefix: str, ckpt_suffix: str = DEFAULT_SUFFIX):
         self.prefix = ckpt_prefix
         self.files = find_rank_files(ckpt_prefix, ckpt_suffix)
+        for f in self.files:  # once, streaming: the CRC-32 of every record, whoever wrote the file
+            verify_archive(f.path)
         self.world_size = len(self.files)
         self._ckpts: Optional[List[Dict[str, Any]]] = None
         self._read_since_open = 0
@@ -68,7 +71,8 @@ class ShardedCheckpoint:
         for f, ckpt in zip(self.files, ckpts):
             missing = [k for k in self.layout if k not in ckpt["model"]]
             if missing:
-                raise CheckpointError(f"'{f.path}' lacks shards named in the metadata: {missing[:3]}")
+                raise CheckpointError(f"'{f.path}' lacks shards named in the metadata: "
+                                      f"{[readable_key(k) for k in missing[:3]]}")
         self.buffer_keys = [k for k in ckpts[0]["model"] if k not in self.layout and "_fsdp_shard" not in k]
         # Optimizer state is indexed in parameters() order. torch_xla records no map, but its
         # state_dict lists the shards in that same order (both walk the modules alike).
@@ -121,8 +125,8 @@ class ShardedCheckpoint:
     @staticmethod
     def _check(path: str, sums: Mapping[str, int], key: str, tensor: torch.Tensor) -> None:
         if key in sums and tensor_checksum(tensor) != sums[key]:
-            raise CheckpointError(f"'{path}': tensor '{key}' is corrupted (checksum mismatch); restore this "
-                                  "file from a backup or use an earlier checkpoint")
+            raise CheckpointError(f"'{path}': tensor '{readable_key(key)}' is corrupted (checksum mismatch); "
+                                  "restore this file from a backup or use an earlier checkpoint")
 
     # ------------------------------------------------------------------ model
     def model_specs(self) -> List[Tuple[str, torch.dtype, Tuple[int, ...]]]:
@@ -197,9 +201,9 @@ class ShardedCheckpoint:
             checked = 0
             for key, expected in sums.get("model", {}).items():
                 if key not in ckpt["model"]:
-                    raise CheckpointError(f"'{f.path}': tensor '{key}' is missing")
+                    raise CheckpointError(f"'{f.path}': tensor '{readable_key(key)}' is missing")
                 if tensor_checksum(ckpt["model"][key]) != expected:
-                    raise CheckpointError(f"'{f.path}': tensor '{key}' is corrupted (checksum mismatch)")
+                    raise CheckpointError(f"'{f.path}': tensor '{readable_key(key)}' is corrupted (checksum mismatch)")
                 checked += 1
             osd = ckpt.get("optimizer") or {}
             for name, expected in sums.get("optimizer", {}).items():
@@ -210,7 +214,7 @@ class ShardedCheckpoint:
                 checked += 1
             for key, entry in self.layout.items():
                 if list(ckpt["model"][key].shape) != list(entry["shard_shape"]):
-                    raise CheckpointError(f"'{f.path}': shard '{key}' has shape {list(ckpt['model'][key].shape)}, "
+                    raise CheckpointError(f"'{f.path}': shard '{readable_key(key)}' has shape {list(ckpt['model'][key].shape)}, "
                                           f"metadata says {entry['shard_shape']}")
             report.append(f"{os.path.basename(f.path)}: ok ({checked} checksums"
                           f"{'' if sums else ', none recorded'})")
@@ -225,6 +229,9 @@ def default_save_path(ckpt_prefix: str, fmt: str = "pth") -> str:
 def write_consolidated(ckpt: ShardedCheckpoint, save_path: str, fmt: str = "pth",
                        include_optimizer: bool = False) -> str:
     """Stream the full state dict to ``save_path`` (atomically) in ``fmt`` ('pth' or 'safetensors')."""
+    opt_path = save_path + ".optimizer.pth"  # safetensors holds no optimizer state: beside it
+    outputs = [save_path] + ([opt_path] if include_optimizer and fmt == "safetensors" else [])
+    refuse_overwriting_inputs(outputs, [f.path for f in ckpt.files])
     directory = os.path.dirname(os.path.abspath(save_path))
     if not os.path.isdir(directory) or not os.access(directory, os.W_OK):
         raise CheckpointError(f"cannot write '{save_path}': '{directory}' is not a writable directory")
@@ -245,7 +252,6 @@ def write_consolidated(ckpt: ShardedCheckpoint, save_path: str, fmt: str = "pth"
                 for name, tensor in ckpt.iter_model():
                     w.add(name, tensor)
         if include_optimizer:
-            opt_path = save_path + ".optimizer.pth"
             optimizer = ckpt.full_optimizer_state()
             from .files import atomic_torch_save
             atomic_torch_save({"optimizer": optimizer}, opt_path)

@@ -11,13 +11,16 @@ import glob
 import os
 import re
 import sys
-import tempfile
+import uuid
+import zipfile
 import zlib
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Mapping, Optional
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional
 
 import torch
 from torch.torch_version import TorchVersion
+
+from ..param_names import readable_key
 
 RANK_FILE = re.compile(r"_rank-(\d{8})-of-(\d{8})\.pth")
 DEFAULT_SUFFIX = "_rank-*-of-*.pth"
@@ -40,12 +43,13 @@ def tensor_checksum(tensor: torch.Tensor) -> int:
 
 
 def atomic_write(path: str, write: Callable[[str], None]) -> None:
-    """Run ``write(tmp_path)`` then move the finished, fsynced file to ``path``."""
+    """Run ``write(tmp_path)`` then move the finished, fsynced file to ``path``. The file gets the
+    mode any new file gets (0666 less the umask), as ``torch.save`` would give it."""
     directory = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(directory):
         raise CheckpointError(f"cannot write '{path}': directory '{directory}' does not exist")
-    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=directory)
-    os.close(fd)
+    tmp = os.path.join(directory, f"{os.path.basename(path)}.{uuid.uuid4().hex[:8]}.tmp")
+    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
     try:
         write(tmp)
         with open(tmp, "rb+") as f:
@@ -62,6 +66,39 @@ def atomic_write(path: str, write: Callable[[str], None]) -> None:
         os.close(dir_fd)
 
 
+def refuse_overwriting_inputs(outputs: Iterable[str], inputs: Iterable[str]) -> None:
+    """Raise before anything is written when an output is one of the inputs, however spelled
+    (``dir/./x``, a symlink, a hard link): a tool never writes over the files it reads."""
+    inputs = list(inputs)
+    real_inputs = {os.path.realpath(p): p for p in inputs}
+    for out in outputs:
+        same = real_inputs.get(os.path.realpath(out))
+        if same is None and os.path.exists(out):
+            same = next((p for p in inputs if os.path.exists(p) and os.path.samefile(out, p)), None)
+        if same is not None:
+            raise CheckpointError(f"the output '{out}' is the input file '{same}': choose another output path "
+                                  "(inputs are never overwritten)")
+
+
+def verify_archive(path: str) -> None:
+    """Check every record of a ``torch.save`` file against the CRC-32 its zip header holds,
+    streaming (``torch.load`` never checks them): flipped bytes in any writer's file are caught,
+    also where the file carries no checksums of ours (plain ``torch.save``, ``xm.save``)."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+    except zipfile.BadZipFile as e:
+        raise CheckpointError(f"'{path}' is not a file written by torch.save (not a zip archive); it is "
+                              "truncated or another kind of file") from e
+    except OSError:
+        raise
+    except Exception as e:  # a damaged header surfaces as many types (zlib.error, EOFError, NotImplementedError...)
+        raise CheckpointError(f"'{path}' is damaged ({type(e).__name__}: {e})") from e
+    if bad is not None:
+        raise CheckpointError(f"'{path}' is corrupted: its record '{bad}' fails its CRC-32 check; restore this "
+                              "file from a backup or use an earlier checkpoint")
+
+
 def atomic_torch_save(obj: Any, path: str) -> None:
     atomic_write(path, lambda tmp: torch.save(obj, tmp))
 
@@ -75,6 +112,9 @@ class RankFile:
 
 def load_rank_file(path: str, mmap: bool = True) -> Dict[str, Any]:
     """Load one rank file (memory-mapped: tensors are read from disk when touched)."""
+    if not zipfile.is_zipfile(path):
+        raise CheckpointError(f"'{path}' is not a file written by torch.save (not a zip archive); it is "
+                              "truncated or another kind of file")
     try:
         # Never unpickle code. Files of xla_fsdp before 0.1.1 recorded torch's version as a
         # TorchVersion object: allowed explicitly, it is a str.
@@ -155,10 +195,10 @@ def verify_checksums(path: str, state: Mapping[str, torch.Tensor], checksums: Op
         return
     for key in keys if keys is not None else list(checksums):
         if key not in state:
-            raise CheckpointError(f"'{path}': tensor '{key}' listed in the metadata is missing")
+            raise CheckpointError(f"'{path}': tensor '{readable_key(key)}' listed in the metadata is missing")
         if tensor_checksum(state[key]) != checksums[key]:
-            raise CheckpointError(f"'{path}': tensor '{key}' is corrupted (checksum mismatch); restore this "
-                                  "file from a backup or use an earlier checkpoint")
+            raise CheckpointError(f"'{path}': tensor '{readable_key(key)}' is corrupted (checksum mismatch); restore "
+                                  "this file from a backup or use an earlier checkpoint")
 
 
 def run_cli_action(action: Callable[[], str]) -> int:

@@ -2,13 +2,15 @@
 from __future__ import annotations
 
 import copy
+import os
 import uuid
 from typing import Any, Dict, List
 
 import torch
 
 from .consolidate import MISSING_OPTIMIZER_KEYS, ShardedCheckpoint
-from .files import DEFAULT_SUFFIX, CheckpointError, atomic_torch_save, rank_path, tensor_checksum
+from .files import (DEFAULT_SUFFIX, CheckpointError, atomic_torch_save, rank_path, refuse_overwriting_inputs,
+                    tensor_checksum)
 from .layout_ops import reshard_entry, unshard_entry
 from .migrate import pad_multiple_of
 
@@ -23,9 +25,12 @@ def reshard_checkpoint(ckpt_prefix: str, world_size: int, out_prefix: str,
     """
     if world_size < 1:
         raise CheckpointError(f"world size must be >= 1, got {world_size}")
-    if out_prefix == ckpt_prefix:
-        raise CheckpointError("out_prefix must differ from ckpt_prefix: inputs are never overwritten")
+    if os.path.realpath(out_prefix) == os.path.realpath(ckpt_prefix):
+        raise CheckpointError(f"out_prefix '{out_prefix}' is the input's prefix '{ckpt_prefix}': choose another "
+                              "(inputs are never overwritten, and one prefix holds one checkpoint)")
     src = ShardedCheckpoint(ckpt_prefix, ckpt_suffix)
+    refuse_overwriting_inputs([rank_path(out_prefix, r, world_size) for r in range(world_size)],
+                              [f.path for f in src.files])
     multiple = pad_multiple_of(src.metadata)
     run_id = uuid.uuid4().hex[:16]
     has_opt = all(c.get("optimizer") is not None for c in src._open())

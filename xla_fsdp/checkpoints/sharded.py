@@ -8,7 +8,7 @@ from typing import Any, Dict, Mapping, Optional
 import torch
 
 from .files import (CheckpointError, atomic_torch_save, load_rank_file, rank_path, tensor_checksum,
-                    verify_checksums)
+                    verify_archive, verify_checksums)
 
 
 def _cpu(obj: Any) -> Any:
@@ -117,6 +117,7 @@ def load_sharded_checkpoint(model, optimizer: Optional[torch.optim.Optimizer], c
         hint = (f" Found files for another world size (e.g. '{os.path.basename(others[0])}'): reshard with "
                 f"python -m xla_fsdp.reshard --world_size {model.world_size}.") if others else ""
         raise CheckpointError(f"missing rank file '{path}' for rank {model.rank} of {model.world_size}.{hint}")
+    verify_archive(path)
     ckpt = load_rank_file(path, mmap=False)
     saved = ckpt["shard_metadata"]
     _check_matches_model(path, saved, model.get_shard_metadata())

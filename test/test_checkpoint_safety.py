@@ -1,0 +1,259 @@
+"""Checkpoint tools never lose data, never run code and never pass damage on (issue 23, items 1-3
+and 11): outputs that are inputs are refused, files are unpickled with weights_only, every record's
+CRC-32 is checked whoever wrote the file, and a fuzz of random damage never yields a silent wrong
+consolidation, a traceback or a modified input."""
+import hashlib
+import os
+import random
+import shutil
+import stat
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import harness
+import models
+from xla_fsdp.checkpoints import CheckpointError
+from xla_fsdp.consolidate_sharded_ckpts import main as consolidate_cli
+from xla_fsdp.reshard import main as reshard_cli
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+INSPECT = os.path.join(os.path.dirname(HERE), "tools", "inspect_checkpoint.py")
+
+
+def _sha(path):
+    return hashlib.sha256(open(path, "rb").read()).hexdigest()
+
+
+def _digests(folder):
+    return {f: _sha(os.path.join(folder, f)) for f in sorted(os.listdir(folder))
+            if os.path.isfile(os.path.join(folder, f))}
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    """'ours': 2 ranks saved by save_sharded_checkpoint (per-parameter shards, nested units, AdamW);
+    'plain': the same files written the torch_xla way (plain torch.save, no checksums of ours)."""
+    root = tmp_path_factory.mktemp("safety")
+    harness.run_gloo(["zero3_nested_adamw"], 2, steps=1, save_prefix=str(root / "ours"))
+    for rank in range(2):
+        ckpt = torch.load(root / f"ours_rank-{rank:08d}-of-00000002.pth", weights_only=True)
+        ckpt["shard_metadata"].pop("checksums")
+        torch.save(ckpt, root / f"plain_rank-{rank:08d}-of-00000002.pth")
+    return root
+
+
+def _copy(src, dst):
+    for f in os.listdir(src):
+        if "_rank-" in f:
+            shutil.copy(os.path.join(src, f), os.path.join(dst, f))
+
+
+# ----------------------------------------------------------------------------- 1. outputs that are inputs
+@pytest.mark.parametrize("spelling", ["same", "dot", "symlink", "hardlink"])
+def test_no_tool_writes_over_its_inputs(ckpts, tmp_path, capsys, spelling):
+    _copy(ckpts, tmp_path)
+    rank0 = str(tmp_path / "ours_rank-00000000-of-00000002.pth")
+    if spelling == "same":
+        target = rank0
+    elif spelling == "dot":
+        target = str(tmp_path / "." / "ours_rank-00000000-of-00000002.pth")
+    else:
+        os.mkdir(tmp_path / "elsewhere")
+        target = str(tmp_path / "elsewhere" / "out.pth")
+        (os.symlink if spelling == "symlink" else os.link)(rank0, target)
+    before = _digests(tmp_path)
+    prefix = str(tmp_path / "ours")
+    for extra in ([], ["--format", "safetensors"], ["--optimizer"], ["--format", "safetensors", "--optimizer"]):
+        assert consolidate_cli(["--ckpt_prefix", prefix, "--save_path", target] + extra) == 2
+        err = capsys.readouterr().err
+        assert "is the input file" in err and "ours_rank-00000000-of-00000002.pth" in err, err
+    from xla_fsdp import consolidate_sharded_model_checkpoints
+    with pytest.raises(CheckpointError, match="is the input file"):
+        consolidate_sharded_model_checkpoints(prefix, save_path=target)
+    # reshard into the input's prefix spelled otherwise: same world size (would rewrite the inputs) or not
+    for ws in ("2", "3"):
+        assert reshard_cli(["--ckpt_prefix", prefix, "--world_size", ws, "--out_prefix",
+                            str(tmp_path / "." / "ours")]) == 2
+        assert "is the input's prefix" in capsys.readouterr().err
+    assert _digests(tmp_path) == before
+    assert not any(f.endswith(".tmp") for f in os.listdir(tmp_path))
+
+
+# ----------------------------------------------------------------------------- 2. no code runs
+class _RunsCode:
+    """Unpickling this calls open(marker, 'w'): a file named like a rank file that runs code."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_a_crafted_rank_file_runs_no_code(tmp_path, capsys, gloo):
+    import xla_fsdp
+    from xla_fsdp import XlaFullyShardedDataParallel as FSDP
+    marker = tmp_path / "code_ran"
+    torch.save({"model": {"w": torch.zeros(2)}, "shard_metadata": _RunsCode(str(marker)), "optimizer": None},
+               tmp_path / "evil_rank-00000000-of-00000001.pth")
+    prefix = str(tmp_path / "evil")
+    assert consolidate_cli(["--ckpt_prefix", prefix]) == 2
+    assert consolidate_cli(["--ckpt_prefix", prefix, "--verify"]) == 2
+    assert reshard_cli(["--ckpt_prefix", prefix, "--world_size", "2", "--out_prefix", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("evil_rank-00000000-of-00000001.pth") == 3 and "Unsupported global" in err, err
+    proc = subprocess.run([sys.executable, INSPECT, "--ckpt_prefix", prefix], capture_output=True, text=True)
+    assert proc.returncode == 2 and "evil_rank-00000000-of-00000001.pth" in proc.stderr, proc.stderr
+    with pytest.raises(CheckpointError, match="evil_rank-00000000-of-00000001.pth"):
+        xla_fsdp.load_sharded_checkpoint(FSDP(models.MLP()), None, prefix)
+    assert not marker.exists()
+
+
+# ----------------------------------------------------------------------------- 3. CRC-32 of every record
+def _flip_in_tensor(path, rng):
+    """Flip one bit inside the bytes of the largest tensor of a rank file."""
+    ckpt = torch.load(path, weights_only=True)
+    biggest = max(ckpt["model"].values(), key=lambda t: t.numel())
+    data = bytearray(open(path, "rb").read())
+    at = bytes(data).find(biggest.contiguous().view(-1).view(torch.uint8).numpy().tobytes()[:32])
+    assert at > 0
+    data[at + rng.randrange(32)] ^= 1 << rng.randrange(8)
+    open(path, "wb").write(bytes(data))
+
+
+@pytest.mark.parametrize("writer", ["ours", "plain"])
+def test_flipped_bits_are_caught_in_files_of_any_writer(ckpts, tmp_path, capsys, writer, gloo):
+    _copy(ckpts, tmp_path)
+    bad = tmp_path / f"{writer}_rank-00000001-of-00000002.pth"
+    _flip_in_tensor(bad, random.Random(0))
+    before = _digests(tmp_path)
+    prefix = str(tmp_path / writer)
+    for argv in (["--verify"], [], ["--format", "safetensors"], ["--optimizer"]):
+        assert consolidate_cli(["--ckpt_prefix", prefix] + argv) == 2
+        err = capsys.readouterr().err
+        assert bad.name in err and "CRC-32" in err, err
+    assert reshard_cli(["--ckpt_prefix", prefix, "--world_size", "3", "--out_prefix", str(tmp_path / "o")]) == 2
+    assert bad.name in capsys.readouterr().err
+    proc = subprocess.run([sys.executable, INSPECT, "--ckpt_prefix", prefix], capture_output=True, text=True)
+    assert proc.returncode == 2 and "CRC-32" in proc.stderr, proc.stderr
+    assert _digests(tmp_path) == before
+
+
+def test_load_checks_the_crc_of_a_plain_torch_save_file(tmp_path, gloo):
+    """A file written with plain torch.save carries no checksums of ours: the zip's CRC-32 still
+    catches a flipped bit before it reaches the model."""
+    import xla_fsdp
+    from xla_fsdp import XlaFullyShardedDataParallel as FSDP
+    torch.manual_seed(0)
+    model = FSDP(models.MLP())
+    path = tmp_path / "p_rank-00000000-of-00000001.pth"
+    torch.save({"model": model.state_dict(), "shard_metadata": model.get_shard_metadata(), "optimizer": None}, path)
+    _flip_in_tensor(path, random.Random(1))
+    with pytest.raises(CheckpointError, match="p_rank-00000000-of-00000001.pth.*CRC-32"):
+        xla_fsdp.load_sharded_checkpoint(FSDP(models.MLP()), None, str(tmp_path / "p"))
+
+
+# ----------------------------------------------------------------------------- 11. modes, other files, names
+def test_written_files_get_the_umask_mode_and_other_files_a_clear_error(ckpts, tmp_path, capsys):
+    _copy(ckpts, tmp_path)
+    old = os.umask(0o022)
+    try:
+        assert consolidate_cli(["--ckpt_prefix", str(tmp_path / "ours"), "--save_path", str(tmp_path / "full.pth")]) == 0
+        assert reshard_cli(["--ckpt_prefix", str(tmp_path / "ours"), "--world_size", "1",
+                            "--out_prefix", str(tmp_path / "one")]) == 0
+    finally:
+        os.umask(old)
+    capsys.readouterr()
+    for name in ("full.pth", "one_rank-00000000-of-00000001.pth"):
+        assert stat.S_IMODE(os.stat(tmp_path / name).st_mode) == 0o644, name  # as torch.save would make it
+    (tmp_path / "notes_rank-00000000-of-00000001.pth").write_text("not a checkpoint\n")
+    assert consolidate_cli(["--ckpt_prefix", str(tmp_path / "notes")]) == 2
+    err = capsys.readouterr().err
+    assert "not a file written by torch.save (not a zip archive)" in err and "mmap" not in err, err
+
+
+def test_errors_name_parameters_as_the_user_knows_them(ckpts, tmp_path, capsys):
+    """A damaged tensor is named by its original parameter name, never by the internal attribute
+    (_fsdp_shard_FSDP_SHARD_SEPARATOR_...)."""
+    _copy(ckpts, tmp_path)
+    path = tmp_path / "ours_rank-00000000-of-00000002.pth"
+    ckpt = torch.load(path, weights_only=True)
+    key = next(k for k in ckpt["model"] if "_FSDP_SHARD_SEPARATOR_" in k)
+    ckpt["model"][key] = ckpt["model"][key] + 1  # rewritten whole: its CRC-32 is right, our checksum is not
+    torch.save(ckpt, path)
+    assert consolidate_cli(["--ckpt_prefix", str(tmp_path / "ours"), "--verify"]) == 2
+    err = capsys.readouterr().err
+    original = key.split("_FSDP_SHARD_SEPARATOR_")[-1]
+    assert "_FSDP_SHARD_SEPARATOR_" not in err and f".{original}' is corrupted" in err, err
+
+
+# ----------------------------------------------------------------------------- fuzz
+DAMAGE = ["flip_tensor", "flip_anywhere", "zero_block", "truncate", "swap_ranks", "duplicate_rank"]
+
+
+def _damage(folder, writer, kind, rng):
+    files = [os.path.join(folder, f"{writer}_rank-{r:08d}-of-00000002.pth") for r in range(2)]
+    victim = files[rng.randrange(2)]
+    data = bytearray(open(victim, "rb").read())
+    if kind == "flip_tensor":
+        _flip_in_tensor(victim, rng)
+    elif kind == "flip_anywhere":
+        data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
+        open(victim, "wb").write(bytes(data))
+    elif kind == "zero_block":
+        at = rng.randrange(len(data) - 64)
+        data[at:at + 64] = bytes(64)
+        open(victim, "wb").write(bytes(data))
+    elif kind == "truncate":
+        open(victim, "wb").write(bytes(data[:rng.randrange(len(data))]))
+    elif kind == "swap_ranks":
+        os.rename(files[0], files[0] + ".x")
+        os.rename(files[1], files[0])
+        os.rename(files[0] + ".x", files[1])
+    elif kind == "duplicate_rank":
+        shutil.copy(files[0], files[1])
+
+
+@pytest.mark.parametrize("writer", ["ours", "plain"])
+def test_fuzz_random_damage_is_never_silent(ckpts, tmp_path, capsys, writer):
+    """Random damage of a 2-rank checkpoint: consolidation either fails with one line naming a file
+    (exit 2), or succeeds with output identical to the undamaged checkpoint's (the damage hit bytes
+    nothing reads, e.g. a zip comment); `--verify` never passes damage that changes the output;
+    inputs are never modified; no traceback escapes (the CLI's main would raise)."""
+    clean = tmp_path / "clean"
+    os.mkdir(clean)
+    _copy(ckpts, clean)
+    assert consolidate_cli(["--ckpt_prefix", str(clean / writer), "--save_path", str(tmp_path / "ref.pth")]) == 0
+    reference = torch.load(tmp_path / "ref.pth", weights_only=True)["model"]
+    rng = random.Random(f"fuzz-{writer}")
+    outcomes = {}
+    trials = 120
+    for trial in range(trials):
+        kind = DAMAGE[trial % len(DAMAGE)]
+        work = tmp_path / f"t{trial}"
+        os.mkdir(work)
+        _copy(ckpts, work)
+        _damage(work, writer, kind, rng)
+        before = _digests(work)
+        out = tmp_path / f"out{trial}.pth"
+        verified = consolidate_cli(["--ckpt_prefix", str(work / writer), "--verify"])
+        code = consolidate_cli(["--ckpt_prefix", str(work / writer), "--save_path", str(out)])
+        err = capsys.readouterr().err
+        assert code in (0, 2) and verified in (0, 2)
+        if code == 2:
+            assert err.startswith("error: ") and f"{writer}_rank-" in err, (kind, err)
+            outcome = "refused"
+        else:
+            got = torch.load(out, weights_only=True)["model"]
+            assert list(got) == list(reference) and all(torch.equal(got[k], reference[k]) for k in got), kind
+            outcome = "identical output"
+            os.unlink(out)
+        assert verified == 2 or outcome == "identical output", (kind, err)
+        assert _digests(work) == before, kind
+        shutil.rmtree(work)
+        outcomes[(kind, outcome)] = outcomes.get((kind, outcome), 0) + 1
+    print(f"\nfuzz ({writer}, {trials} trials): " + ", ".join(f"{k} -> {o}: {n}" for (k, o), n in sorted(outcomes.items())))
+    assert sum(n for (k, o), n in outcomes.items() if o == "refused") >= trials // 2
