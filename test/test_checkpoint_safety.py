@@ -257,3 +257,62 @@ def test_fuzz_random_damage_is_never_silent(ckpts, tmp_path, capsys, writer):
         outcomes[(kind, outcome)] = outcomes.get((kind, outcome), 0) + 1
     print(f"\nfuzz ({writer}, {trials} trials): " + ", ".join(f"{k} -> {o}: {n}" for (k, o), n in sorted(outcomes.items())))
     assert sum(n for (k, o), n in outcomes.items() if o == "refused") >= trials // 2
+
+
+# ----------------------------------------------------------------------------- 4. ranks agree on a failed load
+def _save_then_load(rank, device, folder, damage_rank):
+    """Save a 2-rank checkpoint, damage ``damage_rank``'s file, load on every rank: what each saw."""
+    import xla_fsdp
+    from xla_fsdp import XlaFullyShardedDataParallel as FSDP
+    torch.manual_seed(0)
+    model = FSDP(models.MLP())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    prefix = os.path.join(folder, "ck")
+    path = xla_fsdp.save_sharded_checkpoint(model, opt, prefix)
+    before = [p.detach().cpu().clone() for p in model.parameters()]
+    if rank == damage_rank:
+        _flip_in_tensor(path, random.Random(rank))
+    for p in model.parameters():  # what a load would overwrite
+        p.data.add_(1.0)
+    try:
+        xla_fsdp.load_sharded_checkpoint(model, opt, prefix)
+        outcome = "loaded"
+    except CheckpointError as e:
+        outcome = f"CheckpointError: {e}"
+    untouched = all(torch.equal(p.detach().cpu(), b + 1.0) for p, b in zip(model.parameters(), before))
+    return outcome, untouched
+
+
+def _gloo_load_worker(rank, port, folder, damage_rank, out):
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        torch.save(_save_then_load(rank, torch.device("cpu"), folder, damage_rank), os.path.join(out, f"{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _xla_load_worker(folder, damage_rank):
+    import torch_xla
+    import torch_xla.runtime as xr
+    return _save_then_load(xr.global_ordinal(), torch_xla.device(), folder, damage_rank)
+
+
+@pytest.mark.parametrize("transport", ["torch", "xla"])
+def test_every_rank_raises_when_one_rank_file_is_damaged(transport, tmp_path, monkeypatch):
+    """Before: on gloo rank 1 raised while rank 0 went on with a loaded model; on 2 XLA:CPU devices
+    the error never showed, only XLA's rendezvous abort."""
+    if transport == "torch":
+        import torch.multiprocessing as mp
+        mp.spawn(_gloo_load_worker, args=(harness._free_port(), str(tmp_path), 1, str(tmp_path)), nprocs=2)
+        results = [torch.load(tmp_path / f"{r}.pt", weights_only=False) for r in range(2)]
+    else:
+        from torch_xla._internal import pjrt
+        monkeypatch.setenv("PJRT_DEVICE", "CPU")
+        monkeypatch.setenv("CPU_NUM_DEVICES", "2")
+        by_rank = pjrt.run_multiprocess(_xla_load_worker, str(tmp_path), 1)
+        results = [by_rank[r] for r in range(2)]
+    (own, own_untouched), (peer, peer_untouched) = results[1], results[0]
+    assert "ck_rank-00000001-of-00000002.pth" in own and "CRC-32" in own, own
+    assert peer.startswith("CheckpointError") and "rank 1" in peer and "ck_rank-00000001-of-00000002.pth" in peer, peer
+    assert "no rank has loaded anything" in peer and own_untouched and peer_untouched

@@ -110,8 +110,54 @@ def _check_matches_model(path: str, saved: Mapping[str, Any], current: Mapping[s
 
 
 def load_sharded_checkpoint(model, optimizer: Optional[torch.optim.Optimizer], ckpt_prefix: str) -> Optional[dict]:
-    """Load this rank's file into ``model`` (and ``optimizer``), after checking it; returns ``extra``."""
+    """Load this rank's file into ``model`` (and ``optimizer``), after checking it; returns ``extra``.
+
+    Call on every rank. Each rank reads and checks its file first; then the ranks agree, and if any
+    rank's file is missing or damaged, every rank raises (naming the files) before any loads a thing,
+    rather than one rank failing while the others train on from the checkpoint or wait for it."""
     path = rank_path(ckpt_prefix, model.rank, model.world_size)
+    try:
+        ckpt = _read_checked(model, optimizer, path, ckpt_prefix)
+        error = None
+    except CheckpointError as e:
+        ckpt, error = None, e
+    failed = _ranks_that_failed(model, error is not None)
+    if failed:
+        others = ", ".join(f"rank {r}" for r in failed if r != _flat_rank(model))
+        if error is not None:
+            raise CheckpointError(f"{error}" + (f" (also failed: {others})" if others else "")) from error
+        raise CheckpointError(f"the checkpoint '{ckpt_prefix}' cannot be loaded: {others} could not read its file "
+                              f"(e.g. '{rank_path(ckpt_prefix, failed[0] % model.world_size, model.world_size)}'; "
+                              "its error is in that rank's output); no rank has loaded anything")
+    model.load_state_dict(ckpt["model"])
+    if optimizer is not None:
+        optimizer.load_state_dict(ckpt["optimizer"])
+    return ckpt.get("extra")
+
+
+def _flat_rank(model) -> int:
+    return model.comms.replica_rank * model.world_size + model.rank
+
+
+def _ranks_that_failed(model, failed: bool) -> list:
+    """Which ranks (numbered replica-major) report a failure: a collective every rank joins."""
+    comms = model.comms
+    total = model.world_size * comms.num_replicas
+    if total == 1:
+        return [0] if failed else []
+    flags = [0] * total
+    flags[_flat_rank(model)] = int(failed)
+    sums = comms.start_sum_over_ranks(flags)()
+    if sums is None:  # processes without a host channel (TPU hosts): the shard group's flags on device
+        mine = torch.tensor([int(failed)], dtype=torch.int32).to(comms.device)
+        gathered = comms.all_gather(mine, model._aux_channel)
+        comms.sync()
+        return [r for r, f in enumerate(gathered.cpu().tolist()) if f]
+    return [r for r, f in enumerate(sums) if f]
+
+
+def _read_checked(model, optimizer, path: str, ckpt_prefix: str) -> Dict[str, Any]:
+    """This rank's file, read and checked against the model (changes nothing)."""
     if not os.path.exists(path):
         others = sorted(glob.glob(f"{ckpt_prefix}_rank-*-of-*.pth"))
         hint = (f" Found files for another world size (e.g. '{os.path.basename(others[0])}'): reshard with "
@@ -123,7 +169,6 @@ def load_sharded_checkpoint(model, optimizer: Optional[torch.optim.Optimizer], c
     _check_matches_model(path, saved, model.get_shard_metadata())
     checksums = saved.get("checksums", {})
     verify_checksums(path, ckpt["model"], checksums.get("model"))
-    model.load_state_dict(ckpt["model"])
     if optimizer is not None:
         if ckpt.get("optimizer") is None:
             raise CheckpointError(f"'{path}' holds no optimizer state")
@@ -131,5 +176,4 @@ def load_sharded_checkpoint(model, optimizer: Optional[torch.optim.Optimizer], c
         flat = {f"{idx}.{name}": v for idx, st in osd["state"].items() for name, v in st.items()
                 if isinstance(v, torch.Tensor)}
         verify_checksums(path, flat, checksums.get("optimizer"))
-        optimizer.load_state_dict(osd)
-    return ckpt.get("extra")
+    return ckpt
