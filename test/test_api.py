@@ -45,6 +45,24 @@ def test_misuse_errors(gloo):
         FSDP(nn.Linear(2, 2), transport="mpi")
 
 
+@pytest.mark.parametrize("nested", [False, True])
+def test_an_optimizer_built_before_wrapping_is_an_error_not_a_silent_no_op(gloo, nested):
+    """Before: no error, and every step() changed nothing (the originals had been emptied)."""
+    torch.manual_seed(0)
+    model = models.MLP()
+    early = torch.optim.SGD(model.parameters(), lr=0.1)
+    if nested:
+        model.fc1 = FSDP(model.fc1)
+    wrapped = FSDP(model)
+    wrapped(torch.randn(2, 12)).sum().backward()
+    with pytest.raises(RuntimeError, match=r"SGD was built before the model was wrapped: \d+ of its \d+ .*after wrapping"):
+        early.step()
+    late = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in wrapped.parameters()]
+    late.step()
+    assert all(not torch.equal(p, b) for p, b in zip(wrapped.parameters(), before))
+
+
 def test_tied_across_units_is_rejected(gloo):
     model = models.TiedMLP()
     model.inp = FSDP(model.inp)

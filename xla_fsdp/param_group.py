@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Set, Tuple, Union
+from typing import Any, Callable, List, Optional, Set, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -87,6 +87,7 @@ class ParamGroup:
         # Every set of members handed out since the root's forward began: a unit called twice with
         # another unit in between gathers twice, and backward must refill what both calls saved.
         self._member_sets: List[List[torch.Tensor]] = []
+        _install_optimizer_check()
         # The originals stop being registered parameters; the module reads full data through
         # plain attributes that ``install`` refreshes after every gather.
         for ref in refs:
@@ -390,3 +391,32 @@ class _SplitFlat(torch.autograd.Function):
         if ctx.padding:
             flat.append(grads[0].new_zeros(ctx.padding))
         return torch.cat(flat), None, None
+
+
+_optimizer_check_installed = False
+
+
+def _install_optimizer_check() -> None:
+    """Once per process: every optimizer step first makes sure the optimizer does not hold
+    parameters that xla_fsdp replaced with shards. An optimizer built before wrapping holds the
+    emptied originals: its steps would change nothing, and training would go on, silently wrong."""
+    global _optimizer_check_installed
+    if _optimizer_check_installed:
+        return
+    _optimizer_check_installed = True
+
+    def check(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        count = sum(len(g["params"]) for g in optimizer.param_groups)
+        if getattr(optimizer, "_xla_fsdp_checked", None) == count:
+            return
+        stale = sum(1 for g in optimizer.param_groups for p in g["params"] if getattr(p, "_xla_fsdp_sharded", False))
+        if stale:
+            raise RuntimeError(
+                f"xla_fsdp: this {type(optimizer).__name__} was built before the model was wrapped: {stale} of its "
+                f"{count} parameters are originals that XlaFullyShardedDataParallel replaced with shards, so step() "
+                "would change nothing. Build the optimizer after wrapping, from the wrapped model: "
+                "optimizer = torch.optim.AdamW(fsdp_model.parameters(), ...)")
+        optimizer._xla_fsdp_checked = count
+
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+    register_optimizer_step_pre_hook(check)
