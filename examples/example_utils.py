@@ -6,9 +6,11 @@ PJRT_DEVICE=TPU, else ``args.num_devices`` XLA:CPU devices so sharding is real o
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import sys
+import threading
 from dataclasses import dataclass
 from typing import Callable
 
@@ -40,7 +42,22 @@ def add_launch_flags(parser) -> None:
     parser.add_argument("--transport", choices=["xla", "torch"],
                         default="torch" if "TORCHELASTIC_RUN_ID" in os.environ else "xla",
                         help="xla: torch_xla.launch (TPU or XLA:CPU); torch: gloo (default under torchrun)")
-    parser.add_argument("--num_devices", type=int, default=2, help="XLA:CPU devices when there is no TPU")
+    parser.add_argument("--num_devices", type=int, default=None,
+                        help="XLA:CPU devices when there is no TPU (default 2); with --transport torch, start "
+                             "ranks with torchrun --nproc_per_node N instead")
+
+
+_RNG_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def seeded(seed: int):
+    """Seed torch's CPU generator and keep it to this rank while building a model. XLA:CPU ranks
+    are threads of one process sharing that generator: ranks building at once drew each other's
+    numbers, so initial weights (and results) changed from run to run."""
+    with _RNG_LOCK:
+        torch.manual_seed(seed)
+        yield
 
 
 def _xla_entry(index, fn, args):
@@ -53,6 +70,12 @@ def _xla_entry(index, fn, args):
 
 
 def launch(fn: Callable[[RankContext, object], None], args) -> None:
+    if args.transport == "torch" and args.num_devices is not None:
+        world = os.environ.get("WORLD_SIZE", "1")
+        if str(args.num_devices) != world:
+            raise SystemExit(f"error: --num_devices {args.num_devices} sets XLA:CPU devices, but --transport torch runs "
+                             f"{world} gloo rank(s) as started: run torchrun --nproc_per_node {args.num_devices} "
+                             f"{os.path.basename(sys.argv[0])} --transport torch (without --num_devices)")
     if args.transport == "torch":
         import torch.distributed as dist
         if "RANK" not in os.environ:  # plain `python ...`: a one-rank group
@@ -66,7 +89,7 @@ def launch(fn: Callable[[RankContext, object], None], args) -> None:
         return
     if not ON_TPU:
         os.environ.setdefault("PJRT_DEVICE", "CPU")
-        os.environ.setdefault("CPU_NUM_DEVICES", str(args.num_devices))
+        os.environ.setdefault("CPU_NUM_DEVICES", str(args.num_devices or 2))
     import xla_fsdp  # noqa: F401  (XLA:CPU runtime defaults, before the runtime starts)
     import torch_xla
     torch_xla.launch(_xla_entry, args=(fn, args))

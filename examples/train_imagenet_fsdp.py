@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from example_utils import ON_TPU, add_launch_flags, compilations, launch, peak_rss_mib, state_bytes
+from example_utils import ON_TPU, add_launch_flags, compilations, launch, peak_rss_mib, seeded, state_bytes
 
 
 def parse_args(argv=None):
@@ -65,7 +65,7 @@ def datasets(args):
         test = torchvision.datasets.ImageFolder(os.path.join(args.datadir, "val"), T.Compose(
             [T.Resize(int(args.image_size * 1.14)), T.CenterCrop(args.image_size), T.ToTensor(), norm]))
         return train, test
-    n = (50_000 if ON_TPU and not args.use_small_fake_sample else 64 * args.num_devices)
+    n = (50_000 if ON_TPU and not args.use_small_fake_sample else 64 * (args.num_devices or 2))
     g = torch.Generator().manual_seed(0)
     make = lambda k: torch.utils.data.TensorDataset(torch.randn(k, 3, args.image_size, args.image_size, generator=g),
                                                     torch.randint(0, args.num_classes, (k,), generator=g))
@@ -79,8 +79,8 @@ def build_model(args):
     from xla_fsdp import XlaFullyShardedDataParallel as FSDP, checkpoint_module
     from xla_fsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
 
-    torch.manual_seed(0)
-    model = getattr(torchvision.models, args.model)(num_classes=args.num_classes)
+    with seeded(0):
+        model = getattr(torchvision.models, args.model)(num_classes=args.num_classes)
     kwargs = dict(flatten_parameters=args.flatten_parameters, compute_dtype=getattr(torch, args.compute_dtype),
                   fp32_reduce_scatter=args.fp32_reduce_scatter, shard_param_on_dim_0=args.shard_param_on_dim_0,
                   transport=args.transport)

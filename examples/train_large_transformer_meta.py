@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from example_utils import add_launch_flags, compilations, launch, peak_rss_mib, state_bytes
+from example_utils import add_launch_flags, compilations, launch, peak_rss_mib, seeded, state_bytes
 
 
 class Block(nn.Module):
@@ -96,9 +96,9 @@ def train(ctx, args):
         model = LM(args.vocab, args.d_model, args.layers, args.heads, args.seq)
     n_params = sum(p.numel() for p in model.parameters())
     full_mib = n_params * 4 * 4 / 2 ** 20  # fp32 params + grads + AdamW exp_avg + exp_avg_sq
-    torch.manual_seed(0)
-    model = FSDP(model, auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block}),
-                 param_init_fn=init_unit, transport=args.transport)
+    with seeded(0):  # param_init_fn draws the weights unit by unit
+        model = FSDP(model, auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block}),
+                     param_init_fn=init_unit, transport=args.transport)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
     g = torch.Generator().manual_seed(ctx.rank)
     start = None
@@ -121,7 +121,7 @@ def train(ctx, args):
             f"rank_state_mib={rank_mib:.0f} rank_budget_mib={args.rank_budget_mib:.0f} "
             f"fits_unsharded={full_mib <= args.rank_budget_mib} fits_sharded={rank_mib <= args.rank_budget_mib} "
             f"world_size={ctx.world_size} steps/s={(args.num_steps - 1) / elapsed:.3f} "
-            f"peak_rss_mib={peak_rss_mib():.0f} compilations={compilations(ctx)}")
+            f"peak_rss_mib={peak_rss_mib():.0f} compilations={compilations(ctx)} final_loss={loss.item():.6f}")
     assert math.isfinite(loss.item())
 
 

@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from example_utils import ON_TPU, add_launch_flags, compilations, launch, peak_rss_mib, state_bytes
+from example_utils import ON_TPU, add_launch_flags, compilations, launch, peak_rss_mib, seeded, state_bytes
 
 
 class MNIST(nn.Module):
@@ -135,8 +135,9 @@ def train(ctx, args):
     import xla_fsdp
 
     train_x, train_y, test_x, test_y = load_data(args)
-    torch.manual_seed(0)
-    model = wrap(args, MNIST())
+    with seeded(0):
+        net = MNIST()
+    model = wrap(args, net)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr * ctx.world_size, momentum=args.momentum)
     per_step = args.batch_size * ctx.world_size
     steps = len(train_y) // per_step  # the last partial global batch is dropped (ranks stay in step)

@@ -18,7 +18,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from example_utils import ON_TPU, add_launch_flags, compilations, launch, peak_rss_mib, state_bytes
+from example_utils import ON_TPU, add_launch_flags, compilations, launch, peak_rss_mib, seeded, state_bytes
 
 
 def parse_args(argv=None):
@@ -49,8 +49,8 @@ def build_model(args):
     from xla_fsdp import XlaFullyShardedDataParallel as FSDP, checkpoint_module
     from xla_fsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
 
-    torch.manual_seed(0)
-    model = getattr(torchvision.models, args.model)(num_classes=args.num_classes)
+    with seeded(0):
+        model = getattr(torchvision.models, args.model)(num_classes=args.num_classes)
     if args.auto_wrap_policy == "size_based":
         policy = functools.partial(size_based_auto_wrap_policy, min_num_params=args.auto_wrap_min_num_params)
     else:

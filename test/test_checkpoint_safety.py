@@ -316,3 +316,35 @@ def test_every_rank_raises_when_one_rank_file_is_damaged(transport, tmp_path, mo
     assert "ck_rank-00000001-of-00000002.pth" in own and "CRC-32" in own, own
     assert peer.startswith("CheckpointError") and "rank 1" in peer and "ck_rank-00000001-of-00000002.pth" in peer, peer
     assert "no rank has loaded anything" in peer and own_untouched and peer_untouched
+
+
+# ----------------------------------------------------------------------------- 7. a prefix re-used at another world size
+def test_a_save_replaces_an_older_checkpoint_of_another_world_size(ckpts, tmp_path, gloo, capsys):
+    """An example re-run with another device count and the default prefix trained fully, then died
+    with 'different world sizes' because the old rank files remained."""
+    import xla_fsdp
+    from xla_fsdp import XlaFullyShardedDataParallel as FSDP
+    _copy(ckpts, tmp_path)  # ours: 2 ranks
+    prefix = str(tmp_path / "ours")
+    torch.manual_seed(0)
+    model = FSDP(models.MLP())
+    with pytest.warns(UserWarning, match="replaced an older checkpoint.*ours_rank-00000001-of-00000002.pth"):
+        xla_fsdp.save_sharded_checkpoint(model, None, prefix)
+    assert sorted(f for f in os.listdir(tmp_path) if f.startswith("ours_rank")) == ["ours_rank-00000000-of-00000001.pth"]
+    assert sorted(f for f in os.listdir(tmp_path) if f.startswith("plain_")) == [  # other prefixes untouched
+        "plain_rank-00000000-of-00000002.pth", "plain_rank-00000001-of-00000002.pth"]
+    assert consolidate_cli(["--ckpt_prefix", prefix]) == 0
+    full = torch.load(prefix + "_consolidated.pth", weights_only=True)["model"]
+    torch.manual_seed(0)
+    assert all(torch.equal(full[k], v) for k, v in models.MLP().state_dict().items())
+
+
+def test_examples_refuse_num_devices_with_the_torch_transport():
+    """--num_devices 2 --transport torch silently trained with world size 1."""
+    root = os.path.dirname(HERE)
+    env = {k: v for k, v in os.environ.items() if k not in ("PJRT_DEVICE", "CPU_NUM_DEVICES", "RANK", "WORLD_SIZE")}
+    proc = subprocess.run([sys.executable, "examples/train_resnet_fsdp_auto_wrap.py", "--transport", "torch",
+                           "--num_devices", "2", "--num_steps", "1"], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode != 0 and "torchrun --nproc_per_node 2" in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and "SUMMARY" not in proc.stdout

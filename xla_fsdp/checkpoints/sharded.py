@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import glob
 import os
-from typing import Any, Dict, Mapping, Optional
+import warnings
+from typing import Any, Dict, List, Mapping, Optional
 
 import torch
 
-from .files import (CheckpointError, atomic_torch_save, load_rank_file, rank_path, tensor_checksum,
+from .files import (RANK_FILE, CheckpointError, atomic_torch_save, load_rank_file, rank_path, tensor_checksum,
                     verify_archive, verify_checksums)
 
 
@@ -81,7 +82,25 @@ def save_sharded_checkpoint(model, optimizer: Optional[torch.optim.Optimizer], c
         atomic_torch_save(ckpt, path)
     _agree_on_run_id(model)  # a barrier: when save returns on any rank, every rank file is written
     _replica_barrier(model)
+    if model.rank == 0 and model.comms.replica_rank == 0:
+        _remove_other_world_sizes(ckpt_prefix, model.world_size)
     return path
+
+
+def _remove_other_world_sizes(ckpt_prefix: str, world_size: int) -> List[str]:
+    """A save replaces the checkpoint at its prefix. Rank files that an earlier run with another
+    world size left there (an example re-run with another device count) would make the prefix a
+    mix that no tool can read ("different world sizes"): once the new set is complete, they go."""
+    stale = []
+    for path in glob.glob(glob.escape(ckpt_prefix) + "_rank-*-of-*.pth"):
+        m = RANK_FILE.fullmatch(path[len(ckpt_prefix):])
+        if m and int(m.group(2)) != world_size:
+            os.unlink(path)
+            stale.append(os.path.basename(path))
+    if stale:
+        warnings.warn(f"xla_fsdp: the save to '{ckpt_prefix}' (world size {world_size}) replaced an older checkpoint "
+                      f"there of another world size: removed {', '.join(sorted(stale))}")
+    return stale
 
 
 def _replica_barrier(model) -> None:
