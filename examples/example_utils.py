@@ -84,6 +84,9 @@ def launch(fn: Callable[[RankContext, object], None], args) -> None:
         torch.set_num_threads(1)
         try:
             fn(RankContext(dist.get_rank(), dist.get_world_size(), torch.device("cpu"), lambda: None, "torch"), args)
+        except KeyboardInterrupt:
+            print("interrupted", file=sys.stderr)
+            raise SystemExit(130)
         finally:
             dist.destroy_process_group()
         return
@@ -92,7 +95,11 @@ def launch(fn: Callable[[RankContext, object], None], args) -> None:
         os.environ.setdefault("CPU_NUM_DEVICES", str(args.num_devices or 2))
     import xla_fsdp  # noqa: F401  (XLA:CPU runtime defaults, before the runtime starts)
     import torch_xla
-    torch_xla.launch(_xla_entry, args=(fn, args))
+    try:
+        torch_xla.launch(_xla_entry, args=(fn, args))
+    except KeyboardInterrupt:  # the device processes stopped (xla_fsdp removed unfinished files)
+        print("interrupted", file=sys.stderr)
+        raise SystemExit(130)
 
 
 def state_bytes(model, optimizer) -> dict:

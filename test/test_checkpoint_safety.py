@@ -348,3 +348,19 @@ def test_examples_refuse_num_devices_with_the_torch_transport():
                           timeout=300)
     assert proc.returncode != 0 and "torchrun --nproc_per_node 2" in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr and "SUMMARY" not in proc.stdout
+
+
+def test_an_interrupted_write_leaves_no_partial_file(tmp_path):
+    """What Ctrl-C in an XLA:CPU device process does before exiting: unfinished writes are removed,
+    the final name never holds a partial file."""
+    from xla_fsdp.checkpoints.files import atomic_write, remove_unfinished_writes
+    seen = []
+
+    def write(tmp):
+        open(tmp, "wb").write(b"half")
+        seen.append(remove_unfinished_writes())  # the interrupt lands here
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        atomic_write(str(tmp_path / "ck.pth"), write)
+    assert len(seen[0]) == 1 and seen[0][0].endswith(".tmp") and not list(tmp_path.iterdir())

@@ -89,3 +89,39 @@ def test_dockerfiles_lint_clean():
     proc = subprocess.run([hadolint, "docker/Dockerfile.cpu", "docker/Dockerfile.tpu"], cwd=ROOT,
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("to", ["process group", "launcher only"])
+def test_ctrl_c_stops_xla_cpu_training_at_once(tmp_path, to):
+    """Ctrl-C (SIGINT to the terminal's process group, or to the launching process alone) used to
+    leave the rank threads training to the end (220 s more), then print a traceback."""
+    import signal
+    import threading
+    import time
+    env = {k: v for k, v in os.environ.items() if k not in ("PJRT_DEVICE", "CPU_NUM_DEVICES")}
+    proc = subprocess.Popen([sys.executable, "examples/train_resnet_fsdp_auto_wrap.py", "--num_steps", "1000",
+                             "--ckpt_prefix", str(tmp_path / "ck")], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    err, training = [], threading.Event()
+
+    def read():
+        for chunk in iter(lambda: proc.stderr.read(64), ""):
+            err.append(chunk)
+            if "loss=" in "".join(err[-3:]):
+                training.set()
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert training.wait(300), "".join(err)[-2000:]
+        start = time.monotonic()
+        (os.killpg if to == "process group" else os.kill)(proc.pid, signal.SIGINT)
+        code = proc.wait(60)
+        stopped_after = time.monotonic() - start
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    reader.join(10)
+    text = "".join(err)
+    assert code == 130 and stopped_after < 10, (code, stopped_after, text[-2000:])
+    assert "xla_fsdp: interrupted: stopped every rank" in text and "Traceback" not in text, text[-2000:]
+    assert not list(tmp_path.iterdir())  # no checkpoint, whole or partial

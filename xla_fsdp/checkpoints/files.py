@@ -49,8 +49,9 @@ def atomic_write(path: str, write: Callable[[str], None]) -> None:
     if not os.path.isdir(directory):
         raise CheckpointError(f"cannot write '{path}': directory '{directory}' does not exist")
     tmp = os.path.join(directory, f"{os.path.basename(path)}.{uuid.uuid4().hex[:8]}.tmp")
-    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+    _UNFINISHED.add(tmp)
     try:
+        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
         write(tmp)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
@@ -59,11 +60,29 @@ def atomic_write(path: str, write: Callable[[str], None]) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+    finally:
+        _UNFINISHED.discard(tmp)
     dir_fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+_UNFINISHED: set = set()  # temporary files of writes in progress in this process
+
+
+def remove_unfinished_writes() -> List[str]:
+    """Delete the temporary files of writes in progress (a process about to exit at once, on
+    Ctrl-C): no half-written file is left behind; finished files were renamed into place whole."""
+    removed = []
+    for tmp in list(_UNFINISHED):
+        try:
+            os.unlink(tmp)
+            removed.append(tmp)
+        except OSError:
+            pass
+    return removed
 
 
 def refuse_overwriting_inputs(outputs: Iterable[str], inputs: Iterable[str]) -> None:

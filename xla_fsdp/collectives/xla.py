@@ -19,7 +19,7 @@ from .base import Collectives
 from .host_exchange import thread_exchange
 from .xla_gradients import install_gradient_fetch
 from .thread_safety import install_shared_safe_globals
-from .xla_launch import install_failure_reporting
+from .xla_launch import install_failure_reporting, install_interrupt_handling
 from .xla_user import install_user_collectives, is_threaded_cpu, reset_user_channels
 
 ENV_DEFAULTS_CPU = {
@@ -49,6 +49,7 @@ def configure_cpu_environment() -> None:
         install_safe_sync()
         install_user_collectives()
         install_failure_reporting()
+        install_interrupt_handling()
         install_shared_safe_globals()
 
 

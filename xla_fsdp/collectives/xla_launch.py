@@ -1,18 +1,29 @@
-"""A rank thread that fails tells its peers (several XLA:CPU devices are threads of one process).
+"""Rank threads that fail or are interrupted stop together (several XLA:CPU devices are threads of one process).
 
 ``torch_xla.launch`` reports a rank's error only once every rank thread has returned, so one rank
 that raised (a missing file, a bad batch) left the others waiting in a host exchange for 10
 minutes, or in a device rendezvous until XLA aborted the process and the error was never shown.
 Here the failing rank prints its traceback at once and wakes its peers, which raise an error
 naming it (:func:`.host_exchange.report_rank_failure`).
+
+Ctrl-C did not stop the rank threads either (training ran to its end, minutes later, then printed
+a traceback): in the device process it now removes unfinished checkpoint writes and exits 130 at
+once; the launching process passes the signal on to its device processes.
 """
 from __future__ import annotations
 
 import functools
+import multiprocessing
+import os
+import signal
 import sys
+import threading
 import traceback
+from typing import Any, Callable, Dict
 
 from .host_exchange import report_rank_failure
+
+_ORIGINALS: Dict[str, Callable[..., Any]] = {}
 
 
 def install_failure_reporting() -> None:
@@ -40,3 +51,63 @@ def install_failure_reporting() -> None:
 
     call._xla_fsdp_reports_failures = True
     pjrt._SpawnFn.__call__ = call
+
+
+def install_interrupt_handling() -> None:
+    """Ctrl-C stops XLA:CPU training at once (see the module docstring); idempotent."""
+    from torch_xla._internal import pjrt
+
+    if "run_thread_per_device" in _ORIGINALS:
+        return
+    _ORIGINALS["run_thread_per_device"] = pjrt._run_thread_per_device
+    _ORIGINALS["run_multiprocess"] = pjrt.run_multiprocess
+    pjrt._run_thread_per_device = run_thread_per_device_stoppable
+    pjrt.run_multiprocess = functools.wraps(pjrt.run_multiprocess)(_run_multiprocess_forwarding)
+
+
+def run_thread_per_device_stoppable(local_rank, local_world_size, fn, initializer_fn):
+    """torch_xla's device-process body (it starts the rank threads), where SIGINT ends the process."""
+    from torch_xla._internal import pjrt
+
+    original = _ORIGINALS.get("run_thread_per_device", pjrt._run_thread_per_device)
+    if threading.current_thread() is not threading.main_thread():
+        return original(local_rank, local_world_size, fn, initializer_fn)
+    previous = signal.signal(signal.SIGINT, _stop_now)
+    try:
+        return original(local_rank, local_world_size, fn, initializer_fn)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _stop_now(signum, frame) -> None:
+    from ..checkpoints.files import remove_unfinished_writes
+
+    removed = remove_unfinished_writes()
+    note = f" (removed {len(removed)} unfinished checkpoint file(s))" if removed else ""
+    os.write(2, f"\nxla_fsdp: interrupted: stopped every rank{note}\n".encode())
+    os._exit(130)
+
+
+def _run_multiprocess_forwarding(*args, **kwargs):
+    """The launching process: pass SIGINT on to the device processes (which may not share its
+    process group), then let it interrupt this one as usual."""
+    if threading.current_thread() is not threading.main_thread():
+        return _ORIGINALS["run_multiprocess"](*args, **kwargs)
+    previous = signal.getsignal(signal.SIGINT)
+
+    def forward(signum, frame):
+        for child in multiprocessing.active_children():
+            try:
+                os.kill(child.pid, signal.SIGINT)
+            except ProcessLookupError:
+                pass
+        if callable(previous):
+            previous(signum, frame)
+        else:
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, forward)
+    try:
+        return _ORIGINALS["run_multiprocess"](*args, **kwargs)
+    finally:
+        signal.signal(signal.SIGINT, previous)
