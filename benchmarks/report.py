@@ -61,6 +61,12 @@ def _fmt(x: Any, spec: str = ".3f") -> str:
     return "–" if x is None else format(x, spec)
 
 
+def _cell(value) -> str:
+    if value is None:
+        return "–"
+    return _fmt(value, ".3f") if isinstance(value, float) else _fmt(value, "d")
+
+
 def ideal_bytes(row: Dict, kind: str) -> float:
     """total / N: what a rank would hold if all state were split evenly (DDP shows N x)."""
     return row["param_bytes"] * IDEAL_COPIES[kind] / row["ws"]
@@ -114,9 +120,16 @@ def targets(data: Dict) -> List[Tuple[str, str, Optional[float], str, bool]]:
     cons = data.get("consolidation")
     if cons:
         peak = cons["contenders"]["xla_fsdp streaming CLI"]["above_baseline_mib"]
-        out.append(("checkpoint", f"consolidation peak RSS above the interpreter's after-import RSS, MiB "
-                                  f"({cons['checkpoint_total_mib']:.0f} MiB ckpt; bound = largest shard file + 2 x largest tensor)",
-                    peak, f"<= {cons['bound_mib']:.0f}", peak <= cons["bound_mib"]))
+        out.append(
+            (
+                "checkpoint",
+                f"consolidation peak RSS above the interpreter's after-import RSS, MiB "
+                f"({cons['checkpoint_total_mib']:.0f} MiB ckpt; bound = largest shard file + 2 x largest tensor)",
+                peak,
+                f"<= {cons['bound_mib']:.0f}",
+                peak <= cons["bound_mib"],
+            )
+        )
     scale = data.get("scale")
     if scale and scale.get("xla_fsdp", {}).get("largest_params"):
         ours = scale["xla_fsdp"]["largest_params"] / 1e6
@@ -143,10 +156,15 @@ def markdown(data: Dict) -> str:
         spec = {k: v for k, v in data["workloads"][wl].items()
                 if k in (("kind", "batch", "d_model", "layers", "heads", "vocab", "seq") if kind == "lm"
                          else ("kind", "batch", "image", "classes"))}
-        lines += [f"## {wl}", "", "`" + ", ".join(f"{k}={v}" for k, v in spec.items()) + "` (batch per rank)", "",
-                  "| contender | transport | ws | median step s | x ours | state MiB | / ideal | peak RSS MiB per process | "
-                  "collective bytes / param bytes | new compiles after step 2 | last loss | status |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            f"## {wl}",
+            "",
+            "`" + ", ".join(f"{k}={v}" for k, v in spec.items()) + "` (batch per rank)",
+            "",
+            "| contender | transport | ws | median step s | x ours | state MiB | / ideal | peak RSS MiB per process | "
+            "collective bytes / param bytes | new compiles after step 2 | last loss | status |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for r in rows:
             fam = FAMILY[r["contender"]]
             if "median_step_s" not in r:
@@ -194,16 +212,24 @@ def markdown(data: Dict) -> str:
         lines.append("")
     cons = data.get("consolidation")
     if cons:
-        lines += [f"## Consolidation of a {cons['checkpoint_total_mib']:.0f} MiB checkpoint ({cons['world_size']} ranks)", "",
-                  "| contender | seconds | peak RSS MiB | above baseline MiB |", "|---|---|---|---|"]
+        lines += [
+            f"## Consolidation of a {cons['checkpoint_total_mib']:.0f} MiB checkpoint ({cons['world_size']} ranks)",
+            "",
+            "| contender | seconds | peak RSS MiB | above baseline MiB |",
+            "|---|---|---|---|",
+        ]
         for name, c in cons["contenders"].items():
             lines.append(f"| {name} | {c['seconds']:.1f} | {c['peak_rss_mib']:.0f} | {c['above_baseline_mib']:.0f} |")
         lines.append("")
     scale = data.get("scale")
     if scale:
-        lines += ["## Largest transformer for one AdamW step at ws 4 (gloo, process tree RSS limit "
-                  f"{scale.get('limit_gib', '?')} GiB{'; measured ' + scale['date'] if 'date' in scale else ''})", "", "| contender | layers (d_model 2048) | params M | result | "
-                  "step s | peak tree RSS GiB |", "|---|---|---|---|---|---|"]
+        lines += [
+            "## Largest transformer for one AdamW step at ws 4 (gloo, process tree RSS limit "
+            f"{scale.get('limit_gib', '?')} GiB{'; measured ' + scale['date'] if 'date' in scale else ''})",
+            "",
+            "| contender | layers (d_model 2048) | params M | result | step s | peak tree RSS GiB |",
+            "|---|---|---|---|---|---|",
+        ]
         for name in ("xla_fsdp", "ddp"):
             for p in scale.get(name, {}).get("probes", []):
                 lines.append(f"| {name} | {p['layers']} | {p['params'] / 1e6:.0f} | {p['result']} | "
@@ -211,7 +237,9 @@ def markdown(data: Dict) -> str:
         lines.append("")
     lines += ["## Targets", "", "| workload | target | measured | bound | met |", "|---|---|---|---|---|"]
     for wl, name, value, bound, met in targets(data):
-        lines.append(f"| {wl} | {name} | {_fmt(value, '.3f') if isinstance(value, float) else _fmt(value, 'd') if value is not None else '–'} | {bound} | {'yes' if met else 'NO'} |")
+        lines.append(
+            f"| {wl} | {name} | {_cell(value)} | {bound} | {'yes' if met else 'NO'} |"
+        )
     return "\n".join(lines) + "\n"
 
 

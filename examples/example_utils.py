@@ -73,9 +73,11 @@ def launch(fn: Callable[[RankContext, object], None], args) -> None:
     if args.transport == "torch" and args.num_devices is not None:
         world = os.environ.get("WORLD_SIZE", "1")
         if str(args.num_devices) != world:
-            raise SystemExit(f"error: --num_devices {args.num_devices} sets XLA:CPU devices, but --transport torch runs "
-                             f"{world} gloo rank(s) as started: run torchrun --nproc_per_node {args.num_devices} "
-                             f"{os.path.basename(sys.argv[0])} --transport torch (without --num_devices)")
+            raise SystemExit(
+                f"error: --num_devices {args.num_devices} sets XLA:CPU devices, but --transport torch runs "
+                f"{world} gloo rank(s) as started: run torchrun --nproc_per_node {args.num_devices} "
+                f"{os.path.basename(sys.argv[0])} --transport torch (without --num_devices)"
+            )
     if args.transport == "torch":
         import torch.distributed as dist
         if "RANK" not in os.environ:  # plain `python ...`: a one-rank group
@@ -86,7 +88,7 @@ def launch(fn: Callable[[RankContext, object], None], args) -> None:
             fn(RankContext(dist.get_rank(), dist.get_world_size(), torch.device("cpu"), lambda: None, "torch"), args)
         except KeyboardInterrupt:
             print("interrupted", file=sys.stderr)
-            raise SystemExit(130)
+            raise SystemExit(130) from None
         finally:
             dist.destroy_process_group()
         return
@@ -99,7 +101,7 @@ def launch(fn: Callable[[RankContext, object], None], args) -> None:
         torch_xla.launch(_xla_entry, args=(fn, args))
     except KeyboardInterrupt:  # the device processes stopped (xla_fsdp removed unfinished files)
         print("interrupted", file=sys.stderr)
-        raise SystemExit(130)
+        raise SystemExit(130) from None
 
 
 def state_bytes(model, optimizer) -> dict:

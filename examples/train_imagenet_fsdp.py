@@ -15,7 +15,6 @@ import os
 import time
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 from example_utils import ON_TPU, add_launch_flags, compilations, launch, peak_rss_mib, seeded, state_bytes

@@ -97,8 +97,12 @@ def train(ctx, args):
     n_params = sum(p.numel() for p in model.parameters())
     full_mib = n_params * 4 * 4 / 2 ** 20  # fp32 params + grads + AdamW exp_avg + exp_avg_sq
     with seeded(0):  # param_init_fn draws the weights unit by unit
-        model = FSDP(model, auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block}),
-                     param_init_fn=init_unit, transport=args.transport)
+        model = FSDP(
+            model,
+            auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block}),
+            param_init_fn=init_unit,
+            transport=args.transport,
+        )
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
     g = torch.Generator().manual_seed(ctx.rank)
     start = None

@@ -65,7 +65,10 @@ def batches(args, rank: int, world_size: int):
     if args.datadir and not args.fake_data:
         import torchvision
         import torchvision.transforms as T
-        root = os.path.join(args.datadir, "train") if os.path.isdir(os.path.join(args.datadir, "train")) else args.datadir
+
+        root = (
+            os.path.join(args.datadir, "train") if os.path.isdir(os.path.join(args.datadir, "train")) else args.datadir
+        )
         ds = torchvision.datasets.ImageFolder(root, T.Compose([
             T.RandomResizedCrop(args.image_size), T.RandomHorizontalFlip(), T.ToTensor(),
             T.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])]))
@@ -105,7 +108,10 @@ def train(ctx, args):
         loss.backward()
         opt.step()
         ctx.sync()
-        bar.set_postfix(loss=f"{loss.item():.4f}", samples_s=f"{(step + 1) * args.batch_size * ctx.world_size / max(time.perf_counter() - start, 1e-9):.1f}")
+        bar.set_postfix(
+            loss=f"{loss.item():.4f}",
+            samples_s=f"{(step + 1) * args.batch_size * ctx.world_size / max(time.perf_counter() - start, 1e-9):.1f}",
+        )
     elapsed = time.perf_counter() - start
     steps = total - warm
     b = state_bytes(model, opt)

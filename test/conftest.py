@@ -1,5 +1,8 @@
+import fnmatch
 import os
+import shutil
 import sys
+import tempfile
 
 import pytest
 
@@ -7,6 +10,46 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+# What tests, their subprocesses and the libraries they drive leave in a temp folder: tempfile's
+# tmp*, multiprocessing's pymp-*, torchrun's error files and run dirs, pytest's own folder.
+TEMP_LITTER = ["tmp*", "pymp-*", "pytorch-errorfile-*", "torchelastic_*", "pytest-of-*", "xla_fsdp-tests-*"]
+_TEMP = {}
+
+
+def pytest_configure(config):
+    """Every temp path of the session (pytest's tmp_path, tempfile in tests and in the processes
+    they start) goes to one private folder, removed at the end of a passing session."""
+    system = tempfile.gettempdir()
+    _TEMP.update(system=system, before=set(os.listdir(system)), tmpdir=os.environ.get("TMPDIR"))
+    private = tempfile.mkdtemp(prefix="xla_fsdp-tests-")
+    _TEMP["private"] = private
+    os.environ["TMPDIR"] = private  # inherited by subprocesses and spawned ranks
+    tempfile.tempdir = private
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Fail the session when the system temp folder gained entries (tests clean up after themselves)."""
+    if "private" not in _TEMP:
+        return
+    tempfile.tempdir = None
+    if _TEMP["tmpdir"] is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = _TEMP["tmpdir"]
+    if exitstatus == 0:
+        shutil.rmtree(_TEMP["private"], ignore_errors=True)
+    else:
+        print(f"\ntemp files of this session kept in {_TEMP['private']}")
+    gained = sorted(
+        name
+        for name in set(os.listdir(_TEMP["system"])) - _TEMP["before"]
+        if any(fnmatch.fnmatch(name, p) for p in TEMP_LITTER) and name != os.path.basename(_TEMP["private"])
+    )
+    if gained:
+        print(f"\nthe test session left {len(gained)} entries in {_TEMP['system']}: {gained[:10]}")
+        session.exitstatus = 1
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -19,16 +62,18 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line("per-rank params+grads+optimizer bytes (max over ranks) vs ideal total/N:")
         terminalreporter.write_line("  transport ws config                       bytes     ideal  ratio  padding")
         for transport, ws, name, got, ideal, pad in sorted(module.BYTES):
-            terminalreporter.write_line(f"  {transport:9s} {ws:2d} {name:25s} {got:9d} {ideal:9.0f}  {got / ideal:5.3f}  {pad:7.0f}")
+            terminalreporter.write_line(
+                f"  {transport:9s} {ws:2d} {name:25s} {got:9d} {ideal:9.0f}  {got / ideal:5.3f}  {pad:7.0f}"
+            )
 
 
 @pytest.fixture(scope="module")
-def gloo():
+def gloo(tmp_path_factory):
     """A one-rank gloo group in this process, for single-rank API tests (multi-rank cases spawn
     real ranks through harness.run_gloo / run_xla)."""
-    import tempfile
     import torch.distributed as dist
     if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"file://{tempfile.mktemp()}", rank=0, world_size=1)
+        store = tmp_path_factory.mktemp("gloo") / "store"
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     yield
     dist.destroy_process_group()

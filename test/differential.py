@@ -91,9 +91,10 @@ def _exact(p: Program, world_size: int) -> bool:
     Every rank must run every unit (a unit's gather is a collective, in PyTorch's FSDP too), so a
     branch that some ranks skip is never a unit of its own. A flat shard must be used whole or not
     at all in a step: the branch layer has flat shards of its own only as its own unit, so a branch
-    inside another unit's flat shard is drawn only where some rank uses it in every step. BatchNorm is drawn with fp32 compute only: in bf16, batch
-    statistics of 3 samples turn rounding into gradient differences of 20 % and more against the
-    fp32 reference (README: keep BatchNorm in an fp32 unit)."""
+    inside another unit's flat shard is drawn only where some rank uses it in every step. BatchNorm
+    is drawn with fp32 compute only: in bf16, batch statistics of 3 samples turn rounding into
+    gradient differences of 20 % and more against the fp32 reference (README: keep BatchNorm in an
+    fp32 unit)."""
     if p.dtype == "bf16" and p.batchnorm:
         return False
     if p.tied != "none" and p.wrap == "nested":

@@ -3,7 +3,6 @@ and unsharded in one process, so tests can compare the two."""
 from __future__ import annotations
 
 import atexit
-import copy
 import functools
 import os
 import shutil
@@ -69,63 +68,117 @@ CONFIGS: Dict[str, Dict[str, Any]] = {  # noqa: E501
     "zero2_root_sgd": dict(model="mlp", opt="sgd", wrap=lambda m: FSDP(m, reshard_after_forward=False)),
     "flatten_nested_adamw": dict(model="mlp", opt="adamw", wrap=_nested(flatten_parameters=True), check_freed=True),
     "dim0_nested_sgd": dict(model="mlp", opt="sgd", wrap=_nested(shard_param_on_dim_0=True), check_freed=True),
-    "autowrap_size_flat_sgd": dict(model="mlp", opt="sgd", wrap=lambda m: FSDP(
-        m, flatten_parameters=True,
-        auto_wrap_policy=functools.partial(size_based_auto_wrap_policy, min_num_params=100))),
+    "autowrap_size_flat_sgd": dict(
+        model="mlp",
+        opt="sgd",
+        wrap=lambda m: FSDP(
+            m,
+            flatten_parameters=True,
+            auto_wrap_policy=functools.partial(size_based_auto_wrap_policy, min_num_params=100),
+        ),
+    ),
     "autowrap_type_lm_adamw": dict(model="lm", opt="adamw", wrap=lambda m: FSDP(m, auto_wrap_policy=BLOCK_POLICY)),
-    "autowrap_type_lm_flat_sgd": dict(model="lm", opt="sgd", wrap=lambda m: FSDP(
-        m, flatten_parameters=True, auto_wrap_policy=BLOCK_POLICY)),
-    "checkpoint_lm_adamw": dict(model="lm", opt="adamw", wrap=lambda m: FSDP(
-        m, auto_wrap_policy=BLOCK_POLICY,
-        auto_wrapper_callable=lambda mod, *a, **kw: FSDP(checkpoint_module(mod), *a, **kw))),
+    "autowrap_type_lm_flat_sgd": dict(
+        model="lm", opt="sgd", wrap=lambda m: FSDP(m, flatten_parameters=True, auto_wrap_policy=BLOCK_POLICY)
+    ),
+    "checkpoint_lm_adamw": dict(
+        model="lm",
+        opt="adamw",
+        wrap=lambda m: FSDP(
+            m,
+            auto_wrap_policy=BLOCK_POLICY,
+            auto_wrapper_callable=lambda mod, *a, **kw: FSDP(checkpoint_module(mod), *a, **kw),
+        ),
+    ),
     "frozen_flat_adamw": dict(model="frozen", opt="adamw", wrap=_nested(flatten_parameters=True)),
     "frozen_param_sgd": dict(model="frozen", opt="sgd", wrap=_nested()),
     "tied_param_adamw": dict(model="tied", opt="adamw", wrap=lambda m: FSDP(m)),
     "tied_flat_sgd": dict(model="tied", opt="sgd", wrap=lambda m: FSDP(m, flatten_parameters=True)),
-    "tiny_param_sgd": dict(model="tiny", opt="sgd", wrap=lambda m: FSDP(
-        m, auto_wrap_policy=functools.partial(lambda_auto_wrap_policy, lambda_fn=_policy_linear))),
+    "tiny_param_sgd": dict(
+        model="tiny",
+        opt="sgd",
+        wrap=lambda m: FSDP(m, auto_wrap_policy=functools.partial(lambda_auto_wrap_policy, lambda_fn=_policy_linear)),
+    ),
     "tiny_dim0_adamw": dict(model="tiny", opt="adamw", wrap=lambda m: FSDP(m, shard_param_on_dim_0=True)),
-    "convbn_sgd": dict(model="convbn", opt="sgd", wrap=lambda m: FSDP(
-        m, auto_wrap_policy=functools.partial(
-            lambda_auto_wrap_policy, lambda_fn=lambda x: isinstance(x, (nn.Conv2d, nn.BatchNorm2d))))),
+    "convbn_sgd": dict(
+        model="convbn",
+        opt="sgd",
+        wrap=lambda m: FSDP(
+            m,
+            auto_wrap_policy=functools.partial(
+                lambda_auto_wrap_policy, lambda_fn=lambda x: isinstance(x, (nn.Conv2d, nn.BatchNorm2d))
+            ),
+        ),
+    ),
     "no_sync_adamw": dict(model="mlp", opt="adamw", wrap=_nested(), micro=2),
-    "no_sync_flat_sgd": dict(model="mlp", opt="sgd", wrap=_nested(flatten_parameters=True, reshard_after_forward=False), micro=2),
+    "no_sync_flat_sgd": dict(
+        model="mlp", opt="sgd", wrap=_nested(flatten_parameters=True, reshard_after_forward=False), micro=2
+    ),
     "clip_adamw": dict(model="mlp", opt="adamw", wrap=_nested(), clip=0.05),
     # bf16 compute with BatchNorm buffers stored in bf16: for checkpoint round trips (buffer dtypes
     # restored); its losses follow bf16 numerics, so it is not in the fp32 equivalence set.
-    "convbn_bf16_sgd": dict(model="convbn", opt="sgd", equivalence=False, wrap=lambda m: FSDP(
-        m, compute_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16, auto_wrap_policy=functools.partial(
-            lambda_auto_wrap_policy, lambda_fn=lambda x: isinstance(x, nn.Conv2d)))),
+    "convbn_bf16_sgd": dict(
+        model="convbn",
+        opt="sgd",
+        equivalence=False,
+        wrap=lambda m: FSDP(
+            m,
+            compute_dtype=torch.bfloat16,
+            buffer_dtype=torch.bfloat16,
+            auto_wrap_policy=functools.partial(lambda_auto_wrap_policy, lambda_fn=lambda x: isinstance(x, nn.Conv2d)),
+        ),
+    ),
     "strategy_full_shard_adamw": dict(model="mlp", opt="adamw", wrap=_strategy("FULL_SHARD"), check_freed=True),
-    "strategy_shard_grad_op_adamw": dict(model="mlp", opt="adamw", wrap=_strategy("SHARD_GRAD_OP"),
-                                         check_kept=True),
+    "strategy_shard_grad_op_adamw": dict(model="mlp", opt="adamw", wrap=_strategy("SHARD_GRAD_OP"), check_kept=True),
     "strategy_no_shard_adamw": dict(model="mlp", opt="adamw", wrap=_strategy("NO_SHARD"), check_kept=True),
     "strategy_hybrid_adamw": dict(model="mlp", opt="adamw", wrap=_strategy("HYBRID_SHARD"), check_freed=True),
-    "strategy_hybrid_zero2_flat_sgd": dict(model="mlp", opt="sgd", check_kept=True, wrap=_strategy(
-        "HYBRID_SHARD_ZERO2", flatten_parameters=True)),
+    "strategy_hybrid_zero2_flat_sgd": dict(
+        model="mlp", opt="sgd", check_kept=True, wrap=_strategy("HYBRID_SHARD_ZERO2", flatten_parameters=True)
+    ),
     # AdamW groups by original name (no decay on biases/norms) over flattened, auto-wrapped units.
-    "wd_groups_flat_lm_adamw": dict(model="lm", opt="adamw_groups", tol=1e-6, wrap=lambda m: FSDP(
-        m, flatten_parameters=True, auto_wrap_policy=BLOCK_POLICY,
-        flatten_group_fn=lambda name, p: no_decay(name))),
+    "wd_groups_flat_lm_adamw": dict(
+        model="lm",
+        opt="adamw_groups",
+        tol=1e-6,
+        wrap=lambda m: FSDP(
+            m, flatten_parameters=True, auto_wrap_policy=BLOCK_POLICY, flatten_group_fn=lambda name, p: no_decay(name)
+        ),
+    ),
     # Mixed precision: bf16 compute, fp32 master shards, fp32 reduce-scatter and logits; tracks
     # the fp32 loss curve (test_mixed_precision), not bit-equivalent.
-    "mp_bf16_lm_adamw": dict(model="lm", opt="adamw", equivalence=False, wrap=lambda m: FSDP(
-        m, compute_dtype=torch.bfloat16, fp32_reduce_scatter=True, output_dtype=torch.float32,
-        auto_wrap_policy=BLOCK_POLICY)),
+    "mp_bf16_lm_adamw": dict(
+        model="lm",
+        opt="adamw",
+        equivalence=False,
+        wrap=lambda m: FSDP(
+            m,
+            compute_dtype=torch.bfloat16,
+            fp32_reduce_scatter=True,
+            output_dtype=torch.float32,
+            auto_wrap_policy=BLOCK_POLICY,
+        ),
+    ),
     # The unit order changes every step: prefetches by the last forward's order miss and must be
     # drained (ZeRO-3 freeing checked every step).
-    "reorder_lm_adamw": dict(model="lm_reorder", opt="adamw", check_freed=True, wrap=lambda m: FSDP(
-        m, auto_wrap_policy=BLOCK_POLICY)),
+    "reorder_lm_adamw": dict(
+        model="lm_reorder", opt="adamw", check_freed=True, wrap=lambda m: FSDP(m, auto_wrap_policy=BLOCK_POLICY)
+    ),
     # torch.distributed joins a unit's small groups into one collective and gathers large ones
     # alone: lowered threshold, so every unit of this tiny model mixes both paths.
-    "coalesce_mixed_lm_adamw": dict(model="lm", opt="adamw", wrap=lambda m: FSDP(
-        m, auto_wrap_policy=BLOCK_POLICY, _solo_collective_numel=256), check_freed=True),
+    "coalesce_mixed_lm_adamw": dict(
+        model="lm",
+        opt="adamw",
+        wrap=lambda m: FSDP(m, auto_wrap_policy=BLOCK_POLICY, _solo_collective_numel=256),
+        check_freed=True,
+    ),
     # The tied embedding/head weight is used by two units (and the root, which owns it): GPT-2
     # under a policy that wraps the embedding and the head.
-    "tied_across_units_adamw": dict(model="lm_tied", opt="adamw", wrap=lambda m: FSDP(
-        m, auto_wrap_policy=TIED_SPLIT_POLICY), check_freed=True),
-    "tied_across_units_flat_sgd": dict(model="lm_tied", opt="sgd", wrap=lambda m: FSDP(
-        m, flatten_parameters=True, auto_wrap_policy=TIED_SPLIT_POLICY)),
+    "tied_across_units_adamw": dict(
+        model="lm_tied", opt="adamw", wrap=lambda m: FSDP(m, auto_wrap_policy=TIED_SPLIT_POLICY), check_freed=True
+    ),
+    "tied_across_units_flat_sgd": dict(
+        model="lm_tied", opt="sgd", wrap=lambda m: FSDP(m, flatten_parameters=True, auto_wrap_policy=TIED_SPLIT_POLICY)
+    ),
     "clip_lm_sgd": dict(model="lm", opt="sgd", wrap=lambda m: FSDP(m, auto_wrap_policy=BLOCK_POLICY), clip=0.5),
 }
 NO_SYNC_MICRO = 2

@@ -90,8 +90,13 @@ def _mp_fn(index, flags):
     metrics = trainer.evaluate()
     if xr.global_ordinal() == 0:
         losses = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
-        result = {"world_size": world_size, "losses": losses, "steps_run": counter.steps, "eval_loss": metrics["eval_loss"],
-                  "fsdp_class": f"{type(trainer.model).__module__}.{type(trainer.model).__name__}"}
+        result = {
+            "world_size": world_size,
+            "losses": losses,
+            "steps_run": counter.steps,
+            "eval_loss": metrics["eval_loss"],
+            "fsdp_class": f"{type(trainer.model).__module__}.{type(trainer.model).__name__}",
+        }
         with open(os.path.join(flags.out, "result.json"), "w") as f:
             json.dump(result, f)
 

@@ -133,7 +133,16 @@ class TiedLM(TinyLM):
         self.head.weight = self.emb.weight
 
 
-MODELS = {"mlp": MLP, "tiny": TinyParams, "frozen": FrozenMLP, "tied": TiedMLP, "convbn": ConvBN, "lm": TinyLM, "lm_reorder": ReorderLM, "lm_tied": TiedLM}
+MODELS = {
+    "mlp": MLP,
+    "tiny": TinyParams,
+    "frozen": FrozenMLP,
+    "tied": TiedMLP,
+    "convbn": ConvBN,
+    "lm": TinyLM,
+    "lm_reorder": ReorderLM,
+    "lm_tied": TiedLM,
+}
 
 
 def make_model(name: str, seed: int = 0) -> nn.Module:

@@ -1,9 +1,6 @@
 """Public API behaviour, misuse errors and the torch_xla defects fixed here (single rank)."""
 import copy
 import functools
-import os
-import tempfile
-import warnings
 
 import pytest
 import torch
@@ -55,7 +52,9 @@ def test_an_optimizer_built_before_wrapping_is_an_error_not_a_silent_no_op(gloo,
         model.fc1 = FSDP(model.fc1)
     wrapped = FSDP(model)
     wrapped(torch.randn(2, 12)).sum().backward()
-    with pytest.raises(RuntimeError, match=r"SGD was built before the model was wrapped: \d+ of its \d+ .*after wrapping"):
+    with pytest.raises(
+        RuntimeError, match=r"SGD was built before the model was wrapped: \d+ of its \d+ .*after wrapping"
+    ):
         early.step()
     late = torch.optim.SGD(wrapped.parameters(), lr=0.1)
     before = [p.detach().clone() for p in wrapped.parameters()]
@@ -161,8 +160,6 @@ def test_submodule_used_only_in_forward(gloo):
 
 def test_meta_device_init(gloo):
     def init_fn(module):
-        for name, p in list(module.named_parameters(recurse=False)):
-            pass
         module.to_empty(device="cpu", recurse=True)
         g = torch.Generator().manual_seed(7)
         with torch.no_grad():

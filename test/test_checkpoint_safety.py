@@ -161,7 +161,9 @@ def test_written_files_get_the_umask_mode_and_other_files_a_clear_error(ckpts, t
     _copy(ckpts, tmp_path)
     old = os.umask(0o022)
     try:
-        assert consolidate_cli(["--ckpt_prefix", str(tmp_path / "ours"), "--save_path", str(tmp_path / "full.pth")]) == 0
+        assert (
+            consolidate_cli(["--ckpt_prefix", str(tmp_path / "ours"), "--save_path", str(tmp_path / "full.pth")]) == 0
+        )
         assert reshard_cli(["--ckpt_prefix", str(tmp_path / "ours"), "--world_size", "1",
                             "--out_prefix", str(tmp_path / "one")]) == 0
     finally:
@@ -255,7 +257,10 @@ def test_fuzz_random_damage_is_never_silent(ckpts, tmp_path, capsys, writer):
         assert _digests(work) == before, kind
         shutil.rmtree(work)
         outcomes[(kind, outcome)] = outcomes.get((kind, outcome), 0) + 1
-    print(f"\nfuzz ({writer}, {trials} trials): " + ", ".join(f"{k} -> {o}: {n}" for (k, o), n in sorted(outcomes.items())))
+    print(
+        f"\nfuzz ({writer}, {trials} trials): "
+        + ", ".join(f"{k} -> {o}: {n}" for (k, o), n in sorted(outcomes.items()))
+    )
     assert sum(n for (k, o), n in outcomes.items() if o == "refused") >= trials // 2
 
 
@@ -318,7 +323,7 @@ def test_every_rank_raises_when_one_rank_file_is_damaged(transport, tmp_path, mo
     assert "no rank has loaded anything" in peer and own_untouched and peer_untouched
 
 
-# ----------------------------------------------------------------------------- 7. a prefix re-used at another world size
+# ------------------------------------------------------------- 7. a prefix re-used at another world size
 def test_a_save_replaces_an_older_checkpoint_of_another_world_size(ckpts, tmp_path, gloo, capsys):
     """An example re-run with another device count and the default prefix trained fully, then died
     with 'different world sizes' because the old rank files remained."""
@@ -330,7 +335,9 @@ def test_a_save_replaces_an_older_checkpoint_of_another_world_size(ckpts, tmp_pa
     model = FSDP(models.MLP())
     with pytest.warns(UserWarning, match="replaced an older checkpoint.*ours_rank-00000001-of-00000002.pth"):
         xla_fsdp.save_sharded_checkpoint(model, None, prefix)
-    assert sorted(f for f in os.listdir(tmp_path) if f.startswith("ours_rank")) == ["ours_rank-00000000-of-00000001.pth"]
+    assert sorted(f for f in os.listdir(tmp_path) if f.startswith("ours_rank")) == [
+        "ours_rank-00000000-of-00000001.pth"
+    ]
     assert sorted(f for f in os.listdir(tmp_path) if f.startswith("plain_")) == [  # other prefixes untouched
         "plain_rank-00000000-of-00000002.pth", "plain_rank-00000001-of-00000002.pth"]
     assert consolidate_cli(["--ckpt_prefix", prefix]) == 0

@@ -234,7 +234,6 @@ def test_kill_during_save_never_leaves_a_bad_file(tmp_path):
 
 def _torch_xla_fsdp_checkpoint(prefix):
     """Train torch_xla's own XlaFullyShardedDataParallel one step and save it its documented way."""
-    import torch.nn as nn
     import torch_xla
     import torch_xla.core.xla_model as xm
     from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel as TorchXlaFSDP

@@ -46,7 +46,9 @@ def _check_same_signature(owner, theirs, ours):
         assert q.kind == p.kind, f"{owner}: '{p.name}' is {q.kind}, torch_xla's is {p.kind}"
         if (owner.split(".")[-1], p.name) not in DEFAULTS_DIFFER and p.default is not p.empty \
                 and not callable(p.default):
-            assert q.default == p.default, f"{owner}: '{p.name}' defaults to {q.default!r}, torch_xla's to {p.default!r}"
+            assert q.default == p.default, (
+                f"{owner}: '{p.name}' defaults to {q.default!r}, torch_xla's to {p.default!r}"
+            )
     extra = [q for name, q in mine.items() if name not in {p.name for p in want}]
     assert all(q.default is not q.empty or q.kind in (q.VAR_KEYWORD, q.VAR_POSITIONAL) for q in extra), \
         f"{owner}: extra parameters without defaults {extra}"
@@ -68,7 +70,10 @@ def test_the_wrapper_has_every_public_method_of_torch_xlas():
     from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel as Theirs
     from xla_fsdp import XlaFullyShardedDataParallel as Ours
     import torch.nn as nn
-    methods = [n for n, v in vars(Theirs).items() if not n.startswith("_") and callable(v) and not hasattr(nn.Module, n)]
+
+    methods = [
+        n for n, v in vars(Theirs).items() if not n.startswith("_") and callable(v) and not hasattr(nn.Module, n)
+    ]
     assert methods
     for name in methods:
         assert hasattr(Ours, name), f"XlaFullyShardedDataParallel.{name} is missing"
@@ -77,7 +82,7 @@ def test_the_wrapper_has_every_public_method_of_torch_xlas():
     assert all(isinstance(getattr(Ours, n, None), property) for n in properties), properties
 
 
-PROGRAM = '''
+PROGRAM = """
 import functools, os, sys
 import torch, torch.nn as nn
 import torch_xla, torch_xla.core.xla_model as xm, torch_xla.runtime as xr
@@ -99,12 +104,13 @@ def _mp_fn(index, folder):
             master_only=False)
     xm.rendezvous("saved")
     if xr.global_ordinal() == 0:
-        full, _ = consolidate_sharded_model_checkpoints(os.path.join(folder, "ckpt"), "_rank-*-of-*.pth", save_model=False)
+        full, _ = consolidate_sharded_model_checkpoints(os.path.join(folder, "ckpt"), "_rank-*-of-*.pth",
+                                                        save_model=False)
         print("RESULT", type(model).__module__, sorted(full), flush=True)
 
 if __name__ == "__main__":
     torch_xla.launch(_mp_fn, args=(sys.argv[1],))
-'''
+"""
 
 
 def test_an_unchanged_torch_xla_fsdp_program_runs_on_xla_fsdp(tmp_path):
@@ -120,10 +126,15 @@ def test_an_unchanged_torch_xla_fsdp_program_runs_on_xla_fsdp(tmp_path):
 
 
 def test_replace_in_process_swaps_the_names():
-    code = ("import xla_fsdp.compat as c; c.replace_torch_xla_fsdp(); "
-            "from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel as F; "
-            "from torch_xla.distributed.fsdp.wrap import transformer_auto_wrap_policy as p; "
-            "import torch_xla.distributed.fsdp.utils as u; print(F.__module__, p.__module__, u.checkpoint_module.__module__)")
+    code = (
+        "import xla_fsdp.compat as c; c.replace_torch_xla_fsdp(); "
+        "from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel as F; "
+        "from torch_xla.distributed.fsdp.wrap import transformer_auto_wrap_policy as p; "
+        "import torch_xla.distributed.fsdp.utils as u; "
+        "print(F.__module__, p.__module__, u.checkpoint_module.__module__)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env=dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    assert out.stdout.split() == ["xla_fsdp.fully_sharded_data_parallel", "xla_fsdp.wrap", "xla_fsdp.checkpoint"], out.stderr
+    assert out.stdout.split() == ["xla_fsdp.fully_sharded_data_parallel", "xla_fsdp.wrap", "xla_fsdp.checkpoint"], (
+        out.stderr
+    )

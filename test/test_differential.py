@@ -11,7 +11,6 @@ import os
 import pytest
 from hypothesis import HealthCheck, Phase, given, seed, settings
 
-import differential
 from differential import GlooRanks, Program, compare, programs, run_xla, train_reference
 
 NIGHTLY = os.environ.get("XLA_FSDP_DIFF_PROFILE") == "nightly"
@@ -76,14 +75,19 @@ def _draw(strategy, n: int):
 REGRESSIONS = {
     # 1: a load after a forward that had no backward was ignored (the units it left gathered kept
     #    their old full copy): root-only, nested ZeRO-3, ZeRO-2, NO_SHARD with bf16.
-    "load_after_forward_root": Program(scalar=False, wrap="root", reload=True, eval_before_reload=True, optimizer="adamw"),
+    "load_after_forward_root": Program(
+        scalar=False, wrap="root", reload=True, eval_before_reload=True, optimizer="adamw"
+    ),
     "load_after_forward_nested": Program(scalar=False, reload=True, eval_before_reload=True),
     "load_after_forward_zero2": Program(scalar=False, strategy="SHARD_GRAD_OP", reload=True, eval_before_reload=True),
-    "load_after_forward_no_shard_bf16": Program(scalar=False, strategy="NO_SHARD", dtype="bf16", reload=True,
-                                                eval_before_reload=True),
+    "load_after_forward_no_shard_bf16": Program(
+        scalar=False, strategy="NO_SHARD", dtype="bf16", reload=True, eval_before_reload=True
+    ),
     # 3: a layer used on some ranks only in a step (per-parameter layout) aborted the collectives.
     "branch_on_some_ranks": Program(scalar=False, branch="ranks", optimizer="adamw", steps=4),
-    "branch_on_some_ranks_root_zero2": Program(scalar=False, branch="ranks", wrap="root", strategy="SHARD_GRAD_OP", steps=4),
+    "branch_on_some_ranks_root_zero2": Program(
+        scalar=False, branch="ranks", wrap="root", strategy="SHARD_GRAD_OP", steps=4
+    ),
     "branch_on_some_ranks_no_shard": Program(scalar=False, branch="ranks", strategy="NO_SHARD", steps=4),
     # 2: a flat shard of its own (the branch's unit) unused on every rank keeps no gradient.
     "flat_branch_unit_unused": Program(scalar=False, layout="flat", branch="steps", optimizer="adamw", steps=4),

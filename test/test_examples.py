@@ -1,6 +1,5 @@
 """The scripts users run, run as users run them (subprocesses), with small flags."""
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -21,7 +20,7 @@ def run(args, timeout=400, env=None):
 
 
 def summary(out):
-    line = next(l for l in out.splitlines() if l.startswith("SUMMARY "))
+    line = next(text for text in out.splitlines() if text.startswith("SUMMARY "))
     return dict(kv.split("=", 1) for kv in line.split()[1:])
 
 

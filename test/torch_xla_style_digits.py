@@ -20,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import xla_fsdp  # noqa: E402  (before torch_xla's runtime starts: sets XLA:CPU up)
+import xla_fsdp  # noqa: E402,F401  (before torch_xla's runtime starts: sets XLA:CPU up)
 import torch_xla  # noqa: E402
 import torch_xla.core.xla_model as xm  # noqa: E402
 import torch_xla.distributed.parallel_loader as pl  # noqa: E402
@@ -62,7 +62,9 @@ def _mp_fn(index, flags):
     test = torch.utils.data.TensorDataset(test_x, test_y)
     train_sampler = torch.utils.data.distributed.DistributedSampler(train, world_size, rank, shuffle=True, seed=0)
     test_sampler = torch.utils.data.distributed.DistributedSampler(test, world_size, rank, shuffle=False)
-    train_loader = torch.utils.data.DataLoader(train, batch_size=flags.batch_size, sampler=train_sampler, drop_last=True)
+    train_loader = torch.utils.data.DataLoader(
+        train, batch_size=flags.batch_size, sampler=train_sampler, drop_last=True
+    )
     test_loader = torch.utils.data.DataLoader(test, batch_size=64, sampler=test_sampler)
     with BUILD:
         torch.manual_seed(1)

@@ -34,7 +34,10 @@ def main(argv=None) -> int:
         return 2
     md = ckpt.metadata
     print(f"checkpoint   {args.ckpt_prefix}")
-    print(f"format       {'torch_xla XlaFSDP (five-key metadata)' if ckpt.from_torch_xla else 'xla_fsdp v' + str(md.get('version'))}")
+    print(
+        "format       " + ("torch_xla XlaFSDP (five-key metadata)" if ckpt.from_torch_xla
+                             else f"xla_fsdp v{md.get('version')}")
+    )
     print(f"world size   {ckpt.world_size}   run id {md.get('run_id', '-')}   transport {md.get('transport', '-')}")
     print(f"flatten      {md.get('flatten_parameters', '-')}   dim-0 {md.get('shard_param_on_dim_0', '-')}   "
           f"pad multiple {md.get('shard_size_multiple', '-')}")
@@ -45,7 +48,7 @@ def main(argv=None) -> int:
     for f in ckpt.files:
         print(f"  {os.path.basename(f.path)}  {_mib(os.path.getsize(f.path))}")
     if args.tensors:
-        for key, e in ckpt.layout.items():
+        for e in ckpt.layout.values():
             print(f"  [{e['mode']}] {', '.join(e['names'])}  shapes {e['shapes']}  padded {e['padded_numel']}"
                   f"  shard {e['shard_shape']}")
     try:

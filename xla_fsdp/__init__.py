@@ -15,6 +15,15 @@ from .compat import replace_torch_xla_fsdp  # noqa: E402
 from .fully_sharded_data_parallel import XlaFullyShardedDataParallel  # noqa: E402
 from .strategy import ShardingStrategy  # noqa: E402
 
-__all__ = ["ShardingStrategy", "XlaFullyShardedDataParallel", "checkpoint_module", "consolidate_sharded_model_checkpoints",
-           "load_sharded_checkpoint", "replace_torch_xla_fsdp", "reshard_checkpoint", "save_sharded_checkpoint", "sync",
-           "__version__"]
+__all__ = [
+    "ShardingStrategy",
+    "XlaFullyShardedDataParallel",
+    "checkpoint_module",
+    "consolidate_sharded_model_checkpoints",
+    "load_sharded_checkpoint",
+    "replace_torch_xla_fsdp",
+    "reshard_checkpoint",
+    "save_sharded_checkpoint",
+    "sync",
+    "__version__",
+]

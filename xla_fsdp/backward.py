@@ -93,8 +93,10 @@ class GradientReduction:
             if not groups:
                 continue
             grads = [held.pop(id(g), None) for g in groups]
-            grads = [gr if gr is not None else torch.zeros(g.full_shape, dtype=g.compute_dtype, device=unit.comms.device)
-                     for g, gr in zip(groups, grads)]
+            grads = [
+                gr if gr is not None else torch.zeros(g.full_shape, dtype=g.compute_dtype, device=unit.comms.device)
+                for g, gr in zip(groups, grads)
+            ]
             started = start_reduce(groups, grads, unit.gradient_predivide_factor, unit.gradient_postdivide_factor,
                                    unit.fp32_reduce_scatter, unit._solo_numel)
             self._finish_reduces()

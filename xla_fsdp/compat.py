@@ -53,7 +53,9 @@ def dummy_all_gather(value: torch.Tensor, dim: int = 0, groups: Optional[List[Li
     return value.repeat(*times)
 
 
-def dummy_all_reduce(reduce_type: str, inputs: Any, scale: float = 1.0, groups: Optional[List[List[int]]] = None) -> Any:
+def dummy_all_reduce(
+    reduce_type: str, inputs: Any, scale: float = 1.0, groups: Optional[List[List[int]]] = None
+) -> Any:
     """All-reduce's output without communicating: the input, scaled (lists in place)."""
     if isinstance(inputs, torch.Tensor):
         return inputs * scale
@@ -138,9 +140,14 @@ def torch_xla_modules() -> Dict[str, types.ModuleType]:
                     apply_xla_patch_to_nn_linear=apply_xla_patch_to_nn_linear, dummy_all_gather=dummy_all_gather,
                     dummy_all_reduce=dummy_all_reduce, DummyReduceScatter=DummyReduceScatter,
                     BucketizedReduceScatter=BucketizedReduceScatter)
-    state_dict_utils = _module(f"{base}.state_dict_utils", consolidate_sharded_state_dicts=consolidate_sharded_state_dicts,
-                               consolidate_sharded_model_checkpoints=consolidate_sharded_model_checkpoints)
-    fsdp_module = _module(f"{base}.xla_fully_sharded_data_parallel", XlaFullyShardedDataParallel=XlaFullyShardedDataParallel)
+    state_dict_utils = _module(
+        f"{base}.state_dict_utils",
+        consolidate_sharded_state_dicts=consolidate_sharded_state_dicts,
+        consolidate_sharded_model_checkpoints=consolidate_sharded_model_checkpoints,
+    )
+    fsdp_module = _module(
+        f"{base}.xla_fully_sharded_data_parallel", XlaFullyShardedDataParallel=XlaFullyShardedDataParallel
+    )
     package = _module(base, XlaFullyShardedDataParallel=XlaFullyShardedDataParallel,
                       consolidate_sharded_state_dicts=consolidate_sharded_state_dicts,
                       consolidate_sharded_model_checkpoints=consolidate_sharded_model_checkpoints,

@@ -11,7 +11,7 @@ import difflib
 import functools
 import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Set, Type, Union
+from typing import Any, Dict, List, Mapping, Set, Type, Union
 
 import torch
 import torch.nn as nn

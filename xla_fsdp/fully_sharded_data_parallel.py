@@ -20,7 +20,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_map_only
 
 from . import param_names, tied, unit_init
-from .collectives import Collectives, resolve_transport, shared_collectives
+from .collectives import resolve_transport, shared_collectives
 from .param_names import SHARD_PREFIX, SHARD_SEPARATOR, WRAPPED, flat_parts
 from .sharding import default_predivide_factor
 from .param_group import SOLO_NUMEL, ParamGroup, ReduceInFlight, start_unshard
@@ -28,12 +28,13 @@ from .backward import GradientReduction
 from .schedule import Schedule, TrainingState
 from .strategy import plan_for_unit
 from .module_view import torch_xla_view
-from .wrap import recursive_wrap
+from .unit_base import ShardedUnit
+from .wrap import recursive_wrap, set_default_wrapper
 
 METADATA_VERSION = 1
 
 
-class XlaFullyShardedDataParallel(GradientReduction, nn.Module):
+class XlaFullyShardedDataParallel(GradientReduction, ShardedUnit):
     """Shard a module's parameters, gradients and optimizer state across ranks (ZeRO-3/ZeRO-2).
 
     Drop-in for ``torch_xla.distributed.fsdp.XlaFullyShardedDataParallel``: same keywords and
@@ -527,3 +528,6 @@ class XlaFullyShardedDataParallel(GradientReduction, nn.Module):
         """
         from .metadata import shard_metadata
         return shard_metadata(self)
+
+
+set_default_wrapper(XlaFullyShardedDataParallel)

@@ -27,21 +27,21 @@ def _library_versions() -> Dict[str, str]:
 
 
 def shard_metadata(root) -> Dict[str, Any]:
-    from .fully_sharded_data_parallel import XlaFullyShardedDataParallel
-    from .param_names import WRAPPED, clean_name as _clean_name
+    from .shard_names import WRAPPED, clean_name as _clean_name
+    from .unit_base import ShardedUnit
 
     shard_info: Dict[str, Dict[str, Any]] = {}
     flatten_info: Dict[str, Any] = {}
     buffer_info: Dict[str, Any] = {}
     layout: Dict[str, Any] = {}
     for unit_path, unit in root.named_modules():
-        if not isinstance(unit, XlaFullyShardedDataParallel):
+        if not isinstance(unit, ShardedUnit):
             continue
         key_prefix = unit_path + "." if unit_path else ""
         name_prefix = _clean_name(unit_path)
         name_prefix = name_prefix + "." if name_prefix else ""
         shard_info[unit_path] = {}
-        for index, (group, shard_name) in enumerate(zip(unit._groups, unit._shard_names)):
+        for group, shard_name in zip(unit._groups, unit._shard_names):
             if group.flat:
                 orig_name = f"{WRAPPED}.{group.flat_name}"
                 orig_size = torch.Size([group.layout.numel])

@@ -2,32 +2,12 @@
 nested units, and optimizer groups chosen by original name."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch.nn as nn
 
-if TYPE_CHECKING:
-    from .fully_sharded_data_parallel import XlaFullyShardedDataParallel
-
-WRAPPED = "_fsdp_wrapped_module"  # attribute holding a unit's module, as in torch_xla
-SHARD_SEPARATOR = "_FSDP_SHARD_SEPARATOR_"  # stands for "." in a shard's attribute name, as in torch_xla
-SHARD_PREFIX = "_fsdp_shard" + SHARD_SEPARATOR
-
-
-def clean_name(name: str) -> str:
-    """A module path without the wrappers' ``_fsdp_wrapped_module`` steps."""
-    return ".".join(p for p in name.split(".") if p and p != WRAPPED)
-
-
-def readable_key(key: str) -> str:
-    """A state-dict key as the user knows it: a shard's ``_fsdp_shard_FSDP_SHARD_SEPARATOR_...``
-    attribute spelled with dots, without the wrappers' steps (for messages)."""
-    parts = []
-    for part in key.split("."):
-        if part.startswith(SHARD_PREFIX):
-            part = part[len(SHARD_PREFIX):].replace(SHARD_SEPARATOR, ".")
-        parts.append(part)
-    return clean_name(".".join(parts))
+from .shard_names import SHARD_PREFIX, SHARD_SEPARATOR, WRAPPED, clean_name, readable_key  # noqa: F401
+from .unit_base import ShardedUnit
 
 
 def hashable(value: Any) -> Any:
@@ -39,7 +19,9 @@ def hashable(value: Any) -> Any:
     return value
 
 
-def flat_parts(refs: list, flatten_group_fn: Optional[Callable[[str, nn.Parameter], Any]]) -> Tuple[List[list], List[str]]:
+def flat_parts(
+    refs: list, flatten_group_fn: Optional[Callable[[str, nn.Parameter], Any]]
+) -> Tuple[List[list], List[str]]:
     """Trainable parameters split by ``flatten_group_fn`` (one flat shard per key, so optimizer
     groups can be formed by name), frozen ones in a shard of their own.
     Names as torch_xla: ``flat_param_0`` (trainable), ``flat_param_1`` (frozen), then 2, 3...
@@ -64,21 +46,20 @@ def flat_parts(refs: list, flatten_group_fn: Optional[Callable[[str, nn.Paramete
     return parts, names
 
 
-def named_units(root: "XlaFullyShardedDataParallel") -> Iterator[Tuple[str, "XlaFullyShardedDataParallel"]]:
+def named_units(root: ShardedUnit) -> Iterator[Tuple[str, ShardedUnit]]:
     """(original-name prefix, unit) for ``root`` and the units nested in it."""
-    from .fully_sharded_data_parallel import XlaFullyShardedDataParallel
     for name, m in root.named_modules():
-        if isinstance(m, XlaFullyShardedDataParallel):
+        if isinstance(m, ShardedUnit):
             clean = clean_name(name)
             yield (clean + "." if clean else ""), m
 
 
-def original_names_and_shards(root: "XlaFullyShardedDataParallel") -> List[Tuple[str, nn.Parameter]]:
+def original_names_and_shards(root: ShardedUnit) -> List[Tuple[str, nn.Parameter]]:
     return [(prefix + (g.flat_name if g.flat else g.refs[0].fqn), g.shard)
             for prefix, unit in named_units(root) for g in unit._groups]
 
 
-def optimizer_param_groups(root: "XlaFullyShardedDataParallel",
+def optimizer_param_groups(root: ShardedUnit,
                            options_fn: Callable[[str], Dict[str, Any]]) -> List[Dict[str, Any]]:
     """See ``XlaFullyShardedDataParallel.optimizer_param_groups``."""
     groups: Dict[Any, Dict[str, Any]] = {}

@@ -2,14 +2,13 @@
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING, Dict, List, Optional
+from typing import Dict, List, Optional
 
 import torch
 
 from .usage import GradientPlan
 
-if TYPE_CHECKING:
-    from .fully_sharded_data_parallel import XlaFullyShardedDataParallel
+from .unit_base import ShardedUnit
 
 
 class TrainingState(enum.Enum):
@@ -26,23 +25,23 @@ class Schedule:
     backward. Every rank records the same order, so their collectives still pair up."""
 
     def __init__(self) -> None:
-        self.recording: List[XlaFullyShardedDataParallel] = []
+        self.recording: List[ShardedUnit] = []
         self._position: Dict[int, int] = {}
-        self._order: List[XlaFullyShardedDataParallel] = []
+        self._order: List[ShardedUnit] = []
         # ZeRO-3 units free their parameters when the next unit starts forward, not when they end
         # theirs: the unit that ends forward last is the first in backward and keeps them.
-        self.deferred: Optional[XlaFullyShardedDataParallel] = None
-        self.kept: Optional[XlaFullyShardedDataParallel] = None
+        self.deferred: Optional[ShardedUnit] = None
+        self.kept: Optional[ShardedUnit] = None
         #: which groups get gradients in this step, agreed by the ranks (usage.GradientPlan)
         self.plan: Optional[GradientPlan] = None
         #: the autograd graph task of the root's backward (a nested one is a reentrant checkpoint's)
         self.backward_task: Optional[int] = None
 
-    def ran_forward(self, unit: "XlaFullyShardedDataParallel") -> bool:
+    def ran_forward(self, unit: ShardedUnit) -> bool:
         """Whether ``unit`` ran in the last forward."""
         return id(unit) in self._position
 
-    def defer_reshard(self, unit: "XlaFullyShardedDataParallel") -> None:
+    def defer_reshard(self, unit: ShardedUnit) -> None:
         """``unit`` has ended forward; free the one before it, whose successor has now run."""
         if self.deferred is unit:  # the same unit ran twice in a row: it stays gathered
             return
@@ -60,7 +59,7 @@ class Schedule:
         if unit is not None:
             unit._reshard()
 
-    def end_forward(self, units: List["XlaFullyShardedDataParallel"]) -> None:
+    def end_forward(self, units: List[ShardedUnit]) -> None:
         """The root's forward has returned: what was recorded becomes the order."""
         self._order, self.recording = self.recording, []
         self.kept, self.deferred = self.deferred, None
@@ -73,7 +72,7 @@ class Schedule:
                 if unit.reshard_after_forward or not torch.is_grad_enabled():
                     unit._reshard()
 
-    def neighbour(self, unit: "XlaFullyShardedDataParallel", step: int) -> Optional["XlaFullyShardedDataParallel"]:
+    def neighbour(self, unit: ShardedUnit, step: int) -> Optional[ShardedUnit]:
         index = self._position.get(id(unit))
         if index is None or not 0 <= index + step < len(self._order):
             return None

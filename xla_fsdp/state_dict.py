@@ -7,7 +7,7 @@ buffers get back their original dtypes.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, Dict, List, Mapping, Sequence
+from typing import Any, Dict, Mapping, Sequence
 
 import torch
 

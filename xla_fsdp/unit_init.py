@@ -10,13 +10,12 @@ import torch.nn as nn
 
 from .param_group import ParamRef
 from .tied import LeftSlot
+from .unit_base import is_unit
 
 
 def validate_module(module: nn.Module) -> None:
     """Reject modules that cannot be a unit, with the fix in the message."""
-    from .fully_sharded_data_parallel import XlaFullyShardedDataParallel
-
-    if isinstance(module, XlaFullyShardedDataParallel):
+    if is_unit(module):
         raise RuntimeError(
             "xla_fsdp: the module is already wrapped by XlaFullyShardedDataParallel; wrap it once "
             "(use auto_wrap_policy or nested wrapping of submodules instead of wrapping twice).")
@@ -24,11 +23,6 @@ def validate_module(module: nn.Module) -> None:
         raise RuntimeError(
             f"xla_fsdp: {type(module).__name__} has no forward() and cannot be an FSDP unit; wrap "
             "its elements, or the module that calls them, instead.")
-
-
-def is_unit(module: nn.Module) -> bool:
-    from .fully_sharded_data_parallel import XlaFullyShardedDataParallel
-    return isinstance(module, XlaFullyShardedDataParallel)
 
 
 def owned_modules(root: nn.Module):
@@ -117,7 +111,9 @@ def _name_in_module_order(module: nn.Module, refs) -> None:
     order = {id(m): i for i, m in enumerate(module.modules())}
     for ref in refs:
         if ref.aliases:
-            ranked = sorted(zip(ref.slots, [ref.fqn] + ref.aliases), key=lambda pair: order.get(id(pair[0][0]), len(order)))
+            ranked = sorted(
+                zip(ref.slots, [ref.fqn] + ref.aliases), key=lambda pair: order.get(id(pair[0][0]), len(order))
+            )
             ref.slots = [slot for slot, _ in ranked]
             ref.fqn, *ref.aliases = [name for _, name in ranked]
 

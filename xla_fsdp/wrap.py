@@ -6,10 +6,11 @@ whether to look inside ``module``; with ``recurse=False`` whether to wrap it as 
 from __future__ import annotations
 
 import contextlib
-import functools
-from typing import Any, Callable, Dict, Generator, Iterable, Optional, Set, Tuple, Type
+from typing import Any, Callable, Dict, Generator, Iterable, List, Optional, Set, Tuple, Type
 
 import torch.nn as nn
+
+from .unit_base import is_unit
 
 
 def always_wrap_policy(*args: Any, **kwargs: Any) -> bool:
@@ -57,8 +58,15 @@ size_based_auto_wrap_policy.FORCE_LEAF_MODULES = {nn.MultiheadAttention}  # type
 
 
 def _wrapped_already(module: nn.Module) -> bool:
-    from .fully_sharded_data_parallel import XlaFullyShardedDataParallel
-    return isinstance(module, XlaFullyShardedDataParallel)
+    return is_unit(module)
+
+
+_DEFAULT_WRAPPER: List[Callable] = []  # the wrapper class registers itself (imports run one way)
+
+
+def set_default_wrapper(wrapper_cls: Callable) -> None:
+    """Called once by :mod:`xla_fsdp.fully_sharded_data_parallel`: what :func:`enable_wrap` wraps with by default."""
+    _DEFAULT_WRAPPER[:] = [wrapper_cls]
 
 
 def _count_unwrapped_params(module: nn.Module) -> int:
@@ -117,7 +125,7 @@ def enable_wrap(wrapper_cls: Optional[Callable] = None, **wrapper_kwargs: Any) -
     if _WrapContext.active:
         raise RuntimeError("enable_wrap contexts cannot be nested")
     if wrapper_cls is None:
-        from .fully_sharded_data_parallel import XlaFullyShardedDataParallel as wrapper_cls
+        wrapper_cls = _DEFAULT_WRAPPER[0]
     _WrapContext.wrapper_cls, _WrapContext.kwargs, _WrapContext.active = wrapper_cls, dict(wrapper_kwargs), True
     try:
         yield

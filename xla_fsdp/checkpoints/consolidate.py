@@ -18,7 +18,7 @@ from .files import (DEFAULT_SUFFIX, CheckpointError, atomic_write, check_consist
 from .layout_ops import unshard_entry
 from .migrate import is_torch_xla_metadata, torch_xla_layout
 from .stream_save import PthStreamWriter, SafetensorsStreamWriter
-from ..param_names import readable_key
+from ..shard_names import readable_key
 from ..state_dict import clean_key
 
 REOPEN_BYTES = 64 * 1024 * 1024
@@ -214,8 +214,10 @@ class ShardedCheckpoint:
                 checked += 1
             for key, entry in self.layout.items():
                 if list(ckpt["model"][key].shape) != list(entry["shard_shape"]):
-                    raise CheckpointError(f"'{f.path}': shard '{readable_key(key)}' has shape {list(ckpt['model'][key].shape)}, "
-                                          f"metadata says {entry['shard_shape']}")
+                    raise CheckpointError(
+                        f"'{f.path}': shard '{readable_key(key)}' has shape {list(ckpt['model'][key].shape)}, "
+                        f"metadata says {entry['shard_shape']}"
+                    )
             report.append(f"{os.path.basename(f.path)}: ok ({checked} checksums"
                           f"{'' if sums else ', none recorded'})")
             del ckpt
@@ -243,7 +245,9 @@ def write_consolidated(ckpt: ShardedCheckpoint, save_path: str, fmt: str = "pth"
                 for name, tensor in ckpt.iter_model():
                     w.add(name, tensor)
                 optimizer_refs = w.add_nested(optimizer) if optimizer else None
-                w.set_structure(lambda t: {"model": OrderedDict(t), **({"optimizer": optimizer_refs} if optimizer else {})})
+                w.set_structure(
+                    lambda t: {"model": OrderedDict(t), **({"optimizer": optimizer_refs} if optimizer else {})}
+                )
     elif fmt == "safetensors":
         specs = ckpt.model_specs()
 

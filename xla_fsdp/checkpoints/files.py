@@ -20,7 +20,8 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional
 import torch
 from torch.torch_version import TorchVersion
 
-from ..param_names import readable_key
+from .._exit_cleanup import UNFINISHED as _UNFINISHED, remove_unfinished_writes  # noqa: F401
+from ..shard_names import readable_key
 
 RANK_FILE = re.compile(r"_rank-(\d{8})-of-(\d{8})\.pth")
 DEFAULT_SUFFIX = "_rank-*-of-*.pth"
@@ -67,22 +68,6 @@ def atomic_write(path: str, write: Callable[[str], None]) -> None:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
-
-
-_UNFINISHED: set = set()  # temporary files of writes in progress in this process
-
-
-def remove_unfinished_writes() -> List[str]:
-    """Delete the temporary files of writes in progress (a process about to exit at once, on
-    Ctrl-C): no half-written file is left behind; finished files were renamed into place whole."""
-    removed = []
-    for tmp in list(_UNFINISHED):
-        try:
-            os.unlink(tmp)
-            removed.append(tmp)
-        except OSError:
-            pass
-    return removed
 
 
 def refuse_overwriting_inputs(outputs: Iterable[str], inputs: Iterable[str]) -> None:

@@ -13,7 +13,7 @@ from typing import Any, Dict, List, Mapping, Sequence, Tuple
 
 import torch
 
-from ..sharding import Dim0Layout, FlatLayout, pad_dim0, round_up
+from ..sharding import Dim0Layout, FlatLayout, pad_dim0
 
 
 def entry_numel(info: Mapping[str, Any]) -> int:

@@ -99,7 +99,7 @@ def _remove_other_world_sizes(ckpt_prefix: str, world_size: int) -> List[str]:
             stale.append(os.path.basename(path))
     if stale:
         warnings.warn(f"xla_fsdp: the save to '{ckpt_prefix}' (world size {world_size}) replaced an older checkpoint "
-                      f"there of another world size: removed {', '.join(sorted(stale))}")
+                      f"there of another world size: removed {', '.join(sorted(stale))}", stacklevel=3)
     return stale
 
 

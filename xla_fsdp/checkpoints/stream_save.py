@@ -116,7 +116,9 @@ class SafetensorsStreamWriter:
         for key, dtype, shape in specs:
             if dtype not in _SAFETENSORS_DTYPES:
                 raise TypeError(f"safetensors cannot store dtype {dtype} ('{key}')")
-            nbytes = torch.empty(shape, dtype=dtype, device="meta").numel() * torch.empty((), dtype=dtype).element_size()
+            nbytes = (
+                torch.empty(shape, dtype=dtype, device="meta").numel() * torch.empty((), dtype=dtype).element_size()
+            )
             header[key] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape),
                            "data_offsets": [offset, offset + nbytes]}
             offset += nbytes

@@ -21,6 +21,7 @@ import threading
 import traceback
 from typing import Any, Callable, Dict
 
+from .._exit_cleanup import remove_unfinished_writes
 from .host_exchange import report_rank_failure
 
 _ORIGINALS: Dict[str, Callable[..., Any]] = {}
@@ -80,8 +81,6 @@ def run_thread_per_device_stoppable(local_rank, local_world_size, fn, initialize
 
 
 def _stop_now(signum, frame) -> None:
-    from ..checkpoints.files import remove_unfinished_writes
-
     removed = remove_unfinished_writes()
     note = f" (removed {len(removed)} unfinished checkpoint file(s))" if removed else ""
     os.write(2, f"\nxla_fsdp: interrupted: stopped every rank{note}\n".encode())
