@@ -3,7 +3,7 @@ torch_xla's own consolidate_sharded_model_checkpoints (which loads every rank fi
 
     python -m benchmarks.consolidation_memory [--total_mb 1200] [--world_size 4] [--tensor_mb 50]
 
-Writes benchmarks/results/consolidation_<date>.json and .md. Each contender runs in its own
+Writes benchmarks/results/consolidation.json and .md (the date is inside). Each contender runs in its own
 process; peak RSS is that process's ru_maxrss, and the baseline is the RSS of the same process
 right after importing torch (reported separately, so the figures above it are the algorithm's).
 Peak is the process's VmHWM (reset at exec, unlike ru_maxrss which a child inherits).
@@ -137,7 +137,7 @@ def main(argv=None) -> int:
     result = measure(args.total_mb, args.world_size, args.tensor_mb)
     rows = result["contenders"]
     os.makedirs(args.out_dir, exist_ok=True)
-    stem = os.path.join(args.out_dir, f"consolidation_{result['date']}")
+    stem = os.path.join(args.out_dir, "consolidation")  # the current result; older ones in git history
     with open(stem + ".json", "w") as f:
         json.dump(result, f, indent=2)
     lines = [f"# Consolidation memory ({result['date']})", "",

@@ -8,7 +8,8 @@ drifts of this shared machine hit all of them alike; a figure is the median over
 step of every round (step time = slowest rank). The world-size-1 overhead targets come from
 :mod:`benchmarks.overhead` (every world-size-1 contender in one process, steps interleaved), whose
 ratios do not swing with the machine's drift.
-Writes ``benchmarks/results/<date>[-quick].json``, a Markdown table (``.md``) and a chart (``.png``);
+Writes ``benchmarks/results/suite[-quick].json`` (``--name`` for another stem), a Markdown table
+(``.md``) and a chart (``.png``);
 see :mod:`benchmarks.report`.
 """
 from __future__ import annotations
@@ -182,6 +183,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--skip_scale", action="store_true", help="skip the largest-model probe")
     parser.add_argument("--skip_consolidation", action="store_true")
     parser.add_argument("--out_dir", default=os.path.join(HERE, "results"))
+    parser.add_argument("--name", default="", help="file stem of the results (default: suite, or suite-quick); "
+                                                   "e.g. resnet18-xla-5rounds for a focused run")
     args = parser.parse_args(argv)
     data = run_suite(args)
     if not args.skip_consolidation:
@@ -191,7 +194,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         from .scale import probe_all
         data["scale"] = probe_all()
     os.makedirs(args.out_dir, exist_ok=True)
-    stem = os.path.join(args.out_dir, data["date"] + ("-quick" if args.quick else ""))
+    # One current result per run kind: older figures live in git history, not beside the current ones.
+    stem = os.path.join(args.out_dir, args.name or ("suite-quick" if args.quick else "suite"))
     with open(stem + ".json", "w") as f:
         json.dump(data, f, indent=1)
     report.write(data, stem)

@@ -14,7 +14,8 @@ def test_benchmark_run_writes_json_table_and_chart(tmp_path):
                            "--world_sizes", "2", "--skip_consolidation", "--out_dir", str(tmp_path)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    (json_path,) = tmp_path.glob("*-quick.json")
+    (json_path,) = tmp_path.glob("*.json")
+    assert json_path.name == "suite-quick.json"
     data = json.loads(json_path.read_text())
     rows = {r["contender"]: r for r in data["rows"]["transformer"]}
     assert set(rows) == {"xla_fsdp", "fsdp2"}
