@@ -80,6 +80,8 @@ def launch(fn: Callable[[RankContext, object], None], args) -> None:
             )
     if args.transport == "torch":
         import torch.distributed as dist
+
+        from xla_fsdp.checkpoints import CheckpointError
         if "RANK" not in os.environ:  # plain `python ...`: a one-rank group
             os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29512")
         dist.init_process_group("gloo")
@@ -89,6 +91,9 @@ def launch(fn: Callable[[RankContext, object], None], args) -> None:
         except KeyboardInterrupt:
             print("interrupted", file=sys.stderr)
             raise SystemExit(130) from None
+        except CheckpointError as e:  # a problem with the user's files: one line, not a traceback
+            print(f"error: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
         finally:
             dist.destroy_process_group()
         return
@@ -97,11 +102,15 @@ def launch(fn: Callable[[RankContext, object], None], args) -> None:
         os.environ.setdefault("CPU_NUM_DEVICES", str(args.num_devices or 2))
     import xla_fsdp  # noqa: F401  (XLA:CPU runtime defaults, before the runtime starts)
     import torch_xla
+    from xla_fsdp.checkpoints import CheckpointError
     try:
         torch_xla.launch(_xla_entry, args=(fn, args))
     except KeyboardInterrupt:  # the device processes stopped (xla_fsdp removed unfinished files)
         print("interrupted", file=sys.stderr)
         raise SystemExit(130) from None
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def state_bytes(model, optimizer) -> dict:

@@ -29,9 +29,28 @@ from .schedule import Schedule, TrainingState
 from .strategy import plan_for_unit
 from .module_view import torch_xla_view
 from .unit_base import ShardedUnit
+from .unit_options import UnitOptions
 from .wrap import recursive_wrap, set_default_wrapper
 
 METADATA_VERSION = 1
+_DEBUG_DUMMIES = ("_debug_dummy_forward_pass", "_debug_dummy_all_gather_op", "_debug_dummy_all_reduce_op",
+                  "_debug_dummy_reduce_scatter_op", "_debug_dummy_optimization_barrier_op")
+
+
+def _options_from_keywords(keywords: Dict[str, Any]) -> UnitOptions:
+    """The constructor's keywords as :class:`UnitOptions`: deprecated and debug-only ones resolved."""
+    keywords = dict(keywords)
+    keywords.pop("auto_wrap_policy", None)
+    keywords.pop("auto_wrapper_callable", None)
+    mark_step = keywords.pop("mark_step_on_finalization", None)
+    if mark_step is not None:
+        warnings.warn("mark_step_on_finalization is deprecated; use sync_on_finalization",
+                      DeprecationWarning, stacklevel=3)
+        keywords["sync_on_finalization"] = mark_step
+    if any(keywords.pop(name, False) for name in _DEBUG_DUMMIES):
+        raise ValueError("xla_fsdp runs real collectives only; to test without a TPU use "
+                         "PJRT_DEVICE=CPU with CPU_NUM_DEVICES=N, or transport='torch' with gloo.")
+    return UnitOptions(**keywords)
 
 
 class XlaFullyShardedDataParallel(GradientReduction, ShardedUnit):
@@ -145,86 +164,62 @@ class XlaFullyShardedDataParallel(GradientReduction, ShardedUnit):
         prefetch: bool = True,
         _solo_collective_numel: int = SOLO_NUMEL,
     ):
+        keywords = {k: v for k, v in locals().items() if k not in ("self", "module", "__class__")}
         super().__init__()
         unit_init.validate_module(module)
-        if mark_step_on_finalization is not None:
-            warnings.warn("mark_step_on_finalization is deprecated; use sync_on_finalization",
-                          DeprecationWarning, stacklevel=2)
-            sync_on_finalization = mark_step_on_finalization
-        if any((_debug_dummy_forward_pass, _debug_dummy_all_gather_op, _debug_dummy_all_reduce_op,
-                _debug_dummy_reduce_scatter_op, _debug_dummy_optimization_barrier_op)):
-            raise ValueError("xla_fsdp runs real collectives only; to test without a TPU use "
-                             "PJRT_DEVICE=CPU with CPU_NUM_DEVICES=N, or transport='torch' with gloo.")
-        if compute_dtype not in (None, torch.float32, torch.float16, torch.bfloat16):
-            raise ValueError(f"compute_dtype must be float32, float16 or bfloat16, got {compute_dtype}")
-        if sharding_strategy is None and ((sharding_groups is None) != (sharding_rank is None)
-                                          or (sharding_groups is None) != (sharding_world_size is None)):
-            raise ValueError("sharding_groups, sharding_rank and sharding_world_size go together: "
-                             "give all three or none")
-        if output_dtype not in (None, torch.float32, torch.float16, torch.bfloat16):
-            raise ValueError(f"output_dtype must be float32, float16 or bfloat16, got {output_dtype}")
-
-        # Every keyword, as given, for child units (auto-wrap) and for inspection.
-        self._fsdp_kwargs: Dict[str, Any] = dict(
-            reshard_after_forward=reshard_after_forward, flatten_parameters=flatten_parameters,
-            execute_sharding_on_init=execute_sharding_on_init,
-            optimization_barrier_in_forward=optimization_barrier_in_forward,
-            optimization_barrier_in_backward=optimization_barrier_in_backward,
-            sync_on_finalization=sync_on_finalization, disable_reshard_on_root=disable_reshard_on_root,
-            compute_dtype=compute_dtype, buffer_dtype=buffer_dtype,
-            fp32_reduce_scatter=fp32_reduce_scatter, sharding_groups=sharding_groups,
-            sharding_rank=sharding_rank, sharding_world_size=sharding_world_size,
-            shard_param_on_dim_0=shard_param_on_dim_0,
-            pin_layout_in_collective_ops=pin_layout_in_collective_ops,
-            reduce_scatter_bucket_size_mb=reduce_scatter_bucket_size_mb,
-            coalesce_all_gather_ops=coalesce_all_gather_ops, param_init_fn=param_init_fn,
-            _shard_size_multiple=_shard_size_multiple, _solo_collective_numel=_solo_collective_numel,
-            _use_xla_patched_linear=_use_xla_patched_linear,
-            _debug_msg=_debug_msg, _debug_print=_debug_print, transport=transport,
-            sharding_strategy=sharding_strategy, hybrid_shard_size=hybrid_shard_size,
-            output_dtype=output_dtype, flatten_group_fn=flatten_group_fn, prefetch=prefetch)
-
-        transport = resolve_transport(transport)
-        (self.sharding_strategy, reshard_after_forward, groups, shard_rank, shard_size,
-         replica_groups) = plan_for_unit(sharding_strategy, reshard_after_forward, transport, sharding_groups,
-                                 sharding_rank, sharding_world_size, hybrid_shard_size)
-        self.comms = shared_collectives(transport, groups, shard_rank, shard_size,
-                                      pin_layout_in_collective_ops, replica_groups)
-        self.rank, self.world_size = self.comms.rank, self.comms.world_size
-        self.reshard_after_forward = reshard_after_forward
-        self.output_dtype = output_dtype
-        self._flatten_group_fn = flatten_group_fn
-        self.flatten_parameters = flatten_parameters
-        self.optimization_barrier_in_forward = optimization_barrier_in_forward
-        self.optimization_barrier_in_backward = optimization_barrier_in_backward
-        self.sync_on_finalization = sync_on_finalization
-        self.disable_reshard_on_root = disable_reshard_on_root
-        self.compute_dtype = compute_dtype or torch.float32
-        self.buffer_dtype = buffer_dtype or compute_dtype
-        self.fp32_reduce_scatter = fp32_reduce_scatter
-        self.prefetch = prefetch and self.comms.overlaps
-        self.sharding_groups = sharding_groups
-        self._shard_param_on_dim_0 = shard_param_on_dim_0 and not flatten_parameters
-        self.reduce_scatter_bucket_size_mb = reduce_scatter_bucket_size_mb
-        self.coalesce_all_gather_ops = coalesce_all_gather_ops
-        if _shard_size_multiple is None:
-            _shard_size_multiple = 128 if self._on_tpu() else 1
-        self._shard_size_multiple = 1 if self._shard_param_on_dim_0 else _shard_size_multiple
-        self._solo_numel = _solo_collective_numel
-        self._debug_print = _debug_print
-        self._debug_msg = _debug_msg
-
+        options = _options_from_keywords(keywords)
+        self._plan(options)
         if auto_wrap_policy is not None:
-            # output_dtype describes this unit's outputs only: inner units stay in compute dtype so
-            # the layers around them see matching dtypes.
-            child_kwargs = {k: v for k, v in self._fsdp_kwargs.items() if k != "output_dtype"}
             with tied.tied_ownership(module):  # tied parameters go to their closest common unit
                 recursive_wrap(module, auto_wrap_policy=auto_wrap_policy,
                                wrapper_cls=auto_wrapper_callable or XlaFullyShardedDataParallel,
-                               only_wrap_children=True, **child_kwargs)
+                               only_wrap_children=True, **options.for_children())
+        self._adopt(module, options)
+        self._init_step_state()
+        if options.execute_sharding_on_init:
+            self.comms.sync()
 
-        unit_init.materialize_meta(module, param_init_fn, torch.device("cpu"))
-        if _use_xla_patched_linear and self.comms.name == "xla":
+    # ------------------------------------------------------------------ construction steps
+    def _plan(self, options: UnitOptions) -> None:
+        """Transport, strategy and rank groups, and the settings every step reads."""
+        self._options = options
+        transport = resolve_transport(options.transport)
+        (self.sharding_strategy, reshard_after_forward, groups, shard_rank, shard_size,
+         replica_groups) = plan_for_unit(options.sharding_strategy, options.reshard_after_forward, transport,
+                                         options.sharding_groups, options.sharding_rank,
+                                         options.sharding_world_size, options.hybrid_shard_size)
+        self.comms = shared_collectives(transport, groups, shard_rank, shard_size,
+                                        options.pin_layout_in_collective_ops, replica_groups)
+        self.rank, self.world_size = self.comms.rank, self.comms.world_size
+        self.reshard_after_forward = reshard_after_forward
+        self.output_dtype = options.output_dtype
+        self._flatten_group_fn = options.flatten_group_fn
+        self.flatten_parameters = options.flatten_parameters
+        self.optimization_barrier_in_forward = options.optimization_barrier_in_forward
+        self.optimization_barrier_in_backward = options.optimization_barrier_in_backward
+        self.sync_on_finalization = options.sync_on_finalization
+        self.disable_reshard_on_root = options.disable_reshard_on_root
+        self.compute_dtype = options.compute_dtype or torch.float32
+        self.buffer_dtype = options.buffer_dtype or options.compute_dtype
+        self.fp32_reduce_scatter = options.fp32_reduce_scatter
+        self.prefetch = options.prefetch and self.comms.overlaps
+        self.sharding_groups = options.sharding_groups
+        self._shard_param_on_dim_0 = options.shard_param_on_dim_0 and not options.flatten_parameters
+        self.reduce_scatter_bucket_size_mb = options.reduce_scatter_bucket_size_mb
+        self.coalesce_all_gather_ops = options.coalesce_all_gather_ops
+        multiple = options._shard_size_multiple
+        if multiple is None:
+            multiple = 128 if self._on_tpu() else 1
+        self._shard_size_multiple = 1 if self._shard_param_on_dim_0 else multiple
+        self._solo_numel = options._solo_collective_numel
+        self._debug_print = options._debug_print
+        self._debug_msg = options._debug_msg
+
+    def _adopt(self, module: nn.Module, options: UnitOptions) -> None:
+        """Take the parameters no nested unit owns: materialize meta ones, shard them into groups,
+        register the shards, cast buffers, move the module to the device."""
+        unit_init.materialize_meta(module, options.param_init_fn, torch.device("cpu"))
+        if options._use_xla_patched_linear and self.comms.name == "xla":
             from .xla_patched_linear import patch_linear_layers
             patch_linear_layers(module)
         refs, self._tied_slots_left = unit_init.collect_params(module, tied.escaping(module))
@@ -247,6 +242,8 @@ class XlaFullyShardedDataParallel(GradientReduction, ShardedUnit):
                             unit_init.cast_buffers(module, self.buffer_dtype, "").items()}
         module.to(self.comms.device)
 
+    def _init_step_state(self) -> None:
+        """What the forward/backward life cycle tracks from step to step."""
         self.training_state = TrainingState.IDLE
         self._is_root: Optional[bool] = None
         self._units_in_tree: List[XlaFullyShardedDataParallel] = []
@@ -266,10 +263,12 @@ class XlaFullyShardedDataParallel(GradientReduction, ShardedUnit):
         self._norm_channel = self.comms.allocate_channels(1)
         self._aux_channel = self.comms.allocate_channels(1)  # small control collectives (checkpoints)
         self._replica_aux_channel = self.comms.allocate_channels(1)
-        if execute_sharding_on_init:
-            self.comms.sync()
 
-    # ------------------------------------------------------------------ construction helpers
+    @property
+    def _fsdp_kwargs(self) -> Dict[str, Any]:
+        """Every keyword, as given (for child units and for inspection)."""
+        return self._options.as_kwargs()
+
     def _on_tpu(self) -> bool:
         if self.comms.name != "xla":
             return False

@@ -30,6 +30,8 @@ DEFAULT_SUFFIX = "_rank-*-of-*.pth"
 class CheckpointError(RuntimeError):
     """A checkpoint set is incomplete, inconsistent or corrupted (the message names the file)."""
 
+    user_facing = True  # its message says all: reported in one line, without a traceback
+
 
 def rank_path(prefix: str, rank: int, world_size: int) -> str:
     return f"{prefix}_rank-{rank:08d}-of-{world_size:08d}.pth"

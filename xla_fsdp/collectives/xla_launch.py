@@ -45,7 +45,9 @@ def install_failure_reporting() -> None:
             from .xla_user import is_threaded_cpu
             if is_threaded_cpu():
                 rank = xr.global_ordinal()
-                sys.stderr.write(f"xla_fsdp: rank {rank} failed; stopping the other ranks:\n{traceback.format_exc()}")
+                detail = (f"{type(error).__name__}: {error}\n" if getattr(error, "user_facing", False)
+                          else traceback.format_exc())
+                sys.stderr.write(f"xla_fsdp: rank {rank} failed; stopping the other ranks:\n{detail}")
                 sys.stderr.flush()
                 report_rank_failure(rank, error)
             raise
