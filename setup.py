@@ -8,7 +8,7 @@ setup(
     long_description_content_type="text/markdown",
     packages=find_packages(include=["xla_fsdp", "xla_fsdp.*"]),
     # run by `python -m xla_fsdp.compat SCRIPT` in every process of a torch_xla-FSDP program
-    package_data={"xla_fsdp": ["_startup/sitecustomize.py"]},
+    package_data={"xla_fsdp": ["compat/_startup/sitecustomize.py"]},
     python_requires=">=3.10",
     # torch_xla is a binary built against one torch release: these three move together.
     install_requires=["torch==2.9.0", "torch_xla==2.9.0", "torchvision==0.24.0", "absl-py", "tqdm", "pyyaml"],

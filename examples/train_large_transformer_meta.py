@@ -58,7 +58,7 @@ class LM(nn.Module):
 def init_unit(module: nn.Module) -> None:
     """param_init_fn: give this unit's own (meta) parameters storage and GPT-style values.
     Nested units were materialized and sharded already, so they are skipped."""
-    from xla_fsdp.unit_init import owned_modules
+    from xla_fsdp.unit.construction import owned_modules
     for _, m in owned_modules(module):
         for name, p in list(m._parameters.items()):
             if p is not None and p.is_meta:

@@ -12,7 +12,7 @@ reference computes in fp32, so this bounds bf16 rounding over a few steps, not a
 the wrong-reduction self-test runs in fp32).
 
 Semantics that cannot equal unsharded training, and are kept out of the drawn programs (each has
-its own test): a flat shard only partly used in a step (warned, see ``xla_fsdp.usage``), and
+its own test): a flat shard only partly used in a step (warned, see ``xla_fsdp.unit.gradient_usage``), and
 BatchNorm running statistics (each rank's forward updates its own; they are not compared).
 """
 from __future__ import annotations
@@ -36,7 +36,7 @@ import xla_fsdp
 from xla_fsdp import XlaFullyShardedDataParallel as FSDP, checkpoint_module
 from xla_fsdp.checkpoints import (full_optim_state_dict, full_state_dict, load_full_optim_state_dict,
                                   load_full_state_dict)
-from xla_fsdp.state_dict import consolidate_sharded_state_dicts
+from xla_fsdp.checkpoints.shard_merge import consolidate_sharded_state_dicts
 from xla_fsdp.wrap import size_based_auto_wrap_policy
 
 PER_RANK = 3
@@ -251,7 +251,7 @@ def train_sharded(p: Program, rank: int, world_size: int, device, sync,
     opt = make_optimizer(p, model)
     losses, norms, saved = [], [], None
     with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", xla_fsdp.usage.UnusedFlatParameterWarning)
+        warnings.simplefilter("always", xla_fsdp.unit.gradient_usage.UnusedFlatParameterWarning)
         for step in range(p.steps):
             if p.reload and step == 2:
                 if p.eval_before_reload:
@@ -283,7 +283,7 @@ def train_sharded(p: Program, rank: int, world_size: int, device, sync,
             "state_dict": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
             "metadata": model.get_shard_metadata(),
             "warnings": sorted({str(w.message) for w in caught
-                                if issubclass(w.category, xla_fsdp.usage.UnusedFlatParameterWarning)})}
+                                if issubclass(w.category, xla_fsdp.unit.gradient_usage.UnusedFlatParameterWarning)})}
 
 
 class _Null:

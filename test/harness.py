@@ -17,7 +17,7 @@ import torch.nn as nn
 import models
 import xla_fsdp
 from xla_fsdp import XlaFullyShardedDataParallel as FSDP, checkpoint_module
-from xla_fsdp.state_dict import consolidate_sharded_state_dicts
+from xla_fsdp.checkpoints.shard_merge import consolidate_sharded_state_dicts
 from xla_fsdp.wrap import (lambda_auto_wrap_policy, size_based_auto_wrap_policy,
                            transformer_auto_wrap_policy)
 
@@ -299,7 +299,7 @@ def train_sharded(name: str, rank: int, device: torch.device, sync: Callable[[],
 
 def _collective_split(root: FSDP) -> List[Tuple[int, int]]:
     """Per unit: (groups gathered and reduced alone, groups sharing one collective)."""
-    from xla_fsdp.param_group import split_for_coalescing
+    from xla_fsdp.unit.param_group import split_for_coalescing
     splits = []
     for unit in root.modules():
         if isinstance(unit, FSDP) and unit._groups:

@@ -11,7 +11,7 @@ import harness
 import models
 from xla_fsdp import XlaFullyShardedDataParallel as FSDP, checkpoint_module
 from xla_fsdp.collectives import select_collectives
-from xla_fsdp.state_dict import consolidate_sharded_state_dicts
+from xla_fsdp.checkpoints.shard_merge import consolidate_sharded_state_dicts
 from xla_fsdp.wrap import enable_wrap, size_based_auto_wrap_policy, wrap
 
 
@@ -265,7 +265,7 @@ def test_load_checks_the_checkpoint_matches_the_model(gloo, tmp_path):
     key = next(iter(ckpt["model"]))
     ckpt["model"][key] = ckpt["model"][key] + 1
     torch.save(ckpt, str(tmp_path / "bad_rank-00000000-of-00000001.pth"))
-    from xla_fsdp.param_names import readable_key
+    from xla_fsdp.unit.param_names import readable_key
     with pytest.raises(CheckpointError, match=f"bad_rank-00000000-of-00000001.pth.*'{readable_key(key)}' is corrupted"):
         xla_fsdp.load_sharded_checkpoint(FSDP(models.MLP()), None, str(tmp_path / "bad"))
     fresh = FSDP(models.MLP())

@@ -135,6 +135,6 @@ def test_replace_in_process_swaps_the_names():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env=dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    assert out.stdout.split() == ["xla_fsdp.fully_sharded_data_parallel", "xla_fsdp.wrap", "xla_fsdp.checkpoint"], (
+    assert out.stdout.split() == ["xla_fsdp.fully_sharded_data_parallel", "xla_fsdp.wrap", "xla_fsdp.remat"], (
         out.stderr
     )

@@ -1,11 +1,11 @@
-"""xla_fsdp.config.from_accelerate: HF Accelerate / Transformers FSDP configs to wrapper keywords."""
+"""xla_fsdp.integrations.from_accelerate: HF Accelerate / Transformers FSDP configs to wrapper keywords."""
 
 import pytest
 import torch
 import torch.nn as nn
 
 from xla_fsdp import ShardingStrategy, XlaFullyShardedDataParallel as FSDP
-from xla_fsdp.config import from_accelerate
+from xla_fsdp.integrations import from_accelerate
 
 # The Accelerate config of the HF FSDP guide (BERT fine-tuning), as `accelerate config` writes it.
 GUIDE_YAML = """\

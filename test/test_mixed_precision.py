@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import harness
 from xla_fsdp import XlaFullyShardedDataParallel as FSDP
-from xla_fsdp.param_group import ParamGroup
+from xla_fsdp.unit.param_group import ParamGroup
 from xla_fsdp.wrap import lambda_auto_wrap_policy
 
 

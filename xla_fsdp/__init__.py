@@ -7,13 +7,16 @@ _configure_cpu_environment()
 
 from ._version import __version__  # noqa: E402
 
-from .checkpoint import checkpoint_module  # noqa: E402
 from .checkpoints import (consolidate_sharded_model_checkpoints, load_sharded_checkpoint,  # noqa: E402
                           reshard_checkpoint, save_sharded_checkpoint)
 from .collectives.xla import sync  # noqa: E402
 from .compat import replace_torch_xla_fsdp  # noqa: E402
 from .fully_sharded_data_parallel import XlaFullyShardedDataParallel  # noqa: E402
+from .remat import checkpoint_module  # noqa: E402
 from .strategy import ShardingStrategy  # noqa: E402
+from ._moved_modules import install as _serve_moved_module_paths  # noqa: E402
+
+_serve_moved_module_paths()
 
 __all__ = [
     "ShardingStrategy",

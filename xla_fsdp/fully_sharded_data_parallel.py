@@ -19,17 +19,17 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_map_only
 
-from . import param_names, tied, unit_init
 from .collectives import resolve_transport, shared_collectives
-from .param_names import SHARD_PREFIX, SHARD_SEPARATOR, WRAPPED, flat_parts
 from .sharding import default_predivide_factor
-from .param_group import SOLO_NUMEL, ParamGroup, ReduceInFlight, start_unshard
-from .backward import GradientReduction
-from .schedule import Schedule, TrainingState
 from .strategy import plan_for_unit
-from .module_view import torch_xla_view
-from .unit_base import ShardedUnit
-from .unit_options import UnitOptions
+from .unit import construction, param_names, tied
+from .unit.backward import GradientReduction
+from .unit.base import ShardedUnit
+from .unit.module_view import torch_xla_view
+from .unit.options import UnitOptions
+from .unit.param_group import SOLO_NUMEL, ParamGroup, ReduceInFlight, start_unshard
+from .unit.param_names import SHARD_PREFIX, SHARD_SEPARATOR, WRAPPED, flat_parts
+from .unit.schedule import Schedule, TrainingState
 from .wrap import recursive_wrap, set_default_wrapper
 
 METADATA_VERSION = 1
@@ -166,7 +166,7 @@ class XlaFullyShardedDataParallel(GradientReduction, ShardedUnit):
     ):
         keywords = {k: v for k, v in locals().items() if k not in ("self", "module", "__class__")}
         super().__init__()
-        unit_init.validate_module(module)
+        construction.validate_module(module)
         options = _options_from_keywords(keywords)
         self._plan(options)
         if auto_wrap_policy is not None:
@@ -218,11 +218,11 @@ class XlaFullyShardedDataParallel(GradientReduction, ShardedUnit):
     def _adopt(self, module: nn.Module, options: UnitOptions) -> None:
         """Take the parameters no nested unit owns: materialize meta ones, shard them into groups,
         register the shards, cast buffers, move the module to the device."""
-        unit_init.materialize_meta(module, options.param_init_fn, torch.device("cpu"))
+        construction.materialize_meta(module, options.param_init_fn, torch.device("cpu"))
         if options._use_xla_patched_linear and self.comms.name == "xla":
-            from .xla_patched_linear import patch_linear_layers
+            from .unit.patched_linear import patch_linear_layers
             patch_linear_layers(module)
-        refs, self._tied_slots_left = unit_init.collect_params(module, tied.escaping(module))
+        refs, self._tied_slots_left = construction.collect_params(module, tied.escaping(module))
         self._fsdp_wrapped_module = module
         self._module_view: Optional[nn.Module] = None
         if getattr(module, "_xla_fsdp_checkpointed", False):
@@ -239,7 +239,7 @@ class XlaFullyShardedDataParallel(GradientReduction, ShardedUnit):
                 group.full.register_post_accumulate_grad_hook(
                     functools.partial(self._on_full_grad_ready, group))
         self.buffer_info = {k: {"_orig_dtype": v} for k, v in
-                            unit_init.cast_buffers(module, self.buffer_dtype, "").items()}
+                            construction.cast_buffers(module, self.buffer_dtype, "").items()}
         module.to(self.comms.device)
 
     def _init_step_state(self) -> None:
@@ -497,7 +497,7 @@ class XlaFullyShardedDataParallel(GradientReduction, ShardedUnit):
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         groups: Optional[List[List[int]]] = None) -> torch.Tensor:
         """Clip the gradient norm of the whole model, computed over all shards; returns the norm."""
-        from .grad_norm import clip_sharded_grad_norm_
+        from .unit.grad_norm import clip_sharded_grad_norm_
         self._lazy_init()
         if not self._is_root:
             raise RuntimeError("xla_fsdp: clip_grad_norm_() must be called on the root unit")
@@ -525,7 +525,7 @@ class XlaFullyShardedDataParallel(GradientReduction, ShardedUnit):
         A superset of torch_xla's five keys (``shard_info``, ``flatten_info``, ``buffer_info``,
         ``world_size``, ``rank``) plus the layout of every group.
         """
-        from .metadata import shard_metadata
+        from .checkpoints.metadata import shard_metadata
         return shard_metadata(self)
 
 

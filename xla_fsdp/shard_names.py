@@ -3,13 +3,15 @@ imports, so any layer (checkpoint files, messages) can use them."""
 from __future__ import annotations
 
 WRAPPED = "_fsdp_wrapped_module"  # attribute holding a unit's module, as in torch_xla
+TORCH_XLA_FLATTEN_WRAPPER = "_fpw_module"  # torch_xla's FlattenParamsWrapper step in its checkpoints' keys
 SHARD_SEPARATOR = "_FSDP_SHARD_SEPARATOR_"  # stands for "." in a shard's attribute name, as in torch_xla
 SHARD_PREFIX = "_fsdp_shard" + SHARD_SEPARATOR
 
 
 def clean_name(name: str) -> str:
-    """A module path without the wrappers' ``_fsdp_wrapped_module`` steps."""
-    return ".".join(p for p in name.split(".") if p and p != WRAPPED)
+    """A module path or state-dict key as the unwrapped model spells it: without the wrappers'
+    ``_fsdp_wrapped_module`` (and torch_xla's ``_fpw_module``) steps."""
+    return ".".join(p for p in name.split(".") if p and p not in (WRAPPED, TORCH_XLA_FLATTEN_WRAPPER))
 
 
 def readable_key(key: str) -> str:

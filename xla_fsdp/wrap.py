@@ -10,7 +10,7 @@ from typing import Any, Callable, Dict, Generator, Iterable, List, Optional, Set
 
 import torch.nn as nn
 
-from .unit_base import is_unit
+from .unit.base import is_unit
 
 
 def always_wrap_policy(*args: Any, **kwargs: Any) -> bool:

@@ -18,8 +18,7 @@ from .files import (DEFAULT_SUFFIX, CheckpointError, atomic_write, check_consist
 from .layout_ops import unshard_entry
 from .migrate import is_torch_xla_metadata, torch_xla_layout
 from .stream_save import PthStreamWriter, SafetensorsStreamWriter
-from ..shard_names import readable_key
-from ..state_dict import clean_key
+from ..shard_names import clean_name, readable_key
 
 REOPEN_BYTES = 64 * 1024 * 1024
 
@@ -143,7 +142,7 @@ class ShardedCheckpoint:
         for key in self.buffer_keys:
             t = ckpt0[key]
             dtype = buffer_info.get(key, {}).get("_orig_dtype", t.dtype)
-            specs.append((clean_key(key), dtype, tuple(t.shape)))
+            specs.append((clean_name(key), dtype, tuple(t.shape)))
         return specs
 
     def iter_model(self) -> Iterator[Tuple[str, torch.Tensor]]:
@@ -160,7 +159,7 @@ class ShardedCheckpoint:
         for key in self.buffer_keys:
             t = self.shards(key)[0].clone()
             original = buffer_info.get(key, {}).get("_orig_dtype")
-            yield clean_key(key), (t.to(original) if original is not None else t)
+            yield clean_name(key), (t.to(original) if original is not None else t)
 
     # ------------------------------------------------------------------ optimizer
     def full_optimizer_state(self) -> Dict[str, Any]:

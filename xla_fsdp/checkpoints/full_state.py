@@ -10,7 +10,7 @@ from typing import Any, Dict, Mapping, Optional
 
 import torch
 
-from ..state_dict import clean_key
+from ..shard_names import clean_name
 from .files import CheckpointError
 from .layout_ops import reshard_entry, unshard_entry
 
@@ -44,7 +44,7 @@ def full_state_dict(model, rank0_only: bool = True) -> Optional[Dict[str, torch.
         if key not in metadata["layout"]:
             original = metadata["buffer_info"].get(key, {}).get("_orig_dtype")
             t = value.detach().cpu().clone()
-            out[clean_key(key)] = t.to(original) if original is not None else t
+            out[clean_name(key)] = t.to(original) if original is not None else t
     return out
 
 
@@ -65,7 +65,7 @@ def load_full_state_dict(model, state_dict: Mapping[str, torch.Tensor]) -> None:
         params[key].copy_(shard.view(params[key].shape).to(params[key].device))
     buffers = {k: v for k, v in model.state_dict().items() if k not in metadata["layout"]}
     for key, value in buffers.items():
-        name = clean_key(key)
+        name = clean_name(key)
         if name not in state_dict:
             raise CheckpointError(f"full state dict lacks buffer '{name}'")
         value.copy_(state_dict[name].to(value.dtype).to(value.device))

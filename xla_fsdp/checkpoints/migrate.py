@@ -11,7 +11,7 @@ from typing import Any, Dict, Mapping
 
 import torch
 
-from ..state_dict import clean_key
+from ..shard_names import clean_name
 
 
 def torch_xla_layout(metadata: Mapping[str, Any], state_dict: Mapping[str, torch.Tensor]) -> Dict[str, Any]:
@@ -29,11 +29,11 @@ def torch_xla_layout(metadata: Mapping[str, Any], state_dict: Mapping[str, torch
             if "flat_param_" in orig_name.split(".")[-1]:
                 names, shapes, _ = metadata["flatten_info"][prefix + orig_name]
                 base = prefix + orig_name.rsplit(".", 1)[0] + "."
-                entry_names = [clean_key(base + n) for n in names]
+                entry_names = [clean_name(base + n) for n in names]
                 entry_shapes = [list(s) for s in shapes]
                 mode = "flat"
             else:
-                entry_names = [clean_key(prefix + orig_name)]
+                entry_names = [clean_name(prefix + orig_name)]
                 entry_shapes = [list(info["_orig_size"])]
                 mode = "dim0" if shard.dim() > 1 else "param"
             layout[key] = {"mode": mode, "names": entry_names, "shapes": entry_shapes, "aliases": {},

@@ -14,9 +14,9 @@ from typing import Any, Callable, List, Optional, Set, Tuple, Union
 import torch
 import torch.nn as nn
 
-from .collectives import Collectives
-from .usage import Edge, tensor_edge
-from .sharding import Dim0Layout, FlatLayout, flatten_and_pad, pad_dim0, shard_of
+from ..collectives import Collectives
+from .gradient_usage import Edge, tensor_edge
+from ..sharding import Dim0Layout, FlatLayout, flatten_and_pad, pad_dim0, shard_of
 
 
 class ShardedState(enum.Enum):

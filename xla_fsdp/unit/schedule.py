@@ -6,9 +6,9 @@ from typing import Dict, List, Optional
 
 import torch
 
-from .usage import GradientPlan
+from .gradient_usage import GradientPlan
 
-from .unit_base import ShardedUnit
+from .base import ShardedUnit
 
 
 class TrainingState(enum.Enum):

@@ -21,14 +21,14 @@ def _library_versions() -> Dict[str, str]:
         versions["torch_xla"] = importlib.metadata.version("torch_xla")
     except importlib.metadata.PackageNotFoundError:
         pass
-    from ._version import __version__
+    from .._version import __version__
     versions["xla_fsdp"] = __version__
     return versions
 
 
 def shard_metadata(root) -> Dict[str, Any]:
-    from .shard_names import WRAPPED, clean_name as _clean_name
-    from .unit_base import ShardedUnit
+    from ..shard_names import WRAPPED, clean_name as _clean_name
+    from ..unit.base import ShardedUnit
 
     shard_info: Dict[str, Dict[str, Any]] = {}
     flatten_info: Dict[str, Any] = {}

@@ -10,7 +10,7 @@ import torch.nn as nn
 
 from .param_group import ParamRef
 from .tied import LeftSlot
-from .unit_base import is_unit
+from .base import is_unit
 
 
 def validate_module(module: nn.Module) -> None:

@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Mapping, Set, Type, Union
 import torch
 import torch.nn as nn
 
-from .strategy import parse_strategy
+from ..strategy import parse_strategy
 
 STATE_DICT_TYPES = ("FULL_STATE_DICT", "SHARDED_STATE_DICT", "LOCAL_STATE_DICT")
 AUTO_WRAP_POLICIES = ("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP")
@@ -46,7 +46,7 @@ class FsdpSettings:
 
     def wrap(self, model: nn.Module):
         """``XlaFullyShardedDataParallel(model, **kwargs)``."""
-        from .fully_sharded_data_parallel import XlaFullyShardedDataParallel
+        from ..fully_sharded_data_parallel import XlaFullyShardedDataParallel
         return XlaFullyShardedDataParallel(model, **self.kwargs)
 
 
@@ -99,7 +99,7 @@ def _dtype(value: Any) -> Any:
 
 def _xla_settings(settings: Mapping[str, Any]) -> Dict[str, Any]:
     import inspect
-    from .fully_sharded_data_parallel import XlaFullyShardedDataParallel
+    from ..fully_sharded_data_parallel import XlaFullyShardedDataParallel
     allowed = set(inspect.signature(XlaFullyShardedDataParallel.__init__).parameters) - {"self", "module"}
     out = {}
     for key, value in settings.items():
@@ -119,9 +119,9 @@ def from_accelerate(cfg: Union[str, os.PathLike, Mapping[str, Any]], model: nn.M
     (1-5 or names), ``fsdp_state_dict_type``, ``xla_fsdp_settings`` (this wrapper's keywords, dtypes
     as strings allowed) and ``xla_fsdp_grad_ckpt`` (rematerialize every auto-wrapped unit).
     """
-    from .checkpoint import checkpoint_module
-    from .fully_sharded_data_parallel import XlaFullyShardedDataParallel
-    from .wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
+    from ..remat import checkpoint_module
+    from ..fully_sharded_data_parallel import XlaFullyShardedDataParallel
+    from ..wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
 
     raw = _load(cfg)
     unknown = sorted(set(raw) - KNOWN)

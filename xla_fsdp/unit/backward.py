@@ -11,7 +11,7 @@ from torch.utils._pytree import tree_map_only
 
 from .param_group import ParamGroup, start_reduce
 from .schedule import TrainingState
-from .usage import GradientPlan, reachable_edges, used_members
+from .gradient_usage import GradientPlan, reachable_edges, used_members
 
 
 class GradientReduction:

@@ -11,14 +11,8 @@ from typing import Any, Dict, Mapping, Sequence
 
 import torch
 
-from .sharding import Dim0Layout, FlatLayout, consolidate_dim0
-
-WRAPPED_PARTS = ("_fsdp_wrapped_module", "_fpw_module")
-
-
-def clean_key(key: str) -> str:
-    """A state-dict key without the wrapper components."""
-    return ".".join(p for p in key.split(".") if p not in WRAPPED_PARTS)
+from ..shard_names import clean_name
+from ..sharding import Dim0Layout, FlatLayout, consolidate_dim0
 
 
 def consolidate_sharded_state_dicts(state_dict_list: Sequence[Mapping[str, torch.Tensor]],
@@ -55,5 +49,5 @@ def consolidate_sharded_state_dicts(state_dict_list: Sequence[Mapping[str, torch
         original = buffer_info.get(key, {}).get("_orig_dtype")
         if original is not None:
             tensor = tensor.to(original)
-        full[clean_key(key)] = tensor
+        full[clean_name(key)] = tensor
     return full

@@ -6,8 +6,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch.nn as nn
 
-from .shard_names import SHARD_PREFIX, SHARD_SEPARATOR, WRAPPED, clean_name, readable_key  # noqa: F401
-from .unit_base import ShardedUnit
+from ..shard_names import SHARD_PREFIX, SHARD_SEPARATOR, WRAPPED, clean_name, readable_key  # noqa: F401
+from .base import ShardedUnit
 
 
 def hashable(value: Any) -> Any:

@@ -1,0 +1,31 @@
+"""``python -m xla_fsdp.compat SCRIPT [ARGS]``: run a program written for torch_xla's FSDP with
+xla_fsdp, in it and in every Python process it starts (``torch_xla.launch`` spawns its device
+processes afresh, so a ``sitecustomize`` on ``PYTHONPATH`` swaps the names in each of them)."""
+from __future__ import annotations
+
+import os
+import sys
+from typing import List, Optional
+
+ENV = "XLA_FSDP_REPLACE_TORCH_XLA_FSDP"  # read by _startup/sitecustomize.py
+STARTUP_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_startup")
+PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """``python -m xla_fsdp.compat SCRIPT [ARGS]``: run a program written for torch_xla's FSDP
+    with xla_fsdp, in it and in every Python process it starts."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv:
+        print("usage: python -m xla_fsdp.compat SCRIPT [ARGS]  (runs SCRIPT with torch_xla.distributed.fsdp "
+              "served by xla_fsdp)", file=sys.stderr)
+        return 2
+    env = dict(os.environ, **{ENV: "1"})
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (STARTUP_DIR, PACKAGE_PARENT,
+                                                   env.get("PYTHONPATH")) if p)
+    os.execve(sys.executable, [sys.executable] + argv, env)
+    return 0  # not reached
+
+
+if __name__ == "__main__":
+    sys.exit(main())

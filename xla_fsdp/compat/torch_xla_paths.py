@@ -1,0 +1,60 @@
+"""torch_xla's FSDP module names (``torch_xla.distributed.fsdp`` and its ``wrap``, ``utils``,
+``state_dict_utils``, ``xla_fully_sharded_data_parallel``, ``consolidate_sharded_ckpts``) served by
+xla_fsdp, swapped in place in ``sys.modules`` so modules that imported them before see xla_fsdp too."""
+from __future__ import annotations
+
+import sys
+import types
+from typing import Any, Dict
+
+from .. import wrap as _wrap
+from ..checkpoints import consolidate_sharded_model_checkpoints
+from ..checkpoints.shard_merge import consolidate_sharded_state_dicts
+from ..fully_sharded_data_parallel import XlaFullyShardedDataParallel
+from ..integrations.accelerate_clipping import patch_accelerate_clipping
+from ..remat import checkpoint_module
+from . import torch_xla_utils
+
+
+def _module(name: str, **attrs: Any) -> types.ModuleType:
+    module = types.ModuleType(name)
+    module.__dict__.update(attrs)
+    return module
+
+
+def torch_xla_modules() -> Dict[str, types.ModuleType]:
+    """torch_xla's FSDP module names and the xla_fsdp modules that stand in for them."""
+    from .. import consolidate_sharded_ckpts
+    base = "torch_xla.distributed.fsdp"
+    utils = _module(f"{base}.utils", checkpoint_module=checkpoint_module,
+                    **{name: getattr(torch_xla_utils, name) for name in torch_xla_utils.__all__})
+    state_dict_utils = _module(
+        f"{base}.state_dict_utils",
+        consolidate_sharded_state_dicts=consolidate_sharded_state_dicts,
+        consolidate_sharded_model_checkpoints=consolidate_sharded_model_checkpoints,
+    )
+    fsdp_module = _module(
+        f"{base}.xla_fully_sharded_data_parallel", XlaFullyShardedDataParallel=XlaFullyShardedDataParallel
+    )
+    package = _module(base, XlaFullyShardedDataParallel=XlaFullyShardedDataParallel,
+                      consolidate_sharded_state_dicts=consolidate_sharded_state_dicts,
+                      consolidate_sharded_model_checkpoints=consolidate_sharded_model_checkpoints,
+                      checkpoint_module=checkpoint_module, wrap=_wrap, utils=utils, state_dict_utils=state_dict_utils,
+                      xla_fully_sharded_data_parallel=fsdp_module, consolidate_sharded_ckpts=consolidate_sharded_ckpts,
+                      __all__=["XlaFullyShardedDataParallel", "consolidate_sharded_state_dicts",
+                               "consolidate_sharded_model_checkpoints", "checkpoint_module"])
+    package.__path__ = []  # a package: its submodules are the entries below
+    return {base: package, f"{base}.wrap": _wrap, f"{base}.utils": utils, f"{base}.state_dict_utils": state_dict_utils,
+            f"{base}.xla_fully_sharded_data_parallel": fsdp_module,
+            f"{base}.consolidate_sharded_ckpts": consolidate_sharded_ckpts}
+
+
+def replace_torch_xla_fsdp() -> None:
+    """Make ``torch_xla.distributed.fsdp`` (and its modules) resolve to xla_fsdp in this process,
+    and route Accelerate's gradient clipping of an xla_fsdp model to the model's own (see
+    :func:`patch_accelerate_clipping`)."""
+    import torch_xla.distributed
+    for name, module in torch_xla_modules().items():
+        sys.modules[name] = module
+    torch_xla.distributed.fsdp = sys.modules["torch_xla.distributed.fsdp"]
+    patch_accelerate_clipping()
