@@ -56,7 +56,8 @@ def optimizer_param_keys(model, optimizer) -> list:
 
 def save_sharded_checkpoint(model, optimizer: Optional[torch.optim.Optimizer], ckpt_prefix: str,
                             extra: Optional[Mapping[str, Any]] = None) -> str:
-    """Write ``{prefix}_rank-RRRRRRRR-of-WWWWWWWW.pth`` for this rank, atomically; returns its path.
+    """Write ``{prefix}_rank-RRRRRRRR-of-WWWWWWWW.pth`` for this rank, atomically (creating the
+    prefix's folder if needed); returns its path.
 
     Call on every rank (small collectives agree on the save's id and, at the end, make sure every
     rank's file is in place before any rank returns). Holds
@@ -79,6 +80,7 @@ def save_sharded_checkpoint(model, optimizer: Optional[torch.optim.Optimizer], c
     path = rank_path(ckpt_prefix, model.rank, model.world_size)
     # Hybrid/NO_SHARD: replicas hold identical shards; only the first copy of each is written.
     if model.comms.replica_rank == 0:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)  # ckpt/step100: as DCP, make ckpt/
         atomic_torch_save(ckpt, path)
     _agree_on_run_id(model)  # a barrier: when save returns on any rank, every rank file is written
     _replica_barrier(model)

@@ -1,0 +1,106 @@
+"""The docs are tested like code (issue 24): every Python or shell block in README.md,
+CONTRIBUTING.md and docs/ is either marked ``<!-- run: RUNNER -->`` (on the line before it, or the
+line after) and run as written (a page's blocks in order, in one temporary folder, so a later block
+reads what an earlier one wrote), or marked ``<!-- not run: why -->``. Runners: ``python``, ``bash``
+(``python`` is this interpreter), ``torchrun N`` (N gloo processes), ``xla N`` (N XLA:CPU devices).
+Relative links must point at files that exist."""
+import glob
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PAGES = ["README.md", "CONTRIBUTING.md"] + sorted(os.path.relpath(p, ROOT) for p in glob.glob(f"{ROOT}/docs/*.md"))
+MARK = re.compile(r"^<!--\s*(run|not run):\s*(.*?)\s*-->$")
+CODE_LANGUAGES = {"python", "bash", "sh", "shell", "console"}
+
+
+def blocks(page):
+    """(language, marker, argument, code, line number) of every fenced block of a page."""
+    lines = open(os.path.join(ROOT, page)).read().splitlines()
+    found, i, marker = [], 0, (None, "")
+    while i < len(lines):
+        line = lines[i]
+        if line.startswith("```") and len(line) > 3:
+            start, lang = i + 1, line[3:].strip().split()[0]
+            i += 1
+            while not lines[i].startswith("```"):
+                i += 1
+            after = MARK.match(lines[i + 1].strip()) if marker[0] is None and i + 1 < len(lines) else None
+            if after:  # a marker right after the block (README's first block must open the page)
+                marker = after.groups()
+                i += 1
+            found.append((lang, marker[0], marker[1], "\n".join(lines[start:i]) + "\n", start))
+            marker = (None, "")
+        elif MARK.match(line.strip()):
+            marker = MARK.match(line.strip()).groups()
+        elif line.strip():
+            marker = (None, "")
+        i += 1
+    return found
+
+
+def command(runner, path):
+    kind, _, count = runner.partition(" ")
+    if kind == "python":
+        return [sys.executable, path], {}
+    if kind == "bash":
+        return ["bash", "-euo", "pipefail", path], {}
+    if kind == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={int(count)}",
+                path], {}
+    if kind == "xla":
+        return [sys.executable, path], {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(int(count))}
+    raise ValueError(f"unknown runner {runner!r}")
+
+
+def test_every_code_block_is_run_or_says_why_not():
+    problems = []
+    for page in PAGES:
+        for lang, marker, argument, _, line in blocks(page):
+            if lang not in CODE_LANGUAGES:
+                continue
+            if marker is None:
+                problems.append(f"{page}:{line}: mark the block <!-- run: RUNNER --> or <!-- not run: why -->")
+            elif marker == "not run" and len(argument) < 10:
+                problems.append(f"{page}:{line}: say why the block is not run")
+            elif marker == "run":
+                try:
+                    command(argument, "x")
+                except ValueError as e:
+                    problems.append(f"{page}:{line}: {e}")
+    assert not problems, "\n".join(problems)
+
+
+def test_the_block_finder_sees_markers():
+    runs = [(lang, arg) for lang, marker, arg, _, _ in blocks("README.md") if marker == "run"]
+    assert ("python", "torchrun 2") in runs and ("bash", "bash") in runs
+
+
+def test_relative_links_point_at_files():
+    missing = []
+    for page in PAGES:
+        text = open(os.path.join(ROOT, page)).read()
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text):
+            if "://" not in target and not os.path.exists(os.path.join(ROOT, os.path.dirname(page), target)):
+                missing.append(f"{page}: {target}")
+    assert not missing, missing
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if any(b[1] == "run" for b in blocks(p))])
+def test_the_page_runs_as_written(page, tmp_path):
+    env = dict(os.environ, PYTHONPATH=ROOT, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
+    for number, (lang, marker, runner, code, line) in enumerate(blocks(page)):
+        if marker != "run":
+            continue
+        path = str(tmp_path / f"block{number}.{'py' if lang == 'python' else 'sh'}")
+        with open(path, "w") as f:
+            f.write(code)
+        argv, extra_env = command(runner, path)
+        proc = subprocess.run(argv, cwd=tmp_path, env={**env, **extra_env}, capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 0, f"{page}:{line} ({runner}) exit {proc.returncode}\n" + (
+            proc.stdout[-2000:] + proc.stderr[-4000:])
