@@ -3,6 +3,7 @@ and unsharded in one process, so tests can compare the two."""
 from __future__ import annotations
 
 import atexit
+import glob
 import functools
 import os
 import shutil
@@ -471,6 +472,21 @@ def session_run(transport: str, world_size: int) -> Tuple[Dict[str, List[Dict[st
         run = run_gloo if transport == "torch" else run_xla
         _SESSION_RUNS[key] = run(names, world_size, save_prefix=prefix, full_state=ROUND_TRIP), prefix
     return _SESSION_RUNS[key]
+
+
+def copy_session_checkpoint(transport: str, world_size: int, name: str, dest_prefix: str,
+                            before_training: bool = False) -> List[str]:
+    """The session run's checkpoint of config ``name`` (trained, or the one saved before training:
+    another save, with another run id) copied under ``dest_prefix``: tests that need a checkpoint to
+    damage or convert reuse a run the equivalence tests make anyway."""
+    _, prefix = session_run(transport, world_size)
+    source = prefix.format(name=name) + ("_init" if before_training else "")
+    copies = []
+    for path in sorted(glob.glob(glob.escape(source) + "_rank-*-of-*.pth")):
+        copies.append(dest_prefix + path[len(source):])
+        shutil.copy(path, copies[-1])
+    assert len(copies) == world_size, (source, copies)
+    return copies
 
 
 def first_replica(rank_results: List[Dict[str, Any]]) -> List[Dict[str, Any]]:

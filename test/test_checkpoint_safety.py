@@ -37,7 +37,7 @@ def ckpts(tmp_path_factory):
     """'ours': 2 ranks saved by save_sharded_checkpoint (per-parameter shards, nested units, AdamW);
     'plain': the same files written the torch_xla way (plain torch.save, no checksums of ours)."""
     root = tmp_path_factory.mktemp("safety")
-    harness.run_gloo(["zero3_nested_adamw"], 2, steps=1, save_prefix=str(root / "ours"))
+    harness.copy_session_checkpoint("torch", 2, "zero3_nested_adamw", str(root / "ours"))
     for rank in range(2):
         ckpt = torch.load(root / f"ours_rank-{rank:08d}-of-00000002.pth", weights_only=True)
         ckpt["shard_metadata"].pop("checksums")

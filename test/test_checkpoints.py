@@ -121,10 +121,9 @@ def _sha(path):
 @pytest.fixture(scope="module")
 def good_ckpt(tmp_path_factory):
     root = tmp_path_factory.mktemp("good")
-    prefix = str(root / "a")
-    harness.run_gloo(["zero3_nested_adamw"], 2, steps=1, save_prefix=prefix)
-    harness.run_gloo(["zero3_nested_adamw"], 2, steps=1, save_prefix=str(root / "b"))  # another run
-    harness.run_gloo(["zero3_nested_adamw"], 4, steps=1, save_prefix=str(root / "c"))  # another size
+    harness.copy_session_checkpoint("torch", 2, "zero3_nested_adamw", str(root / "a"))
+    harness.copy_session_checkpoint("torch", 2, "zero3_nested_adamw", str(root / "b"), before_training=True)
+    harness.copy_session_checkpoint("torch", 4, "zero3_nested_adamw", str(root / "c"))  # another size
     return root
 
 

