@@ -229,9 +229,13 @@ def train_sharded(name: str, rank: int, device: torch.device, sync: Callable[[],
     sharded checkpoint first and saves one at the end (``save_prefix + '_init'`` before training).
     Returns losses, shards, metadata and memory figures, and with ``full_state`` (True, or the
     names of the configs that want it) the gathered full model and optimizer state."""
-    cfg = CONFIGS[name]
+    # "config@variant" runs config again in the same launch; a path may be a dict variant -> path.
     # Paths may name the config: "{name}" is replaced, so one launch can run several configs.
-    save_prefix, load_prefix, load_full_path = (p.format(name=name) if p else p
+    base, _, variant = name.partition("@")
+    cfg = CONFIGS[base]
+    save_prefix, load_prefix, load_full_path = ((p.get(variant) if isinstance(p, dict) else p)
+                                                for p in (save_prefix, load_prefix, load_full_path))
+    save_prefix, load_prefix, load_full_path = (p.format(name=base) if p else p
                                                 for p in (save_prefix, load_prefix, load_full_path))
     with _INIT_LOCK:  # XLA ranks are threads sharing the CPU RNG
         model = models.make_model(cfg["model"])

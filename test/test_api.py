@@ -245,8 +245,9 @@ def test_sharded_state_dict_round_trip_resumes_training(gloo):
 
 
 def test_load_checks_the_checkpoint_matches_the_model(gloo, tmp_path):
-    """Metadata that does not match the model, a missing rank file and a corrupted tensor are
-    errors naming the file; a good checkpoint loads."""
+    """A checkpoint of another model, a prefix with no files and a corrupted tensor are errors
+    naming the file or parameter; a good checkpoint loads, also into the same model wrapped
+    another way (read by original names)."""
     import xla_fsdp
     from xla_fsdp.checkpoints import CheckpointError, rank_path
 
@@ -256,10 +257,15 @@ def test_load_checks_the_checkpoint_matches_the_model(gloo, tmp_path):
     prefix = str(tmp_path / "ck")
     path = xla_fsdp.save_sharded_checkpoint(saved, opt, prefix)
     assert path == rank_path(prefix, 0, 1)
-    other = FSDP(models.MLP(), flatten_parameters=True)
-    with pytest.raises(CheckpointError, match="does not match the model"):
-        xla_fsdp.load_sharded_checkpoint(other, None, prefix)
-    with pytest.raises(CheckpointError, match="missing rank file .*nope_rank-00000000-of-00000001.pth"):
+    torch.manual_seed(1)
+    rewrapped = FSDP(models.MLP(), flatten_parameters=True)  # the same model wrapped otherwise: read by name
+    xla_fsdp.load_sharded_checkpoint(rewrapped, None, prefix)
+    from xla_fsdp.checkpoints import full_state_dict
+    want = full_state_dict(saved, rank0_only=False)
+    assert all(torch.equal(v, want[k]) for k, v in full_state_dict(rewrapped, rank0_only=False).items())
+    with pytest.raises(CheckpointError, match="'fc1.weight' has 288 elements in the checkpoint and 120 in the model"):
+        xla_fsdp.load_sharded_checkpoint(FSDP(models.MLP(hidden=10)), None, prefix)
+    with pytest.raises(CheckpointError, match="no rank files match .*nope_rank-"):
         xla_fsdp.load_sharded_checkpoint(FSDP(models.MLP()), None, str(tmp_path / "nope"))
     ckpt = torch.load(path, weights_only=False)
     key = next(iter(ckpt["model"]))

@@ -67,8 +67,9 @@ def sources(tmp_path_factory):
 
 @pytest.mark.parametrize("n,m", [(2, 4), (4, 2), (4, 1), (1, 4)])
 def test_reshard_then_resume(sources, n, m, tmp_path):
-    """consolidate(reshard(ckpt, M)) == consolidate(ckpt), optimizer included, and training resumed
-    on M ranks continues the uninterrupted run (same global batch) within 1e-5."""
+    """consolidate(reshard(ckpt, M)) == consolidate(ckpt), optimizer included; training resumed on M
+    ranks continues the uninterrupted run (same global batch) within 1e-5; and resuming from the
+    N-rank files directly (resharded while loading) gives the same bits as from the offline reshard."""
     resumed_prefix = str(tmp_path / "{name}_to_m")
     for name in ["zero3_nested_adamw", "flatten_nested_adamw"]:
         src = sources[n].format(name=name)
@@ -79,15 +80,46 @@ def test_reshard_then_resume(sources, n, m, tmp_path):
         assert_bit_exact(b["model"], a["model"])
         for pname, st in a["optimizer"]["state"].items():
             assert_bit_exact(b["optimizer"]["state"][pname], st)
-    resumed = harness.run_gloo(["zero3_nested_adamw", "flatten_nested_adamw"], m, steps=3, start=3,
-                               per_rank=GLOBAL_BATCH // m, load_prefix=resumed_prefix)
-    for name in ["zero3_nested_adamw", "flatten_nested_adamw"]:
+    names = ["zero3_nested_adamw", "flatten_nested_adamw"]
+    # the same resumption straight from the world-size-N files: load_sharded_checkpoint reshards while loading
+    resumed = harness.run_gloo(names + [x + "@direct" for x in names], m, steps=3, start=3, per_rank=GLOBAL_BATCH // m,
+                               load_prefix={"": resumed_prefix, "direct": sources[n]})
+    for name in names:
+        for r in range(m):  # load-time resharding == offline reshard + load, bit for bit
+            direct, offline = resumed[name + "@direct"][r], resumed[name][r]
+            assert direct["losses"] == offline["losses"], (name, r)
+            for k, v in offline["state_dict"].items():
+                assert torch.equal(direct["state_dict"][k], v), (name, r, k)
         ref = harness.train_reference(name, m, steps=6, per_rank=GLOBAL_BATCH // m)
         losses = [sum(r["losses"][i] for r in resumed[name]) / m for i in range(3)]
         assert max(abs(x - y) for x, y in zip(losses, ref["losses"][3:])) <= 1e-5
         full = harness.consolidate(resumed[name])
         for k, v in ref["state_dict"].items():
             assert (full[k] - v).abs().max().item() <= 1e-5, k
+
+
+@pytest.mark.parametrize("m,sizes", [(4, (2, 1)), (2, (4,)), (1, (4,))])
+def test_xla_loads_any_world_size_like_offline_reshard(sources, m, sizes, tmp_path):
+    """On m XLA:CPU devices, resuming from the N-rank files (gloo-written) resharded while loading
+    gives the same bits (losses, every shard after 3 more steps) as resuming from the offline reshard."""
+    names, prefixes = [], {}
+    for n in sizes:
+        for name in ["zero3_nested_adamw", "flatten_nested_adamw"]:
+            offline = str(tmp_path / f"{name}_from{n}")
+            assert reshard_cli(["--ckpt_prefix", sources[n].format(name=name), "--world_size", str(m),
+                                "--out_prefix", offline]) == 0
+        prefixes[f"offline{n}"] = str(tmp_path / f"{{name}}_from{n}")
+        prefixes[f"direct{n}"] = sources[n]
+        names += [f"{name}@{kind}{n}" for name in ["zero3_nested_adamw", "flatten_nested_adamw"]
+                  for kind in ("offline", "direct")]
+    results = harness.run_xla(names, m, steps=3, start=3, per_rank=GLOBAL_BATCH // m, load_prefix=prefixes)
+    for n in sizes:
+        for name in ["zero3_nested_adamw", "flatten_nested_adamw"]:
+            for r in range(m):
+                direct, offline = results[f"{name}@direct{n}"][r], results[f"{name}@offline{n}"][r]
+                assert direct["losses"] == offline["losses"], (name, n, r)
+                for k, v in offline["state_dict"].items():
+                    assert torch.equal(direct["state_dict"][k], v), (name, n, r, k)
 
 
 def harness_rank(prefix, rank, ws):

@@ -8,6 +8,7 @@ from typing import Any, Dict, List, Mapping, Optional
 
 import torch
 
+from .resharded_load import ReshardedLoad, needs_resharding
 from .files import (RANK_FILE, CheckpointError, atomic_torch_save, load_rank_file, rank_path, tensor_checksum,
                     verify_archive, verify_checksums)
 
@@ -131,29 +132,71 @@ def _check_matches_model(path: str, saved: Mapping[str, Any], current: Mapping[s
 
 
 def load_sharded_checkpoint(model, optimizer: Optional[torch.optim.Optimizer], ckpt_prefix: str) -> Optional[dict]:
-    """Load this rank's file into ``model`` (and ``optimizer``), after checking it; returns ``extra``.
+    """Load a sharded checkpoint into ``model`` (and ``optimizer``), after checking it; returns ``extra``.
 
-    Call on every rank. Each rank reads and checks its file first; then the ranks agree, and if any
-    rank's file is missing or damaged, every rank raises (naming the files) before any loads a thing,
-    rather than one rank failing while the others train on from the checkpoint or wait for it."""
-    path = rank_path(ckpt_prefix, model.rank, model.world_size)
+    Call on every rank. A checkpoint of this world size and wrapping is read file for file; one of
+    another world size (or another wrapping of the same model) is resharded while loading, each
+    rank reading only the slices its shards need (see ``resharded_load``). Each rank reads and
+    checks first; then the ranks agree, and if any rank failed, every rank raises (naming the
+    files) before any loads a thing, rather than one rank failing while the others train on from
+    the checkpoint or wait for it."""
+    ckpt, resharded, error = None, None, None
     try:
-        ckpt = _read_checked(model, optimizer, path, ckpt_prefix)
-        error = None
+        own = _own_metadata(model, ckpt_prefix)
+        if own is not None and not needs_resharding(ckpt_prefix, model, own):
+            ckpt = _read_checked(model, optimizer, rank_path(ckpt_prefix, model.rank, model.world_size), ckpt_prefix)
+        elif own is not None or not _has_files_of_world_size(ckpt_prefix, model.world_size):
+            resharded = _read_resharded(model, optimizer, ckpt_prefix)
+        else:  # this world size's set lacks this rank's file
+            ckpt = _read_checked(model, optimizer, rank_path(ckpt_prefix, model.rank, model.world_size), ckpt_prefix)
     except CheckpointError as e:
-        ckpt, error = None, e
+        error = e
     failed = _ranks_that_failed(model, error is not None)
     if failed:
         others = ", ".join(f"rank {r}" for r in failed if r != _flat_rank(model))
         if error is not None:
             raise CheckpointError(f"{error}" + (f" (also failed: {others})" if others else "")) from error
-        raise CheckpointError(f"the checkpoint '{ckpt_prefix}' cannot be loaded: {others} could not read its file "
-                              f"(e.g. '{rank_path(ckpt_prefix, failed[0] % model.world_size, model.world_size)}'; "
-                              "its error is in that rank's output); no rank has loaded anything")
+        example = "" if resharded is not None else (
+            f" (e.g. '{rank_path(ckpt_prefix, failed[0] % model.world_size, model.world_size)}')")
+        raise CheckpointError(f"the checkpoint '{ckpt_prefix}' cannot be loaded: {others} could not read its "
+                              f"files{example}; its error is in that rank's output; no rank has loaded anything")
+    if resharded is not None:
+        ckpt = resharded
     model.load_state_dict(ckpt["model"])
     if optimizer is not None:
         optimizer.load_state_dict(ckpt["optimizer"])
     return ckpt.get("extra")
+
+
+def _has_files_of_world_size(ckpt_prefix: str, world_size: int) -> bool:
+    for path in glob.glob(glob.escape(ckpt_prefix) + "_rank-*-of-*.pth"):
+        m = RANK_FILE.fullmatch(path[len(ckpt_prefix):])
+        if m and int(m.group(2)) == world_size:
+            return True
+    return False
+
+
+def _own_metadata(model, ckpt_prefix: str) -> Optional[Dict[str, Any]]:
+    """The metadata of this rank's file at the model's world size, if there is one (memory-mapped:
+    only the metadata is read)."""
+    path = rank_path(ckpt_prefix, model.rank, model.world_size)
+    if not os.path.exists(path):
+        return None
+    return load_rank_file(path, mmap=True)["shard_metadata"]
+
+
+def _read_resharded(model, optimizer, ckpt_prefix: str) -> Dict[str, Any]:
+    """This rank's state from a checkpoint of another world size or wrapping (changes nothing)."""
+    source = ReshardedLoad(ckpt_prefix)
+    try:
+        source.verify_share(_flat_rank(model), model.world_size * model.comms.num_replicas)
+        ckpt = {"model": source.model_state(model, model.rank), "extra": source.extra()}
+        if optimizer is not None:
+            ckpt["optimizer"] = source.optimizer_state(model, optimizer, model.rank,
+                                                       optimizer_param_keys(model, optimizer))
+        return ckpt
+    finally:
+        source.close()
 
 
 def _flat_rank(model) -> int:
