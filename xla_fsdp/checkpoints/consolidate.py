@@ -155,6 +155,10 @@ class ShardedCheckpoint:
                 yield name, tensor
                 for alias in entry.get("aliases", {}).get(name, []):
                     yield alias, tensor
+        yield from self.iter_buffers()
+
+    def iter_buffers(self) -> Iterator[Tuple[str, torch.Tensor]]:
+        """(original name, buffer in its original dtype): buffers are whole on every rank."""
         buffer_info = self.metadata.get("buffer_info", {})
         for key in self.buffer_keys:
             t = self.shards(key)[0].clone()

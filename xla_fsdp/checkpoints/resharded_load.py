@@ -87,6 +87,19 @@ def assemble_shard(entry: Mapping[str, Any], rank: int, index: NameIndex, source
     return out.reshape(entry["shard_shape"])
 
 
+def read_full(index: NameIndex, source_layout: Mapping[str, Any], read_chunk, name: str, shape, dtype: torch.dtype
+              ) -> torch.Tensor:
+    """One original tensor, whole, from the checkpoint's chunks (only its own slices are read)."""
+    numel = math.prod(shape) if len(shape) else 1
+    key, offset = index.locate(name, numel)
+    out = torch.empty(numel, dtype=dtype)
+    position = 0
+    for source_rank, a, b in _pieces(offset, offset + numel, chunk_numel(source_layout[key])):
+        out[position:position + b - a] = read_chunk(key, source_rank)[a:b]
+        position += b - a
+    return out.reshape(shape)
+
+
 class ReshardedLoad:
     """A checkpoint of another world size or wrapping, read for one rank of a live model."""
 

@@ -1,0 +1,67 @@
+"""PyTorch FSDP2 (``fully_shard``) training of the harness's configs on gloo, saving and loading
+with ``torch.distributed.checkpoint`` the way the FSDP2 tutorials do (``get_state_dict`` /
+``set_state_dict``, ``dcp.save`` / ``dcp.load`` of ``{"model": ..., "optim": ...}``): the other
+side of the DCP interop tests."""
+import os
+import tempfile
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+import harness
+import models
+
+
+def _worker(rank: int, world_size: int, port: int, name: str, steps: int, start: int, per_rank: int,
+            load_dir: Optional[str], save_dir: Optional[str], out_dir: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                         set_state_dict)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        cfg = harness.CONFIGS[name]
+        model = models.make_model(cfg["model"])
+        mesh = init_device_mesh("cpu", (world_size,))
+        for child in model.children():  # a unit per layer, as the tutorial wraps each block
+            if any(p.requires_grad for p in child.parameters()):
+                fully_shard(child, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = harness.make_optimizer(cfg["opt"], model)
+        if load_dir:
+            model_sd, optim_sd = get_state_dict(model, opt)
+            state = {"model": model_sd, "optim": optim_sd}
+            dcp.load(state, checkpoint_id=load_dir)
+            set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        losses = []
+        for step in range(start, start + steps):
+            opt.zero_grad()
+            x, y = models.batch(cfg["model"], step, rank, per_rank)
+            loss = models.loss_fn(cfg["model"], model(x), y)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        if save_dir:
+            model_sd, optim_sd = get_state_dict(model, opt)
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=save_dir)
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        torch.save({"losses": losses, "full": full}, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def run(name: str, world_size: int, steps: int, start: int = 0, per_rank: int = 4, load_dir: Optional[str] = None,
+        save_dir: Optional[str] = None) -> Dict[str, Any]:
+    """Train ``steps`` steps on ``world_size`` gloo ranks; returns the global-batch losses (mean of
+    the ranks' equal-sized batches) and the full model state at the end."""
+    import torch.multiprocessing as mp
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.spawn(_worker, args=(world_size, harness._free_port(), name, steps, start, per_rank, load_dir, save_dir,
+                                out_dir), nprocs=world_size)
+        ranks: List[Dict[str, Any]] = [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False)
+                                       for r in range(world_size)]
+    losses = [sum(r["losses"][i] for r in ranks) / world_size for i in range(steps)]
+    return {"losses": losses, "full": ranks[0]["full"]}

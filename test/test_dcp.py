@@ -1,0 +1,101 @@
+"""Checkpoints that travel to and from PyTorch Distributed Checkpoint (issue 25): FSDP2 on gloo saves
+with DCP, ``python -m xla_fsdp.convert --from dcp`` gives xla_fsdp rank files for another world
+size, and xla_fsdp continues the run as FSDP2 continues it; xla_fsdp's checkpoint goes back with
+``--to dcp`` to FSDP2 and to a plain model. Model and AdamW state both (1e-5 on losses and
+parameters: the frameworks sum gradients in different orders)."""
+import os
+
+import pytest
+
+import fsdp2_runs
+import harness
+import models
+from xla_fsdp.convert import main as convert_cli
+
+K = 3  # steps per leg
+GLOBAL_BATCH = 8
+TOL = 1e-5
+
+
+def _close(got, want, what):
+    worst = max(abs(a - b) for a, b in zip(got, want))
+    print(f"{what}: losses within {worst:.2e}")
+    assert worst <= TOL, (what, got, want)
+
+
+def _params_close(full, want):
+    assert set(want) <= set(full), set(want) - set(full)
+    worst = max((full[k].float() - v.float()).abs().max().item() for k, v in want.items())
+    print(f"  parameters within {worst:.2e}")
+    assert worst <= TOL
+
+
+@pytest.mark.parametrize("name", ["zero3_nested_adamw", "flatten_nested_adamw"])
+def test_fsdp2_and_xla_fsdp_continue_each_others_runs(name, tmp_path):
+    # FSDP2, 2 ranks: K steps, save with DCP; and its own continuation, the reference
+    first = str(tmp_path / "fsdp2_step3")
+    fsdp2_runs.run(name, 2, K, per_rank=GLOBAL_BATCH // 2, save_dir=first)
+    fsdp2_continued = fsdp2_runs.run(name, 2, K, start=K, per_rank=GLOBAL_BATCH // 2, load_dir=first)
+
+    # DCP -> xla_fsdp rank files for 4 ranks -> xla_fsdp continues (and saves)
+    imported = str(tmp_path / "imported")
+    assert convert_cli(["--from", "dcp", "--ckpt_dir", first, "--world_size", "4", "--out_prefix", imported]) == 0
+    ours = str(tmp_path / "ours_step6")
+    run = harness.run_gloo([name], 4, steps=K, start=K, per_rank=GLOBAL_BATCH // 4, load_prefix=imported,
+                           save_prefix=ours)[name]
+    ours_losses = [sum(r["losses"][i] for r in run) / 4 for i in range(K)]
+    _close(ours_losses, fsdp2_continued["losses"], "xla_fsdp continuing FSDP2's run")
+    _params_close(harness.consolidate(run), fsdp2_continued["full"])
+
+    # xla_fsdp (4 ranks) -> DCP -> FSDP2 (2 ranks) continues == xla_fsdp continuing itself
+    exported = str(tmp_path / "ours_step6_dcp")
+    assert convert_cli(["--to", "dcp", "--ckpt_prefix", ours, "--out", exported]) == 0
+    ours_continued = harness.run_gloo([name], 4, steps=K, start=2 * K, per_rank=GLOBAL_BATCH // 4,
+                                      load_prefix=ours)[name]
+    ours_continued_losses = [sum(r["losses"][i] for r in ours_continued) / 4 for i in range(K)]
+    theirs = fsdp2_runs.run(name, 2, K, start=2 * K, per_rank=GLOBAL_BATCH // 2, load_dir=exported)
+    _close(theirs["losses"], ours_continued_losses, "FSDP2 continuing xla_fsdp's run")
+    _params_close(theirs["full"], harness.consolidate(ours_continued))
+
+    # ... and a plain, unwrapped model with a plain AdamW, one process, the whole global batch
+    plain_losses, plain_state = _plain_continues(name, exported)
+    _close(plain_losses, ours_continued_losses, "a plain model continuing xla_fsdp's run")
+    _params_close(plain_state, harness.consolidate(ours_continued))
+
+
+def _plain_continues(name, dcp_dir):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    cfg = harness.CONFIGS[name]
+    model = models.make_model(cfg["model"], seed=1)  # other initial weights: the load must replace them
+    opt = harness.make_optimizer(cfg["opt"], model)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=dcp_dir)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    losses = []
+    for step in range(2 * K, 3 * K):
+        opt.zero_grad()
+        x, y = models.batch(cfg["model"], step, 0, GLOBAL_BATCH)
+        loss = models.loss_fn(cfg["model"], model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_convert_refuses_bad_input_clearly(tmp_path, capsys):
+    harness.copy_session_checkpoint("torch", 2, "zero3_nested_adamw", str(tmp_path / "ck"))
+    out = tmp_path / "dcp"
+    assert convert_cli(["--to", "dcp", "--ckpt_prefix", str(tmp_path / "ck"), "--out", str(out)]) == 0
+    assert convert_cli(["--to", "dcp", "--ckpt_prefix", str(tmp_path / "ck"), "--out", str(out)]) == 2
+    assert "exists and is not an empty folder" in capsys.readouterr().err
+    assert convert_cli(["--from", "dcp", "--ckpt_dir", str(tmp_path), "--world_size", "2",
+                        "--out_prefix", str(tmp_path / "x")]) == 2
+    assert "not a DCP checkpoint folder" in capsys.readouterr().err
+    assert convert_cli(["--from", "dcp", "--ckpt_dir", str(out), "--world_size", "2", "--out_prefix",
+                        str(tmp_path / "x"), "--model_key", "weights"]) == 2
+    assert "no entries under 'weights.'" in capsys.readouterr().err
+    assert not any(f.startswith("x_rank") or ".tmp" in f for f in os.listdir(tmp_path))
+    with pytest.raises(SystemExit):
+        convert_cli(["--to", "dcp", "--ckpt_prefix", str(tmp_path / "ck")])  # no --out
