@@ -3,17 +3,21 @@
     python -m xla_fsdp.consolidate_sharded_ckpts --ckpt_prefix /tmp/run/final_ckpt
         [--ckpt_suffix '_rank-*-of-*.pth'] [--save_path F] [--format pth|safetensors]
         [--optimizer] [--verify]
+    python -m xla_fsdp.consolidate_sharded_ckpts --ckpt_prefix P --format safetensors --max_shard_size 2GB
+        [--dtype bfloat16] [--hf_config CONFIG] --save_path FOLDER     # a Hugging Face model folder
 
 Works for checkpoints written by xla_fsdp and by torch_xla's XlaFullyShardedDataParallel.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import List, Optional
 
 from ..checkpoints.consolidate import ShardedCheckpoint, default_save_path, write_consolidated
 from ..checkpoints.files import DEFAULT_SUFFIX, run_cli_action
+from ..checkpoints.hf_export import INDEX_NAME, write_hf_safetensors
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -28,13 +32,28 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--optimizer", action="store_true",
                         help="also consolidate optimizer state, keyed by original parameter names")
     parser.add_argument("--verify", action="store_true", help="only check the files (checksums, layout)")
+    hf = parser.add_argument_group("Hugging Face model folder (--format safetensors, --save_path a folder)")
+    hf.add_argument("--max_shard_size", default=None,
+                    help="split into model-0000i-of-0000N.safetensors files of at most this size (e.g. 2GB, 500MiB) "
+                         "plus model.safetensors.index.json; --save_path is then a folder")
+    hf.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                    help="cast floating tensors (folder output)")
+    hf.add_argument("--hf_config", default=None, help="config.json (or a folder holding it) to copy beside them")
     args = parser.parse_args(argv)
+    folder = args.format == "safetensors" and (args.max_shard_size is not None or os.path.isdir(args.save_path)
+                                               or args.save_path.endswith(os.sep))
+    if (args.dtype or args.hf_config or args.max_shard_size) and not folder:
+        parser.error("--max_shard_size, --dtype and --hf_config write a Hugging Face folder: use them with "
+                     "--format safetensors --save_path FOLDER")
 
     def action() -> str:
         ckpt = ShardedCheckpoint(args.ckpt_prefix, args.ckpt_suffix)
         if args.verify:
             lines = ckpt.verify()
             return "\n".join(lines + [f"verified {ckpt.world_size} rank files of '{args.ckpt_prefix}'"])
+        if folder:
+            paths = write_hf_safetensors(ckpt, args.save_path, args.max_shard_size or "5GB", args.dtype, args.hf_config)
+            return f"wrote {len(paths)} safetensors files and {INDEX_NAME} into {args.save_path}"
         path = args.save_path or default_save_path(args.ckpt_prefix, args.format)
         write_consolidated(ckpt, path, args.format, args.optimizer)
         return f"consolidated {ckpt.world_size} rank files into {path}"
