@@ -371,3 +371,43 @@ def test_an_interrupted_write_leaves_no_partial_file(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         atomic_write(str(tmp_path / "ck.pth"), write)
     assert len(seen[0]) == 1 and seen[0][0].endswith(".tmp") and not list(tmp_path.iterdir())
+
+
+# ------------------------------------------------------------- 8. saves in the background
+def test_async_save_writes_the_state_at_the_save_while_training_goes_on(gloo, tmp_path):
+    """blocking=False: the file holds the shards as they were at the call (the next step changes them
+    while it is written) and equals a blocking save of that state byte for byte in every tensor; the
+    next save waits for it; a failed background write raises at wait()."""
+    import xla_fsdp
+    from xla_fsdp import XlaFullyShardedDataParallel as FSDP
+    from xla_fsdp.checkpoints import CheckpointError
+    torch.manual_seed(0)
+    model = FSDP(models.MLP())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def step():
+        model(torch.randn(4, 12)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    step()
+    xla_fsdp.save_sharded_checkpoint(model, opt, str(tmp_path / "blocking"))
+    pending = xla_fsdp.save_sharded_checkpoint(model, opt, str(tmp_path / "async"), blocking=False)
+    step()  # changes every shard and the optimizer state while the save may still be writing
+    assert pending.wait() == str(tmp_path / "async_rank-00000000-of-00000001.pth")
+    a = torch.load(tmp_path / "async_rank-00000000-of-00000001.pth", weights_only=True)
+    b = torch.load(tmp_path / "blocking_rank-00000000-of-00000001.pth", weights_only=True)
+    for k, v in b["model"].items():
+        assert torch.equal(a["model"][k], v), k
+    for i, st in b["optimizer"]["state"].items():
+        assert all(torch.equal(a["optimizer"]["state"][i][f], v) for f, v in st.items())
+    assert not torch.equal(a["model"][next(iter(a["model"]))], next(iter(model.state_dict().values())))
+
+    first = xla_fsdp.save_sharded_checkpoint(model, opt, str(tmp_path / "one"), blocking=False)
+    second = xla_fsdp.save_sharded_checkpoint(model, opt, str(tmp_path / "two"), blocking=False)
+    assert first.done() and first.wait()  # the second save waited for the first
+    second.wait()
+
+    (tmp_path / "a_file").write_text("")  # a folder path through a file: the background write fails
+    failing = xla_fsdp.save_sharded_checkpoint(model, opt, str(tmp_path / "a_file" / "x"), blocking=False)
+    with pytest.raises(CheckpointError, match="could not write .*a_file/x_rank-00000000-of-00000001.pth"):
+        failing.wait()

@@ -224,9 +224,11 @@ def test_unwritable_output_and_default_suffix_never_rereads_output(good_ckpt, tm
 
 
 @pytest.mark.slow
-def test_kill_during_save_never_leaves_a_bad_file(tmp_path):
-    """SIGKILL a saving process at random points (12 trials): the file under the final name is always
-    a complete checkpoint, the last one reported saved or a newer one, and no temp file is mistaken
+@pytest.mark.parametrize("mode", ["blocking", "async"])
+def test_kill_during_save_never_leaves_a_bad_file(tmp_path, mode):
+    """SIGKILL a saving process at random points (8 trials per mode): the file under the final name
+    is always a complete checkpoint, the last one reported saved or a newer one, holding the values
+    at its save (async: the parameters change while it is written), and no temp file is mistaken
     for a checkpoint."""
     import random
     import signal
@@ -238,9 +240,10 @@ def test_kill_during_save_never_leaves_a_bad_file(tmp_path):
 
     prefix = str(tmp_path / "live")
     helper = os.path.join(os.path.dirname(__file__), "kill_saver.py")
-    rng = random.Random(0)
-    for trial in range(12):
-        proc = subprocess.Popen([sys.executable, helper, prefix], stdout=subprocess.PIPE, text=True)
+    rng = random.Random(0 if mode == "blocking" else 1)
+    for trial in range(8):
+        proc = subprocess.Popen([sys.executable, helper, prefix] + (["--async"] if mode == "async" else []),
+                                stdout=subprocess.PIPE, text=True)
         last = -1
         target = rng.randint(1, 3)
         while last < target:  # let it complete a few saves, then kill it mid-way through another

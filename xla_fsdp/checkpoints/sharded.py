@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import glob
 import os
+import threading
 import warnings
-from typing import Any, Dict, List, Mapping, Optional
+import weakref
+from typing import Any, Dict, List, Mapping, Optional, Union
 
 import torch
 
@@ -56,38 +58,100 @@ def optimizer_param_keys(model, optimizer) -> list:
 
 
 def save_sharded_checkpoint(model, optimizer: Optional[torch.optim.Optimizer], ckpt_prefix: str,
-                            extra: Optional[Mapping[str, Any]] = None) -> str:
+                            extra: Optional[Mapping[str, Any]] = None,
+                            blocking: bool = True) -> Union[str, "PendingSave"]:
     """Write ``{prefix}_rank-RRRRRRRR-of-WWWWWWWW.pth`` for this rank, atomically (creating the
-    prefix's folder if needed); returns its path.
+    prefix's folder if needed); returns its path, or with ``blocking=False`` a :class:`PendingSave`.
 
-    Call on every rank (small collectives agree on the save's id and, at the end, make sure every
-    rank's file is in place before any rank returns). Holds
-    ``{'model', 'shard_metadata', 'optimizer'}`` (plus ``'extra'`` if given); the metadata carries
-    CRC32 checksums of every tensor.
+    Call on every rank. Holds ``{'model', 'shard_metadata', 'optimizer'}`` (plus ``'extra'``); the
+    metadata carries CRC32 checksums of every tensor. The shards are copied to host memory first;
+    with ``blocking=False`` the checksums and the write then run in a background thread while
+    training goes on, and ``wait()`` (called by the next save or load at the latest) returns once
+    every rank's file is in place. A failed write raises on every rank, at the return or at ``wait()``.
     """
+    previous = _PENDING.pop(model, None)
+    if previous is not None:
+        previous.wait()  # one save at a time: the next waits for the previous
     run_id = _agree_on_run_id(model)
     model.comms.sync()
     metadata = model.get_shard_metadata()
-    state = _cpu(model.state_dict())
+    state = _cpu(model.state_dict())  # staged on the host: training may change the shards meanwhile
     osd = _cpu(optimizer.state_dict()) if optimizer is not None else None
     metadata["run_id"] = run_id
-    metadata["checksums"] = {"model": {k: tensor_checksum(v) for k, v in state.items()},
-                             "optimizer": _optimizer_checksums(osd) if osd else {}}
     if optimizer is not None:
         metadata["optimizer_param_keys"] = optimizer_param_keys(model, optimizer)
     ckpt: Dict[str, Any] = {"model": state, "shard_metadata": metadata, "optimizer": osd}
     if extra is not None:
         ckpt["extra"] = dict(extra)
     path = rank_path(ckpt_prefix, model.rank, model.world_size)
-    # Hybrid/NO_SHARD: replicas hold identical shards; only the first copy of each is written.
-    if model.comms.replica_rank == 0:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)  # ckpt/step100: as DCP, make ckpt/
-        atomic_torch_save(ckpt, path)
-    _agree_on_run_id(model)  # a barrier: when save returns on any rank, every rank file is written
-    _replica_barrier(model)
-    if model.rank == 0 and model.comms.replica_rank == 0:
-        _remove_other_world_sizes(ckpt_prefix, model.world_size)
-    return path
+    pending = PendingSave(model, ckpt_prefix, path, ckpt)
+    if blocking:
+        pending.run()
+        return pending.wait()
+    pending.start()
+    _PENDING[model] = pending
+    return pending
+
+
+_PENDING: "weakref.WeakKeyDictionary[Any, PendingSave]" = weakref.WeakKeyDictionary()
+
+
+class PendingSave:
+    """A save whose host copy is being checksummed and written (``blocking=False``)."""
+
+    def __init__(self, model, ckpt_prefix: str, path: str, ckpt: Dict[str, Any]):
+        self._model, self.prefix, self.path = model, ckpt_prefix, path
+        self._ckpt: Optional[Dict[str, Any]] = ckpt
+        self._error: Optional[BaseException] = None
+        self._thread: Optional[threading.Thread] = None
+        self._finished = False
+
+    def run(self) -> None:
+        """Checksum and write this rank's file (in the calling thread)."""
+        try:
+            ckpt, self._ckpt = self._ckpt, None
+            metadata = ckpt["shard_metadata"]
+            metadata["checksums"] = {"model": {k: tensor_checksum(v) for k, v in ckpt["model"].items()},
+                                     "optimizer": _optimizer_checksums(ckpt["optimizer"]) if ckpt["optimizer"]
+                                     else {}}
+            # Hybrid/NO_SHARD: replicas hold identical shards; only the first copy of each is written.
+            if self._model.comms.replica_rank == 0:
+                os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)  # as DCP, make ckpt/
+                atomic_torch_save(ckpt, self.path)
+        except BaseException as e:  # reported on every rank by wait()
+            self._error = e
+
+    def start(self) -> None:
+        # not a daemon: a process that ends while saving finishes the file first
+        self._thread = threading.Thread(target=self.run, name=f"xla_fsdp save {self.path}")
+        self._thread.start()
+
+    def done(self) -> bool:
+        """Whether this rank's write has ended (``wait()`` still joins the ranks)."""
+        return self._thread is None or not self._thread.is_alive()
+
+    def wait(self) -> str:
+        """Block until every rank's file is written; returns this rank's path. Call on every rank."""
+        if self._finished:
+            return self.path
+        if self._thread is not None:
+            self._thread.join()
+        self._finished = True
+        if _PENDING.get(self._model) is self:
+            del _PENDING[self._model]
+        model = self._model
+        failed = _ranks_that_failed(model, self._error is not None)  # also the barrier: every file is in place
+        _replica_barrier(model)
+        if self._error is not None:
+            if isinstance(self._error, CheckpointError) or not isinstance(self._error, Exception):
+                raise self._error
+            raise CheckpointError(f"could not write '{self.path}': {self._error}") from self._error
+        if failed:
+            raise CheckpointError(f"the save to '{self.prefix}' failed on rank {failed[0]} (its error is in that "
+                                  "rank's output); this rank's file was written but the checkpoint is incomplete")
+        if model.rank == 0 and model.comms.replica_rank == 0:
+            _remove_other_world_sizes(self.prefix, model.world_size)
+        return self.path
 
 
 def _remove_other_world_sizes(ckpt_prefix: str, world_size: int) -> List[str]:
@@ -140,6 +204,9 @@ def load_sharded_checkpoint(model, optimizer: Optional[torch.optim.Optimizer], c
     checks first; then the ranks agree, and if any rank failed, every rank raises (naming the
     files) before any loads a thing, rather than one rank failing while the others train on from
     the checkpoint or wait for it."""
+    previous = _PENDING.pop(model, None)
+    if previous is not None:
+        previous.wait()
     ckpt, resharded, error = None, None, None
     try:
         own = _own_metadata(model, ckpt_prefix)
