@@ -40,7 +40,8 @@ def rank_path(prefix: str, rank: int, world_size: int) -> str:
 def tensor_checksum(tensor: torch.Tensor) -> int:
     """CRC32 of a tensor's bytes (any dtype), with its dtype and shape folded in."""
     t = tensor.detach().cpu().contiguous()
-    data = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    # the tensor's own bytes, no copy: zlib reads the buffer (and lets other threads run meanwhile)
+    data = memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else b""
     header = f"{t.dtype}:{tuple(t.shape)}".encode()
     return zlib.crc32(data, zlib.crc32(header))
 
@@ -106,7 +107,13 @@ def verify_archive(path: str) -> None:
 
 
 def atomic_torch_save(obj: Any, path: str) -> None:
-    atomic_write(path, lambda tmp: torch.save(obj, tmp))
+    def write(tmp: str) -> None:
+        # Through a Python file object: torch's zip writer then hands each record to f.write, which
+        # releases the GIL while the bytes go out (given a path, it writes holding the GIL, and a
+        # background save would stall the training thread for the whole write).
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+    atomic_write(path, write)
 
 
 @dataclass

@@ -15,13 +15,26 @@ from .files import (RANK_FILE, CheckpointError, atomic_torch_save, load_rank_fil
                     verify_archive, verify_checksums)
 
 
-def _cpu(obj: Any) -> Any:
+def _to_host(obj: Any, staging: Optional[Dict[tuple, torch.Tensor]] = None, path: tuple = ()) -> Any:
+    """Tensors of a (nested) state dict on the host. Without ``staging`` a CPU tensor is returned
+    as it is (a blocking save writes it before training goes on); with it, every tensor is copied
+    into the buffer kept there from the previous save of this model (allocated the first time), so
+    the snapshot of an async save costs a copy, not fresh memory, each time."""
     if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu().clone()
+        t = obj.detach()
+        if staging is None:
+            t = t.cpu()
+            compact = t.is_contiguous() and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+            return t if compact else t.clone()  # torch.save writes a view's whole storage
+        buffer = staging.get(path)
+        if buffer is None or buffer.shape != t.shape or buffer.dtype != t.dtype:
+            buffer = staging[path] = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+        buffer.copy_(t)
+        return buffer
     if isinstance(obj, dict):
-        return {k: _cpu(v) for k, v in obj.items()}
+        return {k: _to_host(v, staging, path + (k,)) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_cpu(v) for v in obj)
+        return type(obj)(_to_host(v, staging, path + (i,)) for i, v in enumerate(obj))
     return obj
 
 
@@ -75,8 +88,10 @@ def save_sharded_checkpoint(model, optimizer: Optional[torch.optim.Optimizer], c
     run_id = _agree_on_run_id(model)
     model.comms.sync()
     metadata = model.get_shard_metadata()
-    state = _cpu(model.state_dict())  # staged on the host: training may change the shards meanwhile
-    osd = _cpu(optimizer.state_dict()) if optimizer is not None else None
+    # async: a snapshot on the host (training changes the shards meanwhile), in buffers reused across saves
+    staging = None if blocking else _STAGING.setdefault(model, {})
+    state = _to_host(model.state_dict(), staging, ("model",))
+    osd = _to_host(optimizer.state_dict(), staging, ("optimizer",)) if optimizer is not None else None
     metadata["run_id"] = run_id
     if optimizer is not None:
         metadata["optimizer_param_keys"] = optimizer_param_keys(model, optimizer)
@@ -94,6 +109,7 @@ def save_sharded_checkpoint(model, optimizer: Optional[torch.optim.Optimizer], c
 
 
 _PENDING: "weakref.WeakKeyDictionary[Any, PendingSave]" = weakref.WeakKeyDictionary()
+_STAGING: "weakref.WeakKeyDictionary[Any, Dict[tuple, torch.Tensor]]" = weakref.WeakKeyDictionary()
 
 
 class PendingSave:
