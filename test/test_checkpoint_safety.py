@@ -411,3 +411,43 @@ def test_async_save_writes_the_state_at_the_save_while_training_goes_on(gloo, tm
     failing = xla_fsdp.save_sharded_checkpoint(model, opt, str(tmp_path / "a_file" / "x"), blocking=False)
     with pytest.raises(CheckpointError, match="could not write .*a_file/x_rank-00000000-of-00000001.pth"):
         failing.wait()
+
+
+def test_a_load_by_name_writes_into_a_stepped_optimizer_in_place(gloo, tmp_path):
+    """Resuming a run whose optimizer already has state (another wrapping, another lr): the shards
+    and the optimizer's own state tensors are overwritten in place with the checkpoint's, and the
+    saved hyperparameters come back; the next step is the saved run's next step."""
+    import xla_fsdp
+    from xla_fsdp import XlaFullyShardedDataParallel as FSDP
+    from xla_fsdp.checkpoints import full_optim_state_dict, full_state_dict
+
+    def step(model, opt, seed):
+        g = torch.Generator().manual_seed(seed)
+        model(torch.randn(4, 12, generator=g)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    torch.manual_seed(0)
+    a = FSDP(models.MLP())
+    opt_a = torch.optim.AdamW(a.parameters(), lr=1e-2)
+    step(a, opt_a, 1)
+    step(a, opt_a, 2)
+    xla_fsdp.save_sharded_checkpoint(a, opt_a, str(tmp_path / "a"))
+    torch.manual_seed(1)
+    b = FSDP(models.MLP(), flatten_parameters=True)
+    opt_b = torch.optim.AdamW(b.parameters(), lr=5e-3)
+    step(b, opt_b, 3)
+    held = [t for st in opt_b.state.values() for t in st.values()]
+    xla_fsdp.load_sharded_checkpoint(b, opt_b, str(tmp_path / "a"))
+    assert [t for st in opt_b.state.values() for t in st.values()] == held  # the same tensor objects
+    assert opt_b.param_groups[0]["lr"] == 1e-2
+    want, got = full_state_dict(a, rank0_only=False), full_state_dict(b, rank0_only=False)
+    assert all(torch.equal(got[k], v) for k, v in want.items())
+    want_opt = full_optim_state_dict(a, opt_a, rank0_only=False)
+    got_opt = full_optim_state_dict(b, opt_b, rank0_only=False)
+    for name, st in want_opt["state"].items():
+        assert all(torch.equal(got_opt["state"][name][f], v) for f, v in st.items()), name
+    step(a, opt_a, 4)
+    step(b, opt_b, 4)
+    want, got = full_state_dict(a, rank0_only=False), full_state_dict(b, rank0_only=False)
+    assert all((got[k] - v).abs().max().item() <= 1e-6 for k, v in want.items())

@@ -17,7 +17,7 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 import torch
 
 from ..shard_names import clean_name, readable_key
-from .consolidate import MISSING_OPTIMIZER_KEYS, ShardedCheckpoint
+from .consolidate import MISSING_OPTIMIZER_KEYS, REOPEN_BYTES, ShardedCheckpoint
 from .files import CheckpointError, verify_archive
 
 Member = Tuple[str, int, int]  # (original name, offset in the entry's flat buffer, numel)
@@ -68,11 +68,15 @@ def _pieces(start: int, end: int, chunk: int) -> Iterator[Tuple[int, int, int]]:
 
 
 def assemble_shard(entry: Mapping[str, Any], rank: int, index: NameIndex, source_layout: Mapping[str, Any],
-                   read_chunk, dtype: torch.dtype) -> torch.Tensor:
-    """This rank's flat shard of a model entry, filled from the checkpoint's chunks.
-    ``read_chunk(key, source_rank)`` returns that rank's flat (1-D) tensor for ``key``."""
+                   read_chunk, dtype: torch.dtype, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """This rank's flat shard of a model entry, filled from the checkpoint's chunks (into ``out``,
+    a flat tensor of the shard's size, when given). ``read_chunk(key, source_rank)`` returns that
+    rank's flat (1-D) tensor for ``key``."""
     size = chunk_numel(entry)
-    out = torch.zeros(size, dtype=dtype)
+    if out is None:
+        out = torch.zeros(size, dtype=dtype)
+    else:
+        out.zero_()  # the padding
     lo, hi = rank * size, (rank + 1) * size
     for name, offset, numel in entry_members(entry):
         start, end = max(lo, offset), min(hi, offset + numel)
@@ -107,6 +111,7 @@ class ReshardedLoad:
         self.source = ShardedCheckpoint(ckpt_prefix, verify=False)  # rank files checked in verify_share
         self.index = NameIndex(self.source.layout)
         self._ckpts = self.source._open()
+        self._read = 0
 
     def verify_share(self, flat_rank: int, ranks: int) -> None:
         """Check the zip CRC-32 of every ``ranks``-th rank file, from this rank's position: the
@@ -115,65 +120,133 @@ class ReshardedLoad:
             if i % ranks == flat_rank:
                 verify_archive(f.path)
 
+    def _account(self, nbytes: int) -> None:
+        """Unmap the rank files every REOPEN_BYTES read: the pages read so far leave this
+        process's resident memory (they stay in the page cache)."""
+        self._read += nbytes
+        if self._read > REOPEN_BYTES:
+            self.source.release()
+            self._ckpts, self._read = self.source._open(), 0
+
     def _model_chunk(self, key: str, source_rank: int) -> torch.Tensor:
         return self._ckpts[source_rank]["model"][key].reshape(-1)
 
-    def model_state(self, model, rank: int) -> Dict[str, torch.Tensor]:
-        """The model's sharded state dict for ``rank``: shards assembled by name, buffers by name."""
+    def _filler(self, entry, rank: int, read_chunk):
+        def fill(out: torch.Tensor) -> None:
+            assemble_shard(entry, rank, self.index, self.source.layout, read_chunk, out.dtype, out=out)
+            self._account(out.numel() * out.element_size())
+        return fill
+
+    def plan(self, model, optimizer, rank: int, model_keys: Optional[List[str]]) -> Dict[str, Any]:
+        """Check that the checkpoint fits the model (names, sizes, buffers, optimizer groups) and
+        return what ``apply`` will fill, reading no tensor data yet but the (small) buffers."""
         layout = model.get_shard_metadata()["layout"]
-        current = model.state_dict()
-        state: Dict[str, torch.Tensor] = {}
         buffers = {clean_name(k): k for k in self.source.buffer_keys}
-        for key, value in current.items():
+        shards, buffer_values = {}, {}
+        for key in model.state_dict():
             if key in layout:
-                state[key] = assemble_shard(layout[key], rank, self.index, self.source.layout, self._model_chunk,
-                                            value.dtype)
+                for name, _, numel in entry_members(layout[key]):
+                    self.index.locate(name, numel)  # raises if the checkpoint lacks it or its size differs
+                shards[key] = self._filler(layout[key], rank, self._model_chunk)
             elif clean_name(key) in buffers:
-                state[key] = self._ckpts[0]["model"][buffers[clean_name(key)]].clone()
+                buffer_values[key] = self._ckpts[0]["model"][buffers[clean_name(key)]].clone()
             elif "_fsdp_shard" not in key:
                 raise CheckpointError(f"the checkpoint '{self.source.prefix}' has no buffer '{readable_key(key)}'")
-        return state
+        plan = {"shards": shards, "buffers": buffer_values}
+        if optimizer is not None:
+            plan["optimizer"] = self._plan_optimizer(optimizer, layout, rank, model_keys)
+        return plan
 
-    def optimizer_state(self, model, optimizer, rank: int, model_keys: List[str]) -> Dict[str, Any]:
-        """The optimizer's state dict for ``rank``: state shaped like a shard assembled as the
-        parameters are, scalars (``step``) copied, hyperparameters of the saved groups."""
+    def _plan_optimizer(self, optimizer, layout, rank: int, model_keys: List[str]) -> Dict[str, Any]:
         source_keys = self.source.optimizer_param_keys
         if source_keys is None:
             raise CheckpointError(MISSING_OPTIMIZER_KEYS)
-        saved = [c.get("optimizer") for c in self._ckpts]
-        if any(s is None for s in saved):
+        if any(c.get("optimizer") is None for c in self._ckpts):
             raise CheckpointError(f"the checkpoint '{self.source.prefix}' holds no optimizer state")
         source_index = {key: i for i, key in enumerate(source_keys)}
-        layout = model.get_shard_metadata()["layout"]
+        saved0 = self._ckpts[0]["optimizer"]
         state: Dict[int, Dict[str, Any]] = {}
         for i, key in enumerate(model_keys):
             entry = layout[key]
             sources = {self.index.locate(name, numel)[0] for name, _, numel in entry_members(entry)}
-            with_state = [k for k in sources if saved[0]["state"].get(source_index[k])]
+            with_state = [k for k in sources if saved0["state"].get(source_index[k])]
             if not with_state:
                 continue
             if len(with_state) != len(sources):
                 raise CheckpointError(f"optimizer state covers only some parameters of '{readable_key(key)}'; "
                                       "load into the wrapping the checkpoint was saved with, or reshard offline")
-            fields = saved[0]["state"][source_index[with_state[0]]]
+            source_shape = list(self.source.layout[with_state[0]]["shard_shape"])
             st: Dict[str, Any] = {}
-            for field, value in fields.items():
-                source_shape = list(self.source.layout[with_state[0]]["shard_shape"])
+            for field, value in saved0["state"][source_index[with_state[0]]].items():
                 if isinstance(value, torch.Tensor) and list(value.shape) == source_shape:
                     def read(k, r, field=field):
-                        return saved[r]["state"][source_index[k]][field].reshape(-1)
-                    st[field] = assemble_shard(entry, rank, self.index, self.source.layout, read, value.dtype)
+                        return self._ckpts[r]["optimizer"]["state"][source_index[k]][field].reshape(-1)
+                    st[field] = (value.dtype, entry["shard_shape"], self._filler(entry, rank, read))
                 else:
                     st[field] = value.clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
             state[i] = st
-        groups = copy.deepcopy(optimizer.state_dict()["param_groups"])
-        saved_groups = saved[0]["param_groups"]
-        if len(groups) != len(saved_groups):
-            raise CheckpointError(f"the optimizer has {len(groups)} parameter groups, the checkpoint "
+        saved_groups = saved0["param_groups"]
+        if len(optimizer.param_groups) != len(saved_groups):
+            raise CheckpointError(f"the optimizer has {len(optimizer.param_groups)} parameter groups, the checkpoint "
                                   f"{len(saved_groups)}: build the optimizer as when the checkpoint was saved")
-        for group, saved_group in zip(groups, saved_groups):
-            group.update({k: copy.deepcopy(v) for k, v in saved_group.items() if k != "params"})
-        return {"state": state, "param_groups": groups}
+        groups = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in saved_groups]
+        return {"state": state, "groups": groups}
+
+    def apply(self, plan: Dict[str, Any], model, optimizer) -> None:
+        """Fill the model's shards and the optimizer's state. Host (CPU) shards are filled in place,
+        one slice at a time, so the rank never holds a second copy of its state; device shards go
+        through a host copy of one tensor at a time."""
+        current = model.state_dict()
+        with torch.no_grad():
+            for key, fill in plan["shards"].items():
+                target = current[key]
+                if target.device.type == "cpu" and target.is_contiguous():
+                    fill(target.view(-1))  # the detached shard shares the parameter's storage and version
+                else:
+                    staged = torch.empty(target.numel(), dtype=target.dtype)
+                    fill(staged)
+                    target.copy_(staged.view(target.shape))
+        if plan["buffers"]:
+            model.load_state_dict(plan["buffers"], strict=False)
+        if optimizer is not None:
+            self._apply_optimizer(plan["optimizer"], optimizer)
+
+    def _apply_optimizer(self, plan: Dict[str, Any], optimizer) -> None:
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        existing = [optimizer.state.get(p, {}) for p in params]
+        in_place = {i for i, st in enumerate(existing) if st} == set(plan["state"]) and all(
+            i < len(params) and all(
+                isinstance(existing[i].get(f), torch.Tensor) and (not isinstance(spec, tuple) or (
+                    existing[i][f].dtype == spec[0] and list(existing[i][f].shape) == list(spec[1])
+                    and existing[i][f].device.type == "cpu" and existing[i][f].is_contiguous()))
+                for f, spec in st.items())
+            for i, st in plan["state"].items())
+        if in_place:  # write into the optimizer's own state tensors: no second copy
+            with torch.no_grad():
+                for i, st in plan["state"].items():
+                    for field, spec in st.items():
+                        if isinstance(spec, tuple):
+                            spec[2](existing[i][field].view(-1))
+                        else:
+                            existing[i][field].copy_(spec)
+            for group, saved in zip(optimizer.param_groups, plan["groups"]):
+                group.update(saved)
+            return
+        state = {}
+        for i, st in plan["state"].items():
+            state[i] = {}
+            for field, spec in st.items():
+                if isinstance(spec, tuple):
+                    dtype, shape, fill = spec
+                    tensor = torch.empty(math.prod(shape), dtype=dtype)
+                    fill(tensor)
+                    state[i][field] = tensor.view(shape)
+                else:
+                    state[i][field] = spec
+        groups = copy.deepcopy(optimizer.state_dict()["param_groups"])
+        for group, saved in zip(groups, plan["groups"]):
+            group.update(saved)
+        optimizer.load_state_dict({"state": state, "param_groups": groups})
 
     def extra(self) -> Optional[dict]:
         return self._ckpts[0].get("extra")

@@ -236,6 +236,8 @@ def load_sharded_checkpoint(model, optimizer: Optional[torch.optim.Optimizer], c
         error = e
     failed = _ranks_that_failed(model, error is not None)
     if failed:
+        if resharded is not None:
+            resharded[0].close()
         others = ", ".join(f"rank {r}" for r in failed if r != _flat_rank(model))
         if error is not None:
             raise CheckpointError(f"{error}" + (f" (also failed: {others})" if others else "")) from error
@@ -244,7 +246,12 @@ def load_sharded_checkpoint(model, optimizer: Optional[torch.optim.Optimizer], c
         raise CheckpointError(f"the checkpoint '{ckpt_prefix}' cannot be loaded: {others} could not read its "
                               f"files{example}; its error is in that rank's output; no rank has loaded anything")
     if resharded is not None:
-        ckpt = resharded
+        source, plan = resharded
+        try:
+            source.apply(plan, model, optimizer)
+            return source.extra()
+        finally:
+            source.close()
     model.load_state_dict(ckpt["model"])
     if optimizer is not None:
         optimizer.load_state_dict(ckpt["optimizer"])
@@ -268,18 +275,17 @@ def _own_metadata(model, ckpt_prefix: str) -> Optional[Dict[str, Any]]:
     return load_rank_file(path, mmap=True)["shard_metadata"]
 
 
-def _read_resharded(model, optimizer, ckpt_prefix: str) -> Dict[str, Any]:
-    """This rank's state from a checkpoint of another world size or wrapping (changes nothing)."""
+def _read_resharded(model, optimizer, ckpt_prefix: str):
+    """Check a checkpoint of another world size or wrapping against the model (changes nothing);
+    returns the open source and what it will fill."""
     source = ReshardedLoad(ckpt_prefix)
     try:
         source.verify_share(_flat_rank(model), model.world_size * model.comms.num_replicas)
-        ckpt = {"model": source.model_state(model, model.rank), "extra": source.extra()}
-        if optimizer is not None:
-            ckpt["optimizer"] = source.optimizer_state(model, optimizer, model.rank,
-                                                       optimizer_param_keys(model, optimizer))
-        return ckpt
-    finally:
+        keys = optimizer_param_keys(model, optimizer) if optimizer is not None else None
+        return source, source.plan(model, optimizer, model.rank, keys)
+    except BaseException:
         source.close()
+        raise
 
 
 def _flat_rank(model) -> int:
