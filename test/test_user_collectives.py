@@ -3,6 +3,7 @@ where torch_xla 2.9 aborts: xm.all_reduce (every form), all_gather, reduce_scatt
 rendezvous, xm.save and the ``xla`` torch.distributed backend (issue 22)."""
 import os
 import threading
+import time
 
 import pytest
 import torch
@@ -38,7 +39,9 @@ def _user_program(folder):
     out["mesh_reduce"] = xm.mesh_reduce("accuracy", float(r), lambda xs: sum(xs) / len(xs))
     xm.rendezvous("before_save")
     xm.save({"w": torch.full((2,), float(r + 7)).to(dev)}, os.path.join(folder, "master.pt"))  # master only
-    dist.init_process_group("xla", init_method="xla://")
+    time.sleep(0.3 * r)  # threads arrive one after another (CI saw "initialize ... twice" that way)
+    dist.init_process_group("xla", init_method="xla://")  # every device thread, as every TPU process
+    out["dist_rank"] = (dist.get_rank(), dist.get_world_size())
     x = torch.tensor([float(r)]).to(dev)
     dist.all_reduce(x)
     out["dist_all_reduce"] = x.cpu().tolist()
@@ -49,6 +52,9 @@ def _user_program(folder):
     dist.broadcast(b, 0)
     out["dist_broadcast"] = b.cpu().tolist()
     dist.barrier()
+    dist.destroy_process_group()  # every thread; the last one frees the shared group
+    xm.rendezvous("destroyed")
+    out["after_destroy"] = dist.is_initialized()
     try:
         xm.rendezvous(f"rank-{r}")  # every rank names a different rendezvous: a clear error on all
         out["mismatch"] = "no error"
@@ -87,6 +93,8 @@ def test_torch_xla_user_collectives_on_several_xla_cpu_devices(world_size, monke
         got = results[r]
         for key, value in want.items():
             assert got[key] == value, (r, key, got[key], value)
+        assert got["dist_rank"] == (r, ws)
+        assert got["after_destroy"] is False
         assert got["groups"] == [float(sum(range(half)) if r < half else sum(range(half, ws)))]
         assert got["reduce_scatter"] == sums[2 * r:2 * r + 2].tolist()
         assert "met at different rendezvous" in got["mismatch"]

@@ -20,6 +20,7 @@ from .host_exchange import thread_exchange
 from .xla_gradients import install_gradient_fetch
 from .thread_safety import install_shared_safe_globals
 from .xla_launch import install_failure_reporting, install_interrupt_handling
+from .xla_process_group import install_shared_xla_group
 from .xla_user import install_user_collectives, is_threaded_cpu, reset_user_channels
 
 ENV_DEFAULTS_CPU = {
@@ -47,7 +48,8 @@ def configure_cpu_environment() -> None:
         except ImportError:
             return
         install_safe_sync()
-        install_user_collectives()
+        if install_user_collectives():
+            install_shared_xla_group()
         install_failure_reporting()
         install_interrupt_handling()
         install_shared_safe_globals()
