@@ -1,0 +1,105 @@
+"""``torch.distributed.checkpoint.state_dict``'s functions, for xla_fsdp models: the code of the
+FSDP2 tutorials (``get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True,
+cpu_offload=True))``, ``set_state_dict(...)``, ``dcp.save``/``dcp.load`` of those dicts) runs
+with ``from xla_fsdp.checkpoints.state_dict_api import ...`` in place of torch's module.
+
+Same signatures and semantics for full state dicts: tensors keyed by the original parameter names,
+optimizer state and param_groups keyed by them too, on every rank (``cpu_offload=True``: on rank 0
+only, the others get ``{}``); ``set_*`` takes a full dict on every rank, or on rank 0 only with
+``broadcast_from_rank0=True``. Sharded state dicts (``full_state_dict=False``) are DTensors in
+PyTorch; xla_fsdp's flat shards are not row blocks of the original tensors, so that option is an
+error that names the alternatives: per-rank files (``save_sharded_checkpoint``), which load at any
+world size, or a DCP folder written offline (``python -m xla_fsdp.convert --to dcp``).
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, _init_optim_state
+from torch.nn.modules.module import _IncompatibleKeys
+
+from .files import CheckpointError
+from .full_state import full_optim_state_dict, full_state_dict, load_full_optim_state_dict, load_full_state_dict
+
+Optimizers = Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]]
+
+__all__ = ["StateDictOptions", "get_model_state_dict", "get_optimizer_state_dict", "get_state_dict",
+           "set_model_state_dict", "set_optimizer_state_dict", "set_state_dict"]
+
+
+def _options(options: Optional[StateDictOptions]) -> StateDictOptions:
+    options = options or StateDictOptions()
+    if not options.full_state_dict:
+        raise CheckpointError(
+            "xla_fsdp gives full state dicts here: pass options=StateDictOptions(full_state_dict=True) (tensors "
+            "keyed by parameter names, as FSDP2 gives them). For per-rank sharded files use "
+            "xla_fsdp.save_sharded_checkpoint (they load at any world size); for a sharded DCP folder, "
+            "python -m xla_fsdp.convert --to dcp")
+    return options
+
+
+def _one(optimizers: Optimizers) -> torch.optim.Optimizer:
+    if isinstance(optimizers, torch.optim.Optimizer):
+        return optimizers
+    if len(optimizers) != 1:
+        raise CheckpointError(f"xla_fsdp's state dict functions take one optimizer, got {len(optimizers)}")
+    return optimizers[0]
+
+
+def get_model_state_dict(model, *, submodules=None, options: Optional[StateDictOptions] = None
+                         ) -> Dict[str, torch.Tensor]:
+    """The full model state dict (CPU tensors), on every rank or, with ``cpu_offload``, rank 0."""
+    options = _options(options)
+    state = full_state_dict(model, rank0_only=options.cpu_offload)
+    return {} if state is None else dict(state)
+
+
+def get_optimizer_state_dict(model, optimizers: Optimizers, *, submodules=None,
+                             options: Optional[StateDictOptions] = None) -> Dict[str, Any]:
+    """The full optimizer state dict keyed by parameter names. A fresh optimizer's state is
+    created first (a step with zero gradients and lr 0, as PyTorch does), so the dict is a complete
+    template for ``dcp.load``."""
+    options = _options(options)
+    optimizer = _one(optimizers)
+    _init_optim_state(optimizer)
+    state = full_optim_state_dict(model, optimizer, rank0_only=options.cpu_offload)
+    return {} if state is None else state
+
+
+def get_state_dict(model, optimizers: Optimizers, *, submodules=None, options: Optional[StateDictOptions] = None
+                   ) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
+    return (get_model_state_dict(model, options=options),
+            get_optimizer_state_dict(model, optimizers, options=options))
+
+
+def _from_rank0(model, value: Any, options: StateDictOptions) -> Any:
+    if not options.broadcast_from_rank0 or model.world_size * model.comms.num_replicas == 1:
+        return value
+    if not dist.is_initialized():
+        raise CheckpointError("broadcast_from_rank0 needs a torch.distributed process group; on XLA devices pass "
+                              "the full state dict on every rank")
+    box = [value if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def set_model_state_dict(model, model_state_dict: Dict[str, torch.Tensor], *,
+                         options: Optional[StateDictOptions] = None) -> _IncompatibleKeys:
+    options = _options(options)
+    load_full_state_dict(model, _from_rank0(model, model_state_dict, options))
+    return _IncompatibleKeys([], [])
+
+
+def set_optimizer_state_dict(model, optimizers: Optimizers, optim_state_dict: Dict[str, Any], *,
+                             options: Optional[StateDictOptions] = None) -> None:
+    options = _options(options)
+    load_full_optim_state_dict(model, _one(optimizers), _from_rank0(model, optim_state_dict, options))
+
+
+def set_state_dict(model, optimizers: Optimizers, *, model_state_dict: Dict[str, torch.Tensor],
+                   optim_state_dict: Dict[str, Any], options: Optional[StateDictOptions] = None) -> _IncompatibleKeys:
+    keys = set_model_state_dict(model, model_state_dict, options=options)
+    set_optimizer_state_dict(model, optimizers, optim_state_dict, options=options)
+    return keys
