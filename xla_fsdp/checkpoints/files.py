@@ -22,6 +22,7 @@ from torch.torch_version import TorchVersion
 
 from .._exit_cleanup import UNFINISHED as _UNFINISHED, remove_unfinished_writes  # noqa: F401
 from ..shard_names import readable_key
+from .zip_crc import save_with_crc_outside_gil
 
 RANK_FILE = re.compile(r"_rank-(\d{8})-of-(\d{8})\.pth")
 DEFAULT_SUFFIX = "_rank-*-of-*.pth"
@@ -107,13 +108,9 @@ def verify_archive(path: str) -> None:
 
 
 def atomic_torch_save(obj: Any, path: str) -> None:
-    def write(tmp: str) -> None:
-        # Through a Python file object: torch's zip writer then hands each record to f.write, which
-        # releases the GIL while the bytes go out (given a path, it writes holding the GIL, and a
-        # background save would stall the training thread for the whole write).
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-    atomic_write(path, write)
+    """``torch.save`` to ``path`` atomically, its zip checksums computed outside the GIL (a save in
+    a background thread leaves the training thread its speed)."""
+    atomic_write(path, lambda tmp: save_with_crc_outside_gil(obj, tmp))
 
 
 @dataclass
