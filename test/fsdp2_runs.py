@@ -13,8 +13,20 @@ import harness
 import models
 
 
+def _torchtitan_state(model, opt, step: int) -> Dict[str, Any]:
+    """What torchtitan's CheckpointManager hands dcp.save: the model's keys at the top level, the
+    optimizer's flattened (``state.<name>.<field>``, ``param_groups.<name>.<hyperparameter>``),
+    and its other states beside them."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+    return {**get_model_state_dict(model),
+            "optimizer": get_optimizer_state_dict(model, opt, options=StateDictOptions(
+                flatten_optimizer_state_dict=True)),
+            "lr_scheduler": {"last_epoch": step}, "train_state": {"step": step}}
+
+
 def _worker(rank: int, world_size: int, port: int, name: str, steps: int, start: int, per_rank: int,
-            load_dir: Optional[str], save_dir: Optional[str], out_dir: str) -> None:
+            load_dir: Optional[str], save_dir: Optional[str], out_dir: str, layout: str = "tutorial") -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                          set_state_dict)
@@ -44,7 +56,9 @@ def _worker(rank: int, world_size: int, port: int, name: str, steps: int, start:
             loss.backward()
             opt.step()
             losses.append(loss.item())
-        if save_dir:
+        if save_dir and layout == "torchtitan":
+            dcp.save(_torchtitan_state(model, opt, start + steps), checkpoint_id=save_dir)
+        elif save_dir:
             model_sd, optim_sd = get_state_dict(model, opt)
             dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=save_dir)
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -54,13 +68,14 @@ def _worker(rank: int, world_size: int, port: int, name: str, steps: int, start:
 
 
 def run(name: str, world_size: int, steps: int, start: int = 0, per_rank: int = 4, load_dir: Optional[str] = None,
-        save_dir: Optional[str] = None) -> Dict[str, Any]:
+        save_dir: Optional[str] = None, layout: str = "tutorial") -> Dict[str, Any]:
     """Train ``steps`` steps on ``world_size`` gloo ranks; returns the global-batch losses (mean of
-    the ranks' equal-sized batches) and the full model state at the end."""
+    the ranks' equal-sized batches) and the full model state at the end. ``layout``: how the save
+    is laid out, the tutorials' ``{"model", "optim"}`` or ``"torchtitan"``'s."""
     import torch.multiprocessing as mp
     with tempfile.TemporaryDirectory() as out_dir:
         mp.spawn(_worker, args=(world_size, harness._free_port(), name, steps, start, per_rank, load_dir, save_dir,
-                                out_dir), nprocs=world_size)
+                                out_dir, layout), nprocs=world_size)
         ranks: List[Dict[str, Any]] = [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False)
                                        for r in range(world_size)]
     losses = [sum(r["losses"][i] for r in ranks) / world_size for i in range(steps)]

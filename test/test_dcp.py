@@ -63,6 +63,25 @@ def test_fsdp2_and_xla_fsdp_continue_each_others_runs(name, tmp_path):
     _params_close(plain_state, harness.consolidate(ours_continued))
 
 
+def test_a_torchtitan_checkpoint_continues_on_xla_fsdp_at_another_world_size(tmp_path):
+    """torchtitan's DCP layout (model keys at the top level, optimizer state flattened per parameter,
+    lr_scheduler/train_state beside them), found without --model_key: FSDP2 at 2 ranks -> xla_fsdp
+    at 4 continues as the unsharded run does; the AdamW state and lr come across."""
+    import torch.distributed.checkpoint as dcp
+    name, saved = "zero3_nested_adamw", str(tmp_path / "titan_step3")
+    fsdp2_runs.run(name, 2, K, per_rank=GLOBAL_BATCH // 2, save_dir=saved, layout="torchtitan")
+    names = set(dcp.FileSystemReader(saved).read_metadata().state_dict_metadata)
+    assert any(n.startswith("optimizer.param_groups.") and not n.split(".")[2].isdigit() for n in names)
+    assert not any(n.startswith("model.") for n in names) and "train_state.step" in names
+    imported = str(tmp_path / "imported")
+    assert convert_cli(["--from", "dcp", "--ckpt_dir", saved, "--world_size", "4", "--out_prefix", imported]) == 0
+    run = harness.run_gloo([name], 4, steps=K, start=K, per_rank=GLOBAL_BATCH // 4, load_prefix=imported)[name]
+    ours = [sum(r["losses"][i] for r in run) / 4 for i in range(K)]
+    reference = harness.train_reference(name, 4, steps=2 * K, per_rank=GLOBAL_BATCH // 4)
+    _close(ours, reference["losses"][K:], "xla_fsdp continuing torchtitan-layout FSDP2 run")
+    _params_close(harness.consolidate(run), reference["state_dict"])
+
+
 def _plain_continues(name, dcp_dir):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict

@@ -6,9 +6,10 @@ process group, no model, one tensor in memory at a time.
 "param_groups": [{..., "params": [name, ...]}]}}`` keyed by the original parameter names, so
 PyTorch FSDP2, DDP or a plain model restores it with ``dcp.load`` at any world size. The DCP writer
 asks its planner for each tensor as it writes it; the planner here builds that tensor then, from
-memory-mapped slices of the rank files. ``import_dcp`` reads a DCP checkpoint (FSDP2's,
-torchtitan's, ours) one tensor at a time and writes rank files for any world size, one
-parameter per shard; ``load_sharded_checkpoint`` reads those into any wrapping by name.
+memory-mapped slices of the rank files. ``import_dcp`` reads a DCP checkpoint (FSDP2's; torchtitan's,
+model keys at the top level and optimizer state flattened; ours) one tensor at a time and writes
+rank files for any world size, one parameter per shard; ``load_sharded_checkpoint`` reads those
+into any wrapping by name.
 """
 from __future__ import annotations
 
@@ -172,7 +173,13 @@ def _read_dcp(reader: dcp.FileSystemReader, fqn: str, meta) -> Any:
     return target[fqn]
 
 
+# Top-level entries that torchtitan saves beside the model's (its model keys sit at the top level).
+NON_MODEL_ROOTS = ("optim", "optimizer", "lr_scheduler", "lr_schedulers", "dataloader", "train_state")
+
+
 def _find_prefix(names: List[str], wanted: Optional[str], candidates: Tuple[str, ...]) -> str:
+    if wanted == "":  # the model's entries at the top level (torchtitan)
+        return wanted
     if wanted is not None:
         if not any(n.startswith(wanted + ".") for n in names):
             raise CheckpointError(f"the DCP checkpoint has no entries under '{wanted}.' (it has e.g. "
@@ -183,6 +190,24 @@ def _find_prefix(names: List[str], wanted: Optional[str], candidates: Tuple[str,
             return c
     raise CheckpointError(f"cannot tell where the model state is in the DCP checkpoint (entries e.g. "
                           f"{sorted(names)[:4]}); name it with --model_key")
+
+
+def _model_prefix(entries: Dict[str, Any], wanted: Optional[str]) -> str:
+    """``model`` or ``app.model`` (the tutorials' AppState); else, when tensors sit at the top level
+    beside torchtitan's ``optimizer``/``lr_scheduler``/... entries, the top level (``""``)."""
+    names = list(entries)
+    if wanted is None and not any(n.startswith(c + ".") for n in names for c in ("model", "app.model")):
+        if any(isinstance(m, TensorStorageMetadata) and n.partition(".")[0] not in NON_MODEL_ROOTS
+               for n, m in entries.items()):
+            return ""
+    return _find_prefix(names, wanted, ("model", "app.model"))
+
+
+def _model_entries(entries: Dict[str, Any], prefix: str) -> Dict[str, Any]:
+    if prefix:
+        return {n[len(prefix) + 1:]: m for n, m in entries.items() if n.startswith(prefix + ".")}
+    return {n: m for n, m in entries.items()
+            if isinstance(m, TensorStorageMetadata) and n.partition(".")[0] not in NON_MODEL_ROOTS}
 
 
 def import_dcp(dcp_dir: str, world_size: int, out_prefix: str, model_key: Optional[str] = None,
@@ -198,7 +223,7 @@ def import_dcp(dcp_dir: str, world_size: int, out_prefix: str, model_key: Option
     reader = dcp.FileSystemReader(dcp_dir)
     entries = reader.read_metadata().state_dict_metadata
     names = list(entries)
-    model_prefix = _find_prefix(names, model_key, ("model", "app.model"))
+    model_prefix = _model_prefix(entries, model_key)
     parent = model_prefix.rpartition(".")[0]
     optim_candidates = tuple(f"{parent}.{c}" if parent else c for c in ("optim", "optimizer"))
     try:
@@ -209,7 +234,7 @@ def import_dcp(dcp_dir: str, world_size: int, out_prefix: str, model_key: Option
         optim_prefix = None
     out_paths = [rank_path(out_prefix, r, world_size) for r in range(world_size)]
     refuse_overwriting_inputs(out_paths, [os.path.join(dcp_dir, f) for f in os.listdir(dcp_dir)])
-    model_entries = {n[len(model_prefix) + 1:]: m for n, m in entries.items() if n.startswith(model_prefix + ".")}
+    model_entries = _model_entries(entries, model_prefix)
     groups = _read_param_groups(reader, entries, optim_prefix) if optim_prefix else None
     trained = [p for g in groups for p in g["params"]] if groups else None
     params = [n for n, m in model_entries.items() if isinstance(m, TensorStorageMetadata)
@@ -218,13 +243,13 @@ def import_dcp(dcp_dir: str, world_size: int, out_prefix: str, model_key: Option
     with _RankFileWriters(out_paths) as out:
         layout: Dict[str, Any] = {}
         for name in params:  # one full tensor in memory at a time
-            full = _read_dcp(reader, f"{model_prefix}.{name}", model_entries[name])
+            full = _read_dcp(reader, _join(model_prefix, name), model_entries[name])
             entry, shards = _split(full, world_size)
             layout[keys[name]] = dict(entry, names=[name])
             out.add_model(keys[name], shards)
         for name, meta in model_entries.items():
             if name not in keys:  # buffers: whole on every rank
-                value = _read_dcp(reader, f"{model_prefix}.{name}", meta)
+                value = _read_dcp(reader, _join(model_prefix, name), meta)
                 out.add_model(name, [value] * world_size)
         optimizer_keys = None
         if groups is not None:
@@ -311,17 +336,40 @@ def _split(full: torch.Tensor, world_size: int) -> Tuple[Dict[str, Any], List[to
     return entry, [c.clone() for c in flat.chunk(world_size)]
 
 
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
 def _read_param_groups(reader, entries, optim_prefix: str) -> List[Dict[str, Any]]:
+    """The param groups with parameter names, as ``get_optimizer_state_dict`` writes them: a list
+    (``param_groups.0.lr``, ``param_groups.0.params``) or, with ``flatten_optimizer_state_dict``
+    (torchtitan), per parameter (``param_groups.<name>.lr``); parameters whose hyperparameters are
+    equal then share a group, in the order the checkpoint lists them."""
     prefix = f"{optim_prefix}.param_groups."
-    groups: Dict[int, Dict[str, Any]] = {}
+    listed: Dict[int, Dict[str, Any]] = {}
+    per_param: Dict[str, Dict[str, Any]] = {}
     for fqn, meta in entries.items():
         if fqn.startswith(prefix):
-            number, _, field = fqn[len(prefix):].partition(".")
-            groups.setdefault(int(number), {})[field] = _read_dcp(reader, fqn, meta)
-    if not groups or any("params" not in g for g in groups.values()):
+            rest = fqn[len(prefix):]
+            number, _, field = rest.partition(".")
+            if number.isdigit():
+                listed.setdefault(int(number), {})[field] = _read_dcp(reader, fqn, meta)
+            else:
+                name, _, field = rest.rpartition(".")  # hyperparameter names hold no dots
+                per_param.setdefault(name, {})[field] = _read_dcp(reader, fqn, meta)
+    if per_param and not listed:
+        groups: List[Dict[str, Any]] = []
+        for name, hyper in per_param.items():
+            same = next((g for g in groups if {k: v for k, v in g.items() if k != "params"} == hyper), None)
+            if same is None:
+                groups.append(dict(hyper, params=[name]))
+            else:
+                same["params"].append(name)
+        return groups
+    if not listed or any("params" not in g for g in listed.values()):
         raise CheckpointError(f"the DCP checkpoint's optimizer state under '{optim_prefix}' has no param_groups "
                               "with parameter names (write it with get_state_dict / get_optimizer_state_dict)")
-    return [groups[i] for i in sorted(groups)]
+    return [listed[i] for i in sorted(listed)]
 
 
 def _import_optimizer(reader, entries, optim_prefix: str, groups, keys: Dict[str, str], layout: Dict[str, Any],

@@ -6,7 +6,9 @@
 A DCP folder written here is keyed by the original parameter names, model under ``model`` and
 optimizer state under ``optim`` as ``get_state_dict`` lays them out: FSDP2, DDP or a plain model
 restores it with ``dcp.load`` at any world size. Reading DCP, the model state is found under
-``model`` or ``app.model`` (the DCP tutorial's AppState) unless ``--model_key`` says where.
+``model`` or ``app.model`` (the DCP tutorial's AppState), or at the top level beside
+``optimizer``/``lr_scheduler``/``train_state`` (torchtitan, whose optimizer state is flattened),
+unless ``--model_key`` says where.
 """
 from __future__ import annotations
 
@@ -30,7 +32,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--ckpt_dir", help="(--from) the DCP checkpoint folder")
     parser.add_argument("--world_size", type=int, help="(--from) number of ranks to write for")
     parser.add_argument("--out_prefix", help="(--from) prefix of the rank files to write")
-    parser.add_argument("--model_key", default=None, help="where the model state is in the DCP state dict")
+    parser.add_argument("--model_key", default=None, help="where the model state is in the DCP state dict "
+                        "('' = the top level, as torchtitan saves it; found by default)")
     parser.add_argument("--optim_key", default=None, help="where the optimizer state is (--to: 'none' leaves it out)")
     args = parser.parse_args(argv)
     needed = ["ckpt_prefix", "out"] if args.to else ["ckpt_dir", "world_size", "out_prefix"]
