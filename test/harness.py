@@ -53,6 +53,21 @@ def _strategy(strategy: str, **kw):
     return wrap
 
 
+def _mesh_hybrid(strategy: str, as_process_groups: bool = False):
+    """Hybrid groups given PyTorch FSDP's ways: a 2-D (replicate, shard) DeviceMesh, or its
+    (shard, replicate) process groups (torch.distributed only). The shard axis runs across hosts
+    ([[0, 2], [1, 3]] at 2 hosts x 2), unlike the default, so a test sees that the argument counts."""
+    def wrap(m):
+        from torch.distributed.device_mesh import DeviceMesh
+        per_host = int(os.environ.get("LOCAL_WORLD_SIZE", _world_size()))
+        layout = torch.arange(_world_size()).reshape(_world_size() // per_host, per_host).T
+        mesh = DeviceMesh("cpu", layout, mesh_dim_names=("replicate", "shard"))
+        kw = (dict(process_group=(mesh.get_group("shard"), mesh.get_group("replicate"))) if as_process_groups
+              else dict(device_mesh=mesh))
+        return _nested(sharding_strategy=strategy, **kw)(m)
+    return wrap
+
+
 def no_decay(name: str) -> bool:
     """The usual rule: no weight decay on biases, norms and position embeddings."""
     return name.endswith("bias") or ".ln" in "." + name or name.startswith("ln") or name == "pos"
@@ -136,6 +151,15 @@ CONFIGS: Dict[str, Dict[str, Any]] = {  # noqa: E501
     "strategy_hybrid_zero2_flat_sgd": dict(
         model="mlp", opt="sgd", check_kept=True, wrap=_strategy("HYBRID_SHARD_ZERO2", flatten_parameters=True)
     ),
+    # Hybrid with its default groups: the ranks of one host (LOCAL_WORLD_SIZE); run by test_multinode
+    # under torchrun with 2 simulated nodes, where the shard groups must be the nodes.
+    "node_hybrid_adamw": dict(model="mlp", opt="adamw", wrap=_nested(sharding_strategy="HYBRID_SHARD"),
+                              check_freed=True, equivalence=False),
+    "node_hybrid_zero2_adamw": dict(model="mlp", opt="adamw", wrap=_nested(sharding_strategy="HYBRID_SHARD_ZERO2"),
+                                    check_kept=True, equivalence=False),
+    "mesh_hybrid_adamw": dict(model="mlp", opt="adamw", wrap=_mesh_hybrid("HYBRID_SHARD"), equivalence=False),
+    "pg_hybrid_zero2_adamw": dict(model="mlp", opt="adamw", wrap=_mesh_hybrid("HYBRID_SHARD_ZERO2", True),
+                                  equivalence=False),
     # AdamW groups by original name (no decay on biases/norms) over flattened, auto-wrapped units.
     "wd_groups_flat_lm_adamw": dict(
         model="lm",

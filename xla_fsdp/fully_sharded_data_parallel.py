@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_map_only
 
 from .collectives import resolve_transport, shared_collectives
 from .sharding import default_predivide_factor
-from .strategy import plan_for_unit
+from .strategy import groups_from_torch, plan_for_unit
 from .unit import construction, param_names, tied
 from .unit.backward import GradientReduction
 from .unit.base import ShardedUnit
@@ -35,6 +35,16 @@ from .wrap import recursive_wrap, set_default_wrapper
 METADATA_VERSION = 1
 _DEBUG_DUMMIES = ("_debug_dummy_forward_pass", "_debug_dummy_all_gather_op", "_debug_dummy_all_reduce_op",
                   "_debug_dummy_reduce_scatter_op", "_debug_dummy_optimization_barrier_op")
+
+
+def _groups_from_torch_keywords(keywords: Dict[str, Any]) -> None:
+    """PyTorch FSDP's ``process_group``/``device_mesh`` become ``sharding_groups`` (in place)."""
+    process_group, device_mesh = keywords.pop("process_group"), keywords.pop("device_mesh")
+    if process_group is None and device_mesh is None:
+        return
+    if keywords["sharding_groups"] is not None:
+        raise ValueError("xla_fsdp: give sharding_groups or process_group/device_mesh, not both")
+    keywords["sharding_groups"] = groups_from_torch(process_group, device_mesh, keywords["sharding_strategy"])
 
 
 def _options_from_keywords(keywords: Dict[str, Any]) -> UnitOptions:
@@ -92,6 +102,9 @@ class XlaFullyShardedDataParallel(GradientReduction, ShardedUnit):
             ``reshard_after_forward`` and ``sharding_groups`` keep torch_xla's meaning.
         hybrid_shard_size: ranks per shard group for hybrid strategies (default: ranks per host);
             ``sharding_groups`` may list the groups instead.
+        process_group / device_mesh: PyTorch FSDP's ways to give the groups (torch.distributed):
+            one group or a 1-D mesh spanning every rank; ``(shard_group, replicate_group)`` or a
+            2-D ``(replicate, shard)`` mesh with a hybrid strategy. Read as ``sharding_groups``.
         output_dtype: cast floating outputs of this unit to this dtype (e.g. float32 logits for
             the loss while computing in bfloat16). Not passed on to auto-wrapped children.
         flatten_group_fn: ``fn(name, param) -> key`` (name relative to this unit's module): with
@@ -163,8 +176,11 @@ class XlaFullyShardedDataParallel(GradientReduction, ShardedUnit):
         flatten_group_fn: Optional[Callable[[str, nn.Parameter], Any]] = None,
         prefetch: bool = True,
         _solo_collective_numel: int = SOLO_NUMEL,
+        process_group: Optional[Any] = None,
+        device_mesh: Optional[Any] = None,
     ):
         keywords = {k: v for k, v in locals().items() if k not in ("self", "module", "__class__")}
+        _groups_from_torch_keywords(keywords)
         super().__init__()
         construction.validate_module(module)
         options = _options_from_keywords(keywords)

@@ -139,3 +139,55 @@ def plan_for_unit(strategy: Optional[Any], reshard_after_forward: Optional[bool]
     groups = plan.shard_groups if len(plan.shard_groups) > 1 else None
     return (chosen, chosen.reshard_after_forward, groups, plan.shard_rank if groups else None,
             plan.shard_size if groups else None, plan.replica_groups or None)
+
+
+def groups_from_torch(process_group: Any, device_mesh: Any, strategy: Optional[Any]) -> Optional[List[List[int]]]:
+    """PyTorch FSDP's ``process_group`` (one group, or ``(shard_group, replicate_group)`` for the
+    hybrid strategies) or ``device_mesh`` (1-D, or 2-D ``(replicate, shard)``) as xla_fsdp's shard
+    groups: ``None`` when one group spans every rank. A tuple's shard groups are gathered from the
+    ranks (a collective: every rank constructs the wrapper, as with PyTorch FSDP)."""
+    import torch.distributed as dist
+    if process_group is not None and device_mesh is not None:
+        raise ValueError("xla_fsdp: give process_group or device_mesh, not both")
+    world = dist.get_world_size()
+
+    def ranks_of(group: Any) -> List[int]:
+        if group is None or group is dist.GroupMember.WORLD:
+            return list(range(world))
+        if group is dist.GroupMember.NON_GROUP_MEMBER:
+            raise ValueError(f"xla_fsdp: rank {dist.get_rank()} is not in the process group it was given; every "
+                             "rank passes a group that holds it")
+        return dist.get_process_group_ranks(group)
+
+    if device_mesh is not None:
+        ranks = device_mesh.mesh
+        if ranks.dim() not in (1, 2):
+            raise ValueError(f"xla_fsdp: device_mesh must be 1-D (shard) or 2-D (replicate, shard), got "
+                             f"{ranks.dim()}-D")
+        groups = [ranks.tolist()] if ranks.dim() == 1 else ranks.tolist()
+    elif isinstance(process_group, (tuple, list)):
+        if len(process_group) != 2:
+            raise ValueError("xla_fsdp: process_group as a tuple is (shard_group, replicate_group)")
+        shard_group, replicate_group = process_group
+        everyone: List[Any] = [None] * world
+        dist.all_gather_object(everyone, ranks_of(shard_group))
+        groups = [list(g) for g in sorted({tuple(g) for g in everyone})]
+        mine = next(g for g in groups if dist.get_rank() in g)
+        replicas = next(r for r in transpose_groups(groups) if dist.get_rank() in r) if len(groups) > 1 else []
+        if replicate_group is not None and len(groups) > 1 and \
+                sorted(ranks_of(replicate_group)) != sorted(replicas):
+            raise ValueError(f"xla_fsdp: the replicate group {ranks_of(replicate_group)} is "
+                             f"not the ranks at this rank's place in the other shard groups ({replicas}; shard "
+                             f"group {mine})")
+    else:
+        groups = [ranks_of(process_group)]
+    if len(groups) == 1:
+        if sorted(groups[0]) != list(range(world)):
+            raise ValueError(f"xla_fsdp: a process group of some ranks ({groups[0]}) is not supported alone; "
+                             "for hybrid sharding pass (shard_group, replicate_group) or a 2-D device_mesh, or "
+                             "list every group with sharding_groups=[[...], ...]")
+        return None
+    if strategy is None or not parse_strategy(strategy).is_hybrid:
+        raise ValueError(f"xla_fsdp: shard groups {groups} from process_group/device_mesh need "
+                         "sharding_strategy=HYBRID_SHARD or HYBRID_SHARD_ZERO2")
+    return groups
