@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import statistics
 import tempfile
@@ -29,6 +28,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import xla_fsdp
+from .report import write_result
 from xla_fsdp.checkpoints import zip_crc
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -134,9 +134,6 @@ def main() -> None:
             "steps_during_async_saves": len(r["during"]), "median_step_s_during_async_save": med(r["during"]),
             "ratio_during_async_to_no_save": med(r["during"]) / base, "max_rss_rise_mib": max(r["rss_rise"]),
             "samples": r}
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out + ".json", "w") as f:
-        json.dump(result, f, indent=2)
     gib = ckpt_bytes / 2 ** 30
     lines = [
         f"# Async save ({result['date']}): {gib:.2f} GiB checkpoint, {result['params'] / 1e6:.1f} M parameters "
@@ -156,9 +153,7 @@ def main() -> None:
             f"| {w['median_async_save_s']:.2f} s | {w['median_step_s_during_async_save'] * 1e3:.0f} ms "
             f"({w['steps_during_async_saves']} steps) | {w['ratio_during_async_to_no_save']:.2f}x "
             f"| +{w['max_rss_rise_mib']:.0f} MiB |")
-    with open(args.out + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_result(args.out, result, lines)
 
 
 if __name__ == "__main__":

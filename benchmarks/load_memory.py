@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import tempfile
 
@@ -23,6 +22,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 
 import xla_fsdp
+from .report import write_result
 from xla_fsdp.checkpoints import rank_path
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -93,9 +93,6 @@ def main() -> None:
                      "rss_rise_bytes": rise, "rise_over_own_plus_largest": rise / (m["own_bytes"] + largest)})
     result = {"date": datetime.date.today().isoformat(), "checkpoint_bytes": ckpt_bytes,
               "saved_world_size": args.save_ranks, "loaded_world_size": args.load_ranks, "ranks": rows}
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out + ".json", "w") as f:
-        json.dump(result, f, indent=2)
     mib = 2 ** 20
     lines = [f"# Load-time resharding memory ({result['date']}): {ckpt_bytes / 2 ** 30:.2f} GiB checkpoint "
              f"(parameters + AdamW) saved by {args.save_ranks} ranks, loaded by {args.load_ranks} gloo ranks "
@@ -106,9 +103,7 @@ def main() -> None:
     for row in rows:
         lines.append(f"| {row['rank']} | {row['own_state_bytes'] / mib:.0f} MiB | {largest / mib:.0f} MiB | "
                      f"{row['rss_rise_bytes'] / mib:.0f} MiB | {row['rise_over_own_plus_largest']:.2f} |")
-    with open(args.out + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_result(args.out, result, lines)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
 """Turns a benchmark run into a readable Markdown table, the target checks and a PNG chart."""
 from __future__ import annotations
 
+import json
+import os
 import statistics
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -267,3 +269,13 @@ def write(data: Dict, stem: str) -> None:
     with open(stem + ".md", "w") as f:
         f.write(markdown(data))
     chart(data, stem + ".png")
+
+
+def write_result(out: str, result: Dict, lines: List[str]) -> None:
+    """A one-off benchmark's ``out``.json (the figures) and ``out``.md (its table), also printed."""
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out + ".json", "w") as f:
+        json.dump(result, f, indent=2)
+    with open(out + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))

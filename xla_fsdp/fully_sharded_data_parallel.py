@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_map_only
 
 from .collectives import resolve_transport, shared_collectives
 from .sharding import default_predivide_factor
-from .strategy import groups_from_torch, plan_for_unit
+from .strategy import plan_for_unit, resolve_torch_group_keywords
 from .unit import construction, param_names, tied
 from .unit.backward import GradientReduction
 from .unit.base import ShardedUnit
@@ -35,16 +35,6 @@ from .wrap import recursive_wrap, set_default_wrapper
 METADATA_VERSION = 1
 _DEBUG_DUMMIES = ("_debug_dummy_forward_pass", "_debug_dummy_all_gather_op", "_debug_dummy_all_reduce_op",
                   "_debug_dummy_reduce_scatter_op", "_debug_dummy_optimization_barrier_op")
-
-
-def _groups_from_torch_keywords(keywords: Dict[str, Any]) -> None:
-    """PyTorch FSDP's ``process_group``/``device_mesh`` become ``sharding_groups`` (in place)."""
-    process_group, device_mesh = keywords.pop("process_group"), keywords.pop("device_mesh")
-    if process_group is None and device_mesh is None:
-        return
-    if keywords["sharding_groups"] is not None:
-        raise ValueError("xla_fsdp: give sharding_groups or process_group/device_mesh, not both")
-    keywords["sharding_groups"] = groups_from_torch(process_group, device_mesh, keywords["sharding_strategy"])
 
 
 def _options_from_keywords(keywords: Dict[str, Any]) -> UnitOptions:
@@ -180,7 +170,7 @@ class XlaFullyShardedDataParallel(GradientReduction, ShardedUnit):
         device_mesh: Optional[Any] = None,
     ):
         keywords = {k: v for k, v in locals().items() if k not in ("self", "module", "__class__")}
-        _groups_from_torch_keywords(keywords)
+        resolve_torch_group_keywords(keywords)
         super().__init__()
         construction.validate_module(module)
         options = _options_from_keywords(keywords)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 
 class ShardingStrategy(enum.Enum):
@@ -191,3 +191,14 @@ def groups_from_torch(process_group: Any, device_mesh: Any, strategy: Optional[A
         raise ValueError(f"xla_fsdp: shard groups {groups} from process_group/device_mesh need "
                          "sharding_strategy=HYBRID_SHARD or HYBRID_SHARD_ZERO2")
     return groups
+
+
+def resolve_torch_group_keywords(keywords: Dict[str, Any]) -> None:
+    """The wrapper's keywords, in place: PyTorch FSDP's ``process_group``/``device_mesh`` become
+    ``sharding_groups``."""
+    process_group, device_mesh = keywords.pop("process_group"), keywords.pop("device_mesh")
+    if process_group is None and device_mesh is None:
+        return
+    if keywords["sharding_groups"] is not None:
+        raise ValueError("xla_fsdp: give sharding_groups or process_group/device_mesh, not both")
+    keywords["sharding_groups"] = groups_from_torch(process_group, device_mesh, keywords["sharding_strategy"])

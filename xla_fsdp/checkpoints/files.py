@@ -100,7 +100,7 @@ def verify_archive(path: str) -> None:
                               "truncated or another kind of file") from e
     except OSError:
         raise
-    except Exception as e:  # a damaged header surfaces as many types (zlib.error, EOFError, NotImplementedError...)
+    except Exception as e:  # a damaged header raises zlib.error, EOFError, NotImplementedError and others
         raise CheckpointError(f"'{path}' is damaged ({type(e).__name__}: {e})") from e
     if bad is not None:
         raise CheckpointError(f"'{path}' is corrupted: its record '{bad}' fails its CRC-32 check; restore this "
