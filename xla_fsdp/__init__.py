@@ -7,8 +7,9 @@ _configure_cpu_environment()
 
 from ._version import __version__  # noqa: E402
 
-from .checkpoints import (consolidate_sharded_model_checkpoints, load_sharded_checkpoint,  # noqa: E402
-                          reshard_checkpoint, save_sharded_checkpoint)
+from .checkpoints import (consolidate_sharded_model_checkpoints, latest_checkpoint,  # noqa: E402
+                          load_sharded_checkpoint, reshard_checkpoint, resume_training, save_sharded_checkpoint,
+                          save_training_checkpoint)
 from .collectives.xla import sync  # noqa: E402
 from .compat import replace_torch_xla_fsdp  # noqa: E402
 from .fully_sharded_data_parallel import XlaFullyShardedDataParallel  # noqa: E402
@@ -23,10 +24,13 @@ __all__ = [
     "XlaFullyShardedDataParallel",
     "checkpoint_module",
     "consolidate_sharded_model_checkpoints",
+    "latest_checkpoint",
     "load_sharded_checkpoint",
     "replace_torch_xla_fsdp",
     "reshard_checkpoint",
+    "resume_training",
     "save_sharded_checkpoint",
+    "save_training_checkpoint",
     "sync",
     "__version__",
 ]

@@ -292,21 +292,26 @@ def _flat_rank(model) -> int:
     return model.comms.replica_rank * model.world_size + model.rank
 
 
-def _ranks_that_failed(model, failed: bool) -> list:
-    """Which ranks (numbered replica-major) report a failure: a collective every rank joins."""
+def values_over_ranks(model, value: int) -> List[int]:
+    """Every rank's ``value`` (numbered replica-major): a collective every rank joins."""
     comms = model.comms
     total = model.world_size * comms.num_replicas
     if total == 1:
-        return [0] if failed else []
-    flags = [0] * total
-    flags[_flat_rank(model)] = int(failed)
-    sums = comms.start_sum_over_ranks(flags)()
-    if sums is None:  # processes without a host channel (TPU hosts): the shard group's flags on device
-        mine = torch.tensor([int(failed)], dtype=torch.int32).to(comms.device)
+        return [value]
+    row = [0] * total
+    row[_flat_rank(model)] = value
+    sums = comms.start_sum_over_ranks(row)()
+    if sums is None:  # processes without a host channel (TPU hosts): the shard group's values on device
+        mine = torch.tensor([value], dtype=torch.int32).to(comms.device)
         gathered = comms.all_gather(mine, model._aux_channel)
         comms.sync()
-        return [r for r, f in enumerate(gathered.cpu().tolist()) if f]
-    return [r for r, f in enumerate(sums) if f]
+        return [int(v) for v in gathered.cpu().tolist()]
+    return [int(v) for v in sums]
+
+
+def _ranks_that_failed(model, failed: bool) -> list:
+    """Which ranks (numbered replica-major) report a failure."""
+    return [r for r, f in enumerate(values_over_ranks(model, int(failed))) if f]
 
 
 def _read_checked(model, optimizer, path: str, ckpt_prefix: str) -> Dict[str, Any]:
