@@ -1,0 +1,152 @@
+"""The language-model example past one machine (issue 26), run with README's own commands: two
+torchrun agents of 2 gloo ranks each (a c10d rendezvous on this machine's loopback) train, save
+every 20 steps and finish; the consolidated model, scored in one process without FSDP, gives the
+run's eval loss; a job that lost its last checkpoint resumes from the one before, at the same and
+at another world size, and ends with the uninterrupted run's loss. The XLA:CPU transport
+(torch_xla.launch) stops, resumes at another device count and matches the gloo run."""
+import os
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+import harness
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOL = 1e-5
+
+
+def readme_lines():
+    """The shell lines of README's language-model block, in order."""
+    text = open(os.path.join(ROOT, "README.md")).read()
+    section = text[text.index("## Training a language model"):]
+    block = section[section.index("```bash") + len("```bash"):]
+    block = block[:block.index("```")]
+    return [line.strip() for line in block.strip().splitlines() if line.strip()]
+
+
+def summary(text):
+    """The last SUMMARY line's key=value pairs."""
+    lines = [line for line in text.splitlines() if line.startswith("SUMMARY")]
+    assert lines, f"no SUMMARY line in:\n{text[-3000:]}"
+    return dict(item.split("=", 1) for item in lines[-1].split()[1:])
+
+
+def command(line, port):
+    args = shlex.split(line.split("#")[0].replace("127.0.0.1:29400", f"127.0.0.1:{port}"))
+    args = [a for a in args if a != "&"]
+    if args[0] == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", *args[1:]]
+    assert args[0] == "python", line
+    return [sys.executable, *args[1:]]
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    """A folder laid out like a checkout (examples/ linked), with HF caches kept inside it."""
+    folder = tmp_path_factory.mktemp("lm")
+    os.symlink(os.path.join(ROOT, "examples"), folder / "examples")
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HOME=str(folder / "hf"), HF_DATASETS_OFFLINE="1",
+               PYTHONPATH=ROOT)
+    env.pop("PJRT_DEVICE", None)
+    env.pop("CPU_NUM_DEVICES", None)
+    return str(folder), env
+
+
+def run(cmd, cwd, env, timeout=300, extra_env=None):
+    done = subprocess.run(cmd, cwd=cwd, env=dict(env, **(extra_env or {})), capture_output=True, text=True,
+                          timeout=timeout)
+    assert done.returncode == 0, f"{cmd} exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return done.stdout + done.stderr
+
+
+def two_nodes(lines, cwd, env):
+    """The README's two torchrun lines, one per simulated node, at once; their joint output."""
+    port = harness._free_port()
+    nodes = [subprocess.Popen(command(line, port), cwd=cwd, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for line in lines]
+    outputs = []
+    try:
+        for node in nodes:
+            outputs.append(node.communicate(timeout=300)[0])
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+                node.communicate()
+    assert all(n.returncode == 0 for n in nodes), "\n---\n".join(o[-3000:] for o in outputs)
+    return "\n".join(outputs)
+
+
+def unmark(ckpt_dir, step):
+    """As if the job died after writing step's files but before marking them complete."""
+    os.unlink(os.path.join(ckpt_dir, f"step-{step:09d}.complete"))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(workdir):
+    cwd, env = workdir
+    lines = readme_lines()
+    torchruns = [line for line in lines if line.startswith("torchrun")]
+    assert len(torchruns) == 2 and torchruns[0].rstrip(" &") == torchruns[1] and "--resume auto" in torchruns[1]
+    return summary(two_nodes(torchruns, cwd, env))
+
+
+def test_readme_block_is_two_nodes_then_consolidate_and_score():
+    lines = readme_lines()
+    assert [line.split()[0] for line in lines] == ["torchrun", "torchrun", "wait", "python", "python"]
+    assert "--nnodes 2 --nproc_per_node 2 --rdzv_backend c10d" in lines[0]
+
+
+def test_two_nodes_train_save_and_the_consolidated_model_scores_the_same(workdir, uninterrupted):
+    cwd, env = workdir
+    assert uninterrupted["world_size"] == "4" and uninterrupted["start_step"] == "0"
+    assert uninterrupted["end_step"] == "60" and float(uninterrupted["final_loss"]) < 3.0  # it learned (5.5 at init)
+    ckpt = os.path.join(cwd, "runs", "lm", "ckpt")
+    names = sorted(os.listdir(ckpt))
+    assert names == [f"step-{s:09d}{tail}" for s in (40, 60) for tail in
+                     [".complete"] + [f"_rank-{r:08d}-of-00000004.pth" for r in range(4)]]  # keeps 2
+    consolidate, score = readme_lines()[3:]
+    run(command(consolidate, 0), cwd, env)
+    scored = summary(run(command(score, 0), cwd, env))
+    assert abs(float(scored["eval_loss"]) - float(uninterrupted["eval_loss"])) <= TOL
+    assert scored["params"] == uninterrupted["params"]
+
+
+def test_a_job_that_lost_its_last_checkpoint_resumes_to_the_same_loss(workdir, uninterrupted):
+    cwd, env = workdir
+    ckpt = os.path.join(cwd, "runs", "lm", "ckpt")
+    torchruns = [line for line in readme_lines() if line.startswith("torchrun")]
+    unmark(ckpt, 60)  # step 60's files stay, unmarked: never picked
+    resumed = summary(two_nodes(torchruns, cwd, env))
+    assert resumed["start_step"] == "40" and resumed["world_size"] == "4"
+    assert abs(float(resumed["final_loss"]) - float(uninterrupted["final_loss"])) <= TOL
+    assert abs(float(resumed["eval_loss"]) - float(uninterrupted["eval_loss"])) <= TOL
+    # ... and at another world size: one node of 2 ranks continues the 4-rank checkpoint
+    unmark(ckpt, 60)
+    out = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               "examples/train_lm_fsdp.py", "--resume", "auto"], cwd, env)
+    assert "saved at world size 4, now 2" in out
+    two = summary(out)
+    assert two["start_step"] == "40" and two["world_size"] == "2"
+    assert abs(float(two["final_loss"]) - float(uninterrupted["final_loss"])) <= TOL
+    assert abs(float(two["eval_loss"]) - float(uninterrupted["eval_loss"])) <= TOL
+    assert sorted(os.listdir(ckpt))[-1] == "step-000000060_rank-00000001-of-00000002.pth"  # the 4-rank set replaced
+
+
+def test_xla_devices_stop_and_resume_at_another_device_count(workdir):
+    cwd, env = workdir
+    out_dir = os.path.join(cwd, "xla")
+    common = ["examples/train_lm_fsdp.py", "--num_steps", "20", "--ckpt_every", "10", "--out_dir", out_dir]
+    gloo = summary(run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                        *common[:-1], out_dir + "-gloo"], cwd, env))
+    first = summary(run([sys.executable, *common, "--stop_after_step", "13"], cwd, env, timeout=400))
+    assert first["end_step"] == "13" and first["world_size"] == "2"
+    out = run([sys.executable, *common, "--resume", "auto", "--num_devices", "4"], cwd, env, timeout=400)
+    assert re.search(r"resumed from .*step-000000010 \(step 10, saved at world size 2, now 4\)", out)
+    xla = summary(out)
+    assert xla["start_step"] == "10" and xla["world_size"] == "4"
+    assert abs(float(xla["final_loss"]) - float(gloo["final_loss"])) <= TOL
+    assert abs(float(xla["eval_loss"]) - float(gloo["eval_loss"])) <= TOL
