@@ -35,12 +35,17 @@ def summary(text):
 
 
 def command(line, port):
+    """(argv, environment variables) of a README line."""
     args = shlex.split(line.split("#")[0].replace("127.0.0.1:29400", f"127.0.0.1:{port}"))
     args = [a for a in args if a != "&"]
+    env = {}
+    while "=" in args[0]:
+        name, value = args.pop(0).split("=", 1)
+        env[name] = value
     if args[0] == "torchrun":
-        return [sys.executable, "-m", "torch.distributed.run", *args[1:]]
+        return [sys.executable, "-m", "torch.distributed.run", *args[1:]], env
     assert args[0] == "python", line
-    return [sys.executable, *args[1:]]
+    return [sys.executable, *args[1:]], env
 
 
 @pytest.fixture(scope="module")
@@ -65,8 +70,9 @@ def run(cmd, cwd, env, timeout=300, extra_env=None):
 def two_nodes(lines, cwd, env):
     """The README's two torchrun lines, one per simulated node, at once; their joint output."""
     port = harness._free_port()
-    nodes = [subprocess.Popen(command(line, port), cwd=cwd, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for line in lines]
+    commands = [command(line, port) for line in lines]
+    nodes = [subprocess.Popen(argv, cwd=cwd, env=dict(env, **extra), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for argv, extra in commands]
     outputs = []
     try:
         for node in nodes:
@@ -89,14 +95,15 @@ def unmark(ckpt_dir, step):
 def uninterrupted(workdir):
     cwd, env = workdir
     lines = readme_lines()
-    torchruns = [line for line in lines if line.startswith("torchrun")]
+    torchruns = [line for line in lines if " torchrun " in f" {line}"]
     assert len(torchruns) == 2 and torchruns[0].rstrip(" &") == torchruns[1] and "--resume auto" in torchruns[1]
     return summary(two_nodes(torchruns, cwd, env))
 
 
 def test_readme_block_is_two_nodes_then_consolidate_and_score():
     lines = readme_lines()
-    assert [line.split()[0] for line in lines] == ["torchrun", "torchrun", "wait", "python", "python"]
+    assert [line.split()[0] for line in lines] == [
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", "wait", "python", "python"]
     assert "--nnodes 2 --nproc_per_node 2 --rdzv_backend c10d" in lines[0]
 
 
@@ -109,8 +116,8 @@ def test_two_nodes_train_save_and_the_consolidated_model_scores_the_same(workdir
     assert names == [f"step-{s:09d}{tail}" for s in (40, 60) for tail in
                      [".complete"] + [f"_rank-{r:08d}-of-00000004.pth" for r in range(4)]]  # keeps 2
     consolidate, score = readme_lines()[3:]
-    run(command(consolidate, 0), cwd, env)
-    scored = summary(run(command(score, 0), cwd, env))
+    run(command(consolidate, 0)[0], cwd, env)
+    scored = summary(run(command(score, 0)[0], cwd, env))
     assert abs(float(scored["eval_loss"]) - float(uninterrupted["eval_loss"])) <= TOL
     assert scored["params"] == uninterrupted["params"]
 
@@ -118,7 +125,7 @@ def test_two_nodes_train_save_and_the_consolidated_model_scores_the_same(workdir
 def test_a_job_that_lost_its_last_checkpoint_resumes_to_the_same_loss(workdir, uninterrupted):
     cwd, env = workdir
     ckpt = os.path.join(cwd, "runs", "lm", "ckpt")
-    torchruns = [line for line in readme_lines() if line.startswith("torchrun")]
+    torchruns = [line for line in readme_lines() if " torchrun " in f" {line}"]
     unmark(ckpt, 60)  # step 60's files stay, unmarked: never picked
     resumed = summary(two_nodes(torchruns, cwd, env))
     assert resumed["start_step"] == "40" and resumed["world_size"] == "4"

@@ -15,6 +15,7 @@ import json
 import os
 import random
 import re
+import warnings
 import zlib
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional
@@ -150,8 +151,20 @@ def _prune(ckpt_dir: str, newest: int, keep: int) -> None:
     for path in glob.glob(os.path.join(glob.escape(ckpt_dir), "step-*_rank-*")):
         name = os.path.basename(path)
         step = int(name[len("step-"):len("step-") + 9])
-        if step not in marked and (step < newest or name.endswith(".tmp")):
+        if name.endswith(".tmp") or (step not in marked and step < newest):
             os.unlink(path)
+
+
+def _warn_if_restarts_share_the_store(model) -> None:
+    """torchrun restarts with its rendezvous store shared (the default) can hand a restarted rank
+    its peers' addresses from the failed attempt (pytorch/pytorch#135712): the restart then fails
+    to connect, and the job is lost though its checkpoints are fine."""
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
+    if (restarts > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            and model.rank == 0 and model.comms.replica_rank == 0):
+        warnings.warn("xla_fsdp: torchrun --max_restarts with its shared rendezvous store: a restarted job can "
+                      "fail to connect (pytorch/pytorch#135712); start torchrun with "
+                      "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment", stacklevel=3)
 
 
 def resume_training(model, optimizer: Optional[torch.optim.Optimizer], ckpt_dir: str, *,
@@ -163,6 +176,7 @@ def resume_training(model, optimizer: Optional[torch.optim.Optimizer], ckpt_dir:
     At the saved world size each rank gets its own RNG state back. At another, per-rank streams
     cannot carry over one to one: each rank's generators are seeded from the saved step and its
     rank instead (still deterministic)."""
+    _warn_if_restarts_share_the_store(model)
     latest = latest_checkpoint(ckpt_dir)
     seen = values_over_ranks(model, latest.step + 1 if latest is not None else 0)
     if len(set(seen)) > 1:
