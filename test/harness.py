@@ -68,6 +68,11 @@ def _mesh_hybrid(strategy: str, as_process_groups: bool = False):
     return wrap
 
 
+def _torch_cpu_offload():
+    from torch.distributed.fsdp import CPUOffload
+    return CPUOffload(offload_params=True)  # PyTorch FSDP's spelling of cpu_offload=True
+
+
 def no_decay(name: str) -> bool:
     """The usual rule: no weight decay on biases, norms and position embeddings."""
     return name.endswith("bias") or ".ln" in "." + name or name.startswith("ln") or name == "pos"
@@ -205,7 +210,28 @@ CONFIGS: Dict[str, Dict[str, Any]] = {  # noqa: E501
         model="lm_tied", opt="sgd", wrap=lambda m: FSDP(m, flatten_parameters=True, auto_wrap_policy=TIED_SPLIT_POLICY)
     ),
     "clip_lm_sgd": dict(model="lm", opt="sgd", wrap=lambda m: FSDP(m, auto_wrap_policy=BLOCK_POLICY), clip=0.5),
+    # Host offload (cpu_offload): master shards, gradients and optimizer state on the host. Run by
+    # test_offload in launches of their own (equivalence=False keeps them out of the session runs);
+    # check_host records after every step where the state lives (host_residency).
+    "offload_zero3_sgd": dict(model="mlp", opt="sgd", wrap=_nested(cpu_offload=True), check_freed=True,
+                              check_host=True, equivalence=False),
+    "offload_zero3_adamw": dict(model="mlp", opt="adamw", check_freed=True, check_host=True, equivalence=False,
+                                wrap=lambda m: _nested(cpu_offload=_torch_cpu_offload())(m)),
+    # hybrid 2x2 at ws 4 (gradient shards all-reduced across replicas before they go to the host)
+    "offload_hybrid_flat_no_sync_clip_adamw": dict(
+        model="mlp", opt="adamw", micro=2, clip=0.05, check_host=True, equivalence=False,
+        wrap=_strategy("HYBRID_SHARD", cpu_offload=True, flatten_parameters=True)),
+    # ZeRO-2 with activation checkpointing (on XLA torch_xla's reentrant checkpoint: nested backward passes)
+    "offload_remat_lm_zero2_sgd": dict(
+        model="lm", opt="sgd", check_host=True, check_kept=True, equivalence=False,
+        wrap=lambda m: FSDP(m, auto_wrap_policy=BLOCK_POLICY, cpu_offload=True, reshard_after_forward=False,
+                            auto_wrapper_callable=lambda mod, *a, **kw: FSDP(checkpoint_module(mod), *a, **kw))),
+    # bf16 master shards on the host (param_storage_dtype): follows bf16 numerics, not the fp32 run.
+    "offload_bf16_storage_adamw": dict(model="mlp", opt="adamw", check_host=True, equivalence=False,
+                                       wrap=_nested(cpu_offload=True, param_storage_dtype=torch.bfloat16)),
 }
+#: the host-offload configurations (test_offload)
+OFFLOAD = [n for n in CONFIGS if n.startswith("offload_")]
 NO_SYNC_MICRO = 2
 
 
@@ -278,7 +304,7 @@ def train_sharded(name: str, rank: int, device: torch.device, sync: Callable[[],
         xla_fsdp.load_sharded_checkpoint(wrapped, opt, load_prefix)
     elif save_prefix:
         xla_fsdp.save_sharded_checkpoint(wrapped, opt, save_prefix + "_init")
-    losses, freed, norms = [], [], []
+    losses, freed, norms, residency = [], [], [], []
     seen = _record_params_seen(wrapped) if cfg.get("check_freed") else []
     for step in range(start, start + steps):
         opt.zero_grad()
@@ -306,6 +332,8 @@ def train_sharded(name: str, rank: int, device: torch.device, sync: Callable[[],
         opt.step()
         sync()
         losses.append(step_loss)
+        if cfg.get("check_host"):
+            residency.append(host_residency(wrapped, opt, barrier))
     norms = [float(n.item()) for n in norms]
     if save_prefix:
         xla_fsdp.save_sharded_checkpoint(wrapped, opt, save_prefix)
@@ -321,9 +349,45 @@ def train_sharded(name: str, rank: int, device: torch.device, sync: Callable[[],
         "metadata": wrapped.get_shard_metadata(),
         "state_bytes": state_bytes(wrapped, opt),
         "freed_after_forward": freed,
+        "residency": residency,
+        "grad_state_dict": _grad_state_dict(wrapped) if cfg.get("check_host") else None,
         "collective_split": _collective_split(wrapped),
     })
     return result
+
+
+def _grad_state_dict(root: FSDP) -> Dict[str, torch.Tensor]:
+    """The sharded state dict with every shard replaced by its gradient: consolidates to full gradients."""
+    grads = {n: p.grad for n, p in root.named_parameters() if p.grad is not None}
+    return {k: grads.get(k, v).detach().cpu().clone() for k, v in root.state_dict().items()}
+
+
+def host_residency(root: FSDP, opt: torch.optim.Optimizer, barrier: Callable[[], None]) -> Dict[str, Any]:
+    """Where a host-offloading model's state is between steps: the device types of its parameters,
+    their gradients and the optimizer state, how many parameters have a gradient, how many groups
+    still hold gathered parameters or device copies of shards, and (XLA) the number of graphs
+    compiled so far, read once every rank has ended the step."""
+    params = list(root.parameters())
+    state = [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    units = [u for u in root.modules() if isinstance(u, FSDP)]
+    groups = [g for u in units for g in u._groups]
+    barrier()
+    compiles = None
+    if root.comms.name == "xla":
+        import torch_xla.debug.metrics as met
+        compiles = (met.metric_data("CompileTime") or [0])[0]
+    return {
+        "params": sorted({p.device.type for p in params}), "dtypes": sorted({str(p.dtype) for p in params}),
+        "grads": sorted({p.grad.device.type for p in params if p.grad is not None}),
+        "grad_dtypes": sorted({str(p.grad.dtype) for p in params if p.grad is not None}),
+        "with_grad": sum(p.grad is not None for p in params), "trainable": sum(p.requires_grad for p in params),
+        "optimizer": sorted({t.device.type for t in state}), "optimizer_tensors": len(state),
+        "gathered": sum(g.comms.is_allocated(g.full) for g in groups),
+        "device_copies": sum(g._staged is not None for g in groups)
+        + sum(len(u._offload._waiting) for u in units if u._offload is not None),
+        "offloading_units": sum(u.cpu_offload for u in units), "units": len(units),
+        "compiles": compiles,
+    }
 
 
 def _collective_split(root: FSDP) -> List[Tuple[int, int]]:
@@ -410,7 +474,8 @@ def train_reference(name: str, world_size: int, init_state: Optional[dict] = Non
         opt.step()
         losses.append(step_loss)
     ideal = sum(p.numel() * 4 for p in model.parameters())
-    return {"losses": losses, "norms": norms, "state_dict": model.state_dict(), "param_bytes": ideal}
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return {"losses": losses, "norms": norms, "state_dict": model.state_dict(), "param_bytes": ideal, "grads": grads}
 
 
 # ----------------------------------------------------------------------------- gloo transport

@@ -125,13 +125,34 @@ def test_no_prefetch_policy_turns_prefetching_off(gloo):
     assert not settings.wrap(BertModel()).prefetch
 
 
+@pytest.mark.parametrize("value", [True, "true", "True"])
+def test_offload_params_maps_to_cpu_offload(gloo, value):
+    """fsdp_offload_params: true (a YAML bool, or Accelerate's environment string) wraps with
+    cpu_offload=True, passed on to every auto-wrapped unit: shards, gradients and optimizer state on
+    the host (the training itself is checked against unsharded training in test_offload)."""
+    model = BertModel()
+    settings = from_accelerate({"fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "fsdp_offload_params": value,
+                                "fsdp_transformer_layer_cls_to_wrap": "BertLayer"}, model)
+    assert settings.kwargs["cpu_offload"] is True
+    wrapped = settings.wrap(model)
+    units = [m for m in wrapped.modules() if isinstance(m, FSDP)]
+    assert len(units) == 4 and all(u.cpu_offload for u in units)
+    wrapped(torch.randint(0, 50, (2, 8))).sum().backward()
+    assert all(p.device.type == "cpu" and p.grad is not None for p in wrapped.parameters())
+    assert from_accelerate({"fsdp_offload_params": "false"}, BertModel()).kwargs["cpu_offload"] is False
+    both = {"fsdp_offload_params": True, "xla_fsdp_settings": {"cpu_offload": True}}
+    assert from_accelerate(both, BertModel()).kwargs["cpu_offload"] is True  # saying it twice agrees
+
+
 @pytest.mark.parametrize("cfg, message", [
     ({"fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "fsdp_transformer_layer_cls_to_wrap": "BertLayr"},
      r"'BertLayr', which is no module class of this model. Did you mean \['BertLayer'\]"),
     ({"fsdp_sharding_stratgy": 1}, r"unknown FSDP config keys \['sharding_stratgy'\].*sharding_strategy"),
     ({"fsdp_sharding_strategy": 9}, "unknown sharding_strategy 9"),
     ({"fsdp_state_dict_type": "HALF_STATE_DICT"}, "fsdp_state_dict_type 'HALF_STATE_DICT' is not one of"),
-    ({"fsdp_offload_params": True}, "offload_params=true is not supported"),
+    ({"fsdp_offload_params": "sometimes"}, "fsdp_offload_params is true or false, got 'sometimes'"),
+    ({"fsdp_offload_params": True, "xla_fsdp_settings": {"cpu_offload": False}},
+     "fsdp_offload_params=true contradicts xla_fsdp_settings cpu_offload=False"),
     ({"xla_fsdp_settings": {"flatten_params": True}}, r"unknown keyword 'flatten_params'.*flatten_parameters"),
     ({"xla_fsdp_v2": True}, "SPMD FSDPv2"),
     ({"xla_fsdp_grad_ckpt": True}, "set an fsdp_auto_wrap_policy too"),

@@ -26,6 +26,7 @@ from .unit import construction, param_names, tied
 from .unit.backward import GradientReduction
 from .unit.base import ShardedUnit
 from .unit.module_view import torch_xla_view
+from .unit.offload import HostOffload, barrier_sources, offload_requested, shards_held_back
 from .unit.options import UnitOptions
 from .unit.param_group import SOLO_NUMEL, ParamGroup, ReduceInFlight, start_unshard
 from .unit.param_names import SHARD_PREFIX, SHARD_SEPARATOR, WRAPPED, flat_parts
@@ -95,6 +96,13 @@ class XlaFullyShardedDataParallel(GradientReduction, ShardedUnit):
         process_group / device_mesh: PyTorch FSDP's ways to give the groups (torch.distributed):
             one group or a 1-D mesh spanning every rank; ``(shard_group, replicate_group)`` or a
             2-D ``(replicate, shard)`` mesh with a hybrid strategy. Read as ``sharding_groups``.
+        cpu_offload: ``True``, PyTorch's ``CPUOffload(offload_params=True)`` or FSDP2's ``CPUOffloadPolicy()``:
+            master shards, their gradients and so the optimizer state live in host memory (pinned on
+            CUDA; ``optimizer.step()`` runs on the host); gathers copy shards to the device, gradient
+            shards come back after the reduce-scatter (see :mod:`xla_fsdp.unit.offload`).
+        param_storage_dtype: master shard dtype: float32 (default) or bfloat16 (half the memory for
+            parameters, gradients and optimizer state; the optimizer steps bf16 weights). Default
+            of ``compute_dtype`` and ``buffer_dtype``.
         output_dtype: cast floating outputs of this unit to this dtype (e.g. float32 logits for
             the loss while computing in bfloat16). Not passed on to auto-wrapped children.
         flatten_group_fn: ``fn(name, param) -> key`` (name relative to this unit's module): with
@@ -168,6 +176,8 @@ class XlaFullyShardedDataParallel(GradientReduction, ShardedUnit):
         _solo_collective_numel: int = SOLO_NUMEL,
         process_group: Optional[Any] = None,
         device_mesh: Optional[Any] = None,
+        cpu_offload: Any = False,
+        param_storage_dtype: Optional[torch.dtype] = None,
     ):
         keywords = {k: v for k, v in locals().items() if k not in ("self", "module", "__class__")}
         resolve_torch_group_keywords(keywords)
@@ -205,8 +215,11 @@ class XlaFullyShardedDataParallel(GradientReduction, ShardedUnit):
         self.optimization_barrier_in_backward = options.optimization_barrier_in_backward
         self.sync_on_finalization = options.sync_on_finalization
         self.disable_reshard_on_root = options.disable_reshard_on_root
-        self.compute_dtype = options.compute_dtype or torch.float32
-        self.buffer_dtype = options.buffer_dtype or options.compute_dtype
+        self.param_storage_dtype = options.param_storage_dtype or torch.float32
+        self.compute_dtype = options.compute_dtype or self.param_storage_dtype
+        self.buffer_dtype = options.buffer_dtype or options.compute_dtype or options.param_storage_dtype
+        self.cpu_offload, pin_memory = offload_requested(options.cpu_offload)
+        self._offload = HostOffload(self.comms.device, pin_memory) if self.cpu_offload else None
         self.fp32_reduce_scatter = options.fp32_reduce_scatter
         self.prefetch = options.prefetch and self.comms.overlaps
         self.sharding_groups = options.sharding_groups
@@ -228,7 +241,8 @@ class XlaFullyShardedDataParallel(GradientReduction, ShardedUnit):
         if options._use_xla_patched_linear and self.comms.name == "xla":
             from .unit.patched_linear import patch_linear_layers
             patch_linear_layers(module)
-        refs, self._tied_slots_left = construction.collect_params(module, tied.escaping(module))
+        refs, self._tied_slots_left = construction.collect_params(module, tied.escaping(module),
+                                                                  self.param_storage_dtype)
         self._fsdp_wrapped_module = module
         self._module_view: Optional[nn.Module] = None
         if getattr(module, "_xla_fsdp_checkpointed", False):
@@ -292,7 +306,8 @@ class XlaFullyShardedDataParallel(GradientReduction, ShardedUnit):
         for i, (part, flat_name) in enumerate(zip(parts, names)):
             group = ParamGroup(part, self.comms, flat=self.flatten_parameters,
                                dim0=self._shard_param_on_dim_0, pad_multiple=self._shard_size_multiple,
-                               compute_dtype=self.compute_dtype, channel=channel + ParamGroup.CHANNELS * i)
+                               compute_dtype=self.compute_dtype, channel=channel + ParamGroup.CHANNELS * i,
+                               offload=self._offload, storage_dtype=self.param_storage_dtype)
             group.flat_name = flat_name
             groups.append(group)
         return groups
@@ -339,7 +354,8 @@ class XlaFullyShardedDataParallel(GradientReduction, ShardedUnit):
     def extra_repr(self) -> str:
         return (f"world_size={self.world_size}, rank={self.rank}, transport={self.comms.name}, "
                 f"flatten_parameters={self.flatten_parameters}, "
-                f"reshard_after_forward={self.reshard_after_forward}, compute_dtype={self.compute_dtype}")
+                f"reshard_after_forward={self.reshard_after_forward}, compute_dtype={self.compute_dtype}"
+                + (", cpu_offload=True" if self.cpu_offload else ""))
 
     # ------------------------------------------------------------------ lazy root set-up
     def _lazy_init(self) -> None:
@@ -394,7 +410,7 @@ class XlaFullyShardedDataParallel(GradientReduction, ShardedUnit):
             cast = lambda t: t.to(self.compute_dtype) if t.is_floating_point() else t
             args, kwargs = tree_map_only(torch.Tensor, cast, args), tree_map_only(torch.Tensor, cast, kwargs)
         if self.optimization_barrier_in_forward:
-            self.comms.optimization_barrier([g.shard for g in self._groups])
+            self.comms.optimization_barrier(barrier_sources(self._offload, self._groups))
         if in_backward:
             self._unshard(backward=True)
         else:
@@ -472,6 +488,11 @@ class XlaFullyShardedDataParallel(GradientReduction, ShardedUnit):
     def _reshard(self) -> None:
         for group in self._groups:
             group.reshard()
+
+    def _apply(self, fn: Callable, recurse: bool = True) -> "XlaFullyShardedDataParallel":
+        """``.to(device)``, ``.cuda()``, ``.float()``: buffers and nested units move; host-offloaded shards stay."""
+        with shards_held_back(self):
+            return super()._apply(fn, recurse)
 
     # ------------------------------------------------------------------ public methods
     @contextlib.contextmanager

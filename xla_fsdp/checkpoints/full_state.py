@@ -29,7 +29,8 @@ def full_state_dict(model, rank0_only: bool = True) -> Optional[Dict[str, torch.
     gathered = {}
     for key in metadata["layout"]:
         shard = params[key].detach()
-        gathered[key] = comms.all_gather(shard.reshape((-1,) + tuple(shard.shape[1:])), model._aux_channel)
+        shard = shard.reshape((-1,) + tuple(shard.shape[1:])).to(comms.device)  # host-offloaded: to the device
+        gathered[key] = comms.all_gather(shard, model._aux_channel)
         comms.sync()  # one control channel: one collective per executed graph
     if rank0_only and model.rank != 0:
         return None
@@ -90,7 +91,7 @@ def full_optim_state_dict(model, optimizer, rank0_only: bool = True) -> Optional
         gathered[idx] = {}
         for f, v in st.items():
             if isinstance(v, torch.Tensor) and list(v.shape) == list(entry["shard_shape"]):
-                v = comms.all_gather(v.reshape((-1,) + tuple(v.shape[1:])), model._aux_channel)
+                v = comms.all_gather(v.reshape((-1,) + tuple(v.shape[1:])).to(comms.device), model._aux_channel)
                 comms.sync()
             gathered[idx][f] = v
     if rank0_only and model.rank != 0:

@@ -83,9 +83,11 @@ class Collectives(abc.ABC):
         make ``full`` hold ``unpad(buffer)``."""
 
     def start_gather_into(self, full: torch.Tensor, shard: torch.Tensor, channel: int,
-                          padded_shape: Tuple[int, ...],
-                          unpad: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[], object]:
-        """Begin :meth:`gather_into`; ``full`` may be read only after the returned function ran."""
+                          padded_shape: Tuple[int, ...], unpad: Callable[[torch.Tensor], torch.Tensor],
+                          alias_ok: bool = True) -> Callable[[], object]:
+        """Begin :meth:`gather_into`; ``full`` may be read only after the returned function ran.
+        ``alias_ok``: ``shard`` is the persistent master, which ``full`` may share storage with at
+        one rank; False for a transient copy (host offload), which ``full`` must copy."""
         self.gather_into(full, shard, channel, padded_shape, unpad)
         return lambda: None
 

@@ -124,9 +124,9 @@ class TorchDistCollectives(Collectives):
         self.start_gather_into(full, shard, channel, padded_shape, unpad)()
 
     def start_gather_into(self, full: torch.Tensor, shard: torch.Tensor, channel: int,
-                          padded_shape: Tuple[int, ...],
-                          unpad: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[], object]:
-        if self.world_size == 1 and shard.dtype == full.dtype:
+                          padded_shape: Tuple[int, ...], unpad: Callable[[torch.Tensor], torch.Tensor],
+                          alias_ok: bool = True) -> Callable[[], object]:
+        if self.world_size == 1 and shard.dtype == full.dtype and alias_ok:
             # One rank, no cast (NO_SHARD, world size 1): the full parameter *is* the shard's storage,
             # so there is no copy and no second copy in memory; the optimizer's in-place updates
             # of the shard show through.

@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 
 from ..strategy import parse_strategy
+from ..unit.offload import offload_requested
 
 STATE_DICT_TYPES = ("FULL_STATE_DICT", "SHARDED_STATE_DICT", "LOCAL_STATE_DICT")
 AUTO_WRAP_POLICIES = ("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP")
@@ -107,7 +108,8 @@ def _xla_settings(settings: Mapping[str, Any]) -> Dict[str, Any]:
             close = difflib.get_close_matches(key, allowed, n=3)
             raise ValueError(f"xla_fsdp: xla_fsdp_settings has unknown keyword '{key}'"
                              + (f"; did you mean {close}?" if close else ""))
-        out[key] = _dtype(value) if key in ("compute_dtype", "buffer_dtype", "output_dtype") else value
+        out[key] = _dtype(value) if key in ("compute_dtype", "buffer_dtype", "output_dtype",
+                                             "param_storage_dtype") else value
     return out
 
 
@@ -116,8 +118,9 @@ def from_accelerate(cfg: Union[str, os.PathLike, Mapping[str, Any]], model: nn.M
 
     Maps ``fsdp_auto_wrap_policy`` (TRANSFORMER_BASED_WRAP with ``fsdp_transformer_layer_cls_to_wrap``
     class names, SIZE_BASED_WRAP with ``fsdp_min_num_params``, NO_WRAP), ``fsdp_sharding_strategy``
-    (1-5 or names), ``fsdp_state_dict_type``, ``xla_fsdp_settings`` (this wrapper's keywords, dtypes
-    as strings allowed) and ``xla_fsdp_grad_ckpt`` (rematerialize every auto-wrapped unit).
+    (1-5 or names), ``fsdp_state_dict_type``, ``fsdp_offload_params`` (``cpu_offload``),
+    ``xla_fsdp_settings`` (this wrapper's keywords, dtypes as strings allowed) and
+    ``xla_fsdp_grad_ckpt`` (rematerialize every auto-wrapped unit).
     """
     from ..remat import checkpoint_module
     from ..fully_sharded_data_parallel import XlaFullyShardedDataParallel
@@ -129,10 +132,6 @@ def from_accelerate(cfg: Union[str, os.PathLike, Mapping[str, Any]], model: nn.M
         hints = {k: difflib.get_close_matches(k, KNOWN, n=1) for k in unknown}
         raise ValueError(f"xla_fsdp: unknown FSDP config keys {unknown} (closest known: {hints}); "
                          f"known keys: {sorted(KNOWN)}")
-    if raw.get("offload_params"):
-        raise ValueError("xla_fsdp: fsdp_offload_params=true is not supported (parameters live on the "
-                         "XLA device); set it to false")
-
     if raw.get("xla_fsdp_v2"):
         raise ValueError("xla_fsdp: xla_fsdp_v2=true asks for torch_xla's SPMD FSDPv2, a different "
                          "wrapper; remove it to use xla_fsdp")
@@ -164,7 +163,17 @@ def from_accelerate(cfg: Union[str, os.PathLike, Mapping[str, Any]], model: nn.M
             if policy_name not in PREFETCH_POLICIES:
                 raise ValueError(f"xla_fsdp: fsdp_{key} '{raw[key]}' is not one of {PREFETCH_POLICIES}")
             kwargs["prefetch"] = policy_name != "NO_PREFETCH"
-    kwargs.update(_xla_settings(raw.get("xla_fsdp_settings") or {}))
+    settings = _xla_settings(raw.get("xla_fsdp_settings") or {})
+    if "offload_params" in raw:  # master parameters, gradients and optimizer state in host memory
+        offload = str(raw["offload_params"]).lower()  # a YAML bool, or Accelerate's environment form "true"
+        if offload not in ("true", "false"):
+            raise ValueError(f"xla_fsdp: fsdp_offload_params is true or false, got {raw['offload_params']!r}")
+        offload = offload == "true"
+        if "cpu_offload" in settings and offload_requested(settings["cpu_offload"])[0] != offload:
+            raise ValueError(f"xla_fsdp: fsdp_offload_params={str(offload).lower()} contradicts xla_fsdp_settings "
+                             f"cpu_offload={settings['cpu_offload']!r}; set one of them")
+        kwargs["cpu_offload"] = offload
+    kwargs.update(settings)
     if raw.get("xla_fsdp_grad_ckpt"):
         if "auto_wrap_policy" not in kwargs:
             raise ValueError("xla_fsdp: xla_fsdp_grad_ckpt rematerializes auto-wrapped units; set an "

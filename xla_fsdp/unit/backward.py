@@ -9,6 +9,7 @@ import torch
 from torch.autograd import Variable
 from torch.utils._pytree import tree_map_only
 
+from .offload import barrier_sources, land_gradients
 from .param_group import ParamGroup, start_reduce
 from .schedule import TrainingState
 from .gradient_usage import GradientPlan, reachable_edges, used_members
@@ -126,7 +127,7 @@ class GradientReduction:
         if self.optimization_barrier_in_backward:
             # Make the re-gather depend on the incoming gradient, so XLA does not hoist every
             # unit's gather to the start of backward.
-            self.comms.optimization_barrier([g.shard for g in self._groups] + [grad])
+            self.comms.optimization_barrier(barrier_sources(self._offload, self._groups) + [grad])
         previous = self._prefetch_target(-1)
         if previous is not None and previous._pre_backward_done:
             previous = None  # its backward already ran (the root's, first): nothing left to gather for
@@ -216,5 +217,8 @@ class GradientReduction:
                 unit._reshard()
             unit._pre_backward_done = False
             unit.training_state = TrainingState.IDLE
+        # Host offload: gradient shards reach their host .grad (after the full parameters are freed:
+        # on XLA this runs the step, and a live full parameter would be one more output of it).
+        land_gradients([u._offload for u in self._units_in_tree if u._offload is not None], self.comms.sync)
         if self.sync_on_finalization:
             self.comms.sync()

@@ -71,11 +71,12 @@ def materialize_meta(module: nn.Module, param_init_fn: Optional[Callable[[nn.Mod
                            f"{still_meta[:5]}; make param_init_fn materialize them (e.g. to_empty + init).")
 
 
-def collect_params(module: nn.Module, leave: Set[int] = frozenset()
+def collect_params(module: nn.Module, leave: Set[int] = frozenset(), storage_dtype: torch.dtype = torch.float32
                    ) -> Tuple[List[ParamRef], List[LeftSlot]]:
     """The parameters this unit owns, each once, with all the places that refer to it; and the
     places of the parameters it leaves to an enclosing unit (ids in ``leave``: tied to modules
-    outside, see tied.py). Places that nested units left are owned here unless they escape too."""
+    outside, see tied.py). Places that nested units left are owned here unless they escape too.
+    Parameters must be float32, or already in ``storage_dtype`` (``param_storage_dtype``)."""
     refs: "OrderedDict[int, ParamRef]" = OrderedDict()
     left: List[LeftSlot] = []
 
@@ -84,7 +85,7 @@ def collect_params(module: nn.Module, leave: Set[int] = frozenset()
             refs[id(p)].slots.append((m, name))
             refs[id(p)].aliases.append(fqn)
             return
-        _check_shardable(p, fqn)
+        _check_shardable(p, fqn, storage_dtype)
         refs[id(p)] = ParamRef(p, fqn, [(m, name)], [])
 
     for prefix, m in owned_modules(module):
@@ -126,7 +127,7 @@ def nested_units(module: nn.Module):
                 yield f"{prefix}{name}.", child
 
 
-def _check_shardable(p: nn.Parameter, fqn: str) -> None:
+def _check_shardable(p: nn.Parameter, fqn: str, storage_dtype: torch.dtype = torch.float32) -> None:
     if getattr(p, "_xla_fsdp_sharded", False):
         raise RuntimeError(
             f"xla_fsdp: parameter '{fqn}' is shared with another FSDP unit. Tied parameters must live "
@@ -136,11 +137,12 @@ def _check_shardable(p: nn.Parameter, fqn: str) -> None:
         raise TypeError(
             f"xla_fsdp: parameter '{fqn}' has dtype {p.dtype}; only float32 parameters can "
             "be sharded. Register non-trainable integer tensors as buffers instead.")
-    if p.dtype != torch.float32:
+    if p.dtype not in (torch.float32, storage_dtype):
         raise TypeError(
             f"xla_fsdp: parameter '{fqn}' is {p.dtype}; only float32 parameters are "
             "supported (they are the master copy). Call module.float() before wrapping "
-            "and use compute_dtype=torch.bfloat16 for low-precision compute.")
+            "and use compute_dtype=torch.bfloat16 for low-precision compute (or keep bf16 master "
+            "parameters with param_storage_dtype=torch.bfloat16).")
 
 
 def cast_buffers(module: nn.Module, buffer_dtype: Optional[torch.dtype], module_prefix: str) -> Dict[str, torch.dtype]:

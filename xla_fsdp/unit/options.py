@@ -8,6 +8,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 import torch.nn as nn
 
+from .offload import check_storage_dtype, offload_requested
 from .param_group import SOLO_NUMEL
 
 _FLOAT_DTYPES = (None, torch.float32, torch.float16, torch.bfloat16)
@@ -47,12 +48,16 @@ class UnitOptions:
     output_dtype: Optional[torch.dtype] = None
     flatten_group_fn: Optional[Callable[[str, nn.Parameter], Any]] = None
     prefetch: bool = True
+    cpu_offload: Any = False
+    param_storage_dtype: Optional[torch.dtype] = None
 
     def __post_init__(self) -> None:
         if self.compute_dtype not in _FLOAT_DTYPES:
             raise ValueError(f"compute_dtype must be float32, float16 or bfloat16, got {self.compute_dtype}")
         if self.output_dtype not in _FLOAT_DTYPES:
             raise ValueError(f"output_dtype must be float32, float16 or bfloat16, got {self.output_dtype}")
+        offload_requested(self.cpu_offload)  # raises on a value of the wrong type
+        check_storage_dtype(self.param_storage_dtype)
         given = [x is None for x in (self.sharding_groups, self.sharding_rank, self.sharding_world_size)]
         if self.sharding_strategy is None and len(set(given)) > 1:
             raise ValueError("sharding_groups, sharding_rank and sharding_world_size go together: "

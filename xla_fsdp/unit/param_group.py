@@ -16,6 +16,7 @@ import torch.nn as nn
 
 from ..collectives import Collectives
 from .gradient_usage import Edge, tensor_edge
+from .offload import HostOffload
 from ..sharding import Dim0Layout, FlatLayout, flatten_and_pad, pad_dim0, shard_of
 
 
@@ -40,7 +41,8 @@ class ParamGroup:
     CHANNELS = 4  # forward gather, backward gather, reduce-scatter, replica all-reduce
 
     def __init__(self, refs: List[ParamRef], comms: Collectives, *, flat: bool, dim0: bool,
-                 pad_multiple: int, compute_dtype: torch.dtype, channel: int):
+                 pad_multiple: int, compute_dtype: torch.dtype, channel: int,
+                 offload: Optional[HostOffload] = None, storage_dtype: torch.dtype = torch.float32):
         if dim0 and (flat or len(refs) != 1):
             raise ValueError("dim-0 sharding applies to one unflattened parameter at a time")
         self.refs = refs
@@ -48,6 +50,9 @@ class ParamGroup:
         self.flat = flat
         self.dim0 = dim0
         self.compute_dtype = compute_dtype
+        #: with host offload (see offload.py) ``shard`` lives on the host and is copied to the device to gather
+        self.offload = offload
+        self._staged: Optional[Tuple[int, torch.Tensor]] = None  # (shard version, device copy) for a barrier
         (self.channel_forward, self.channel_backward, self.channel_reduce,
          self.channel_replicas) = range(channel, channel + self.CHANNELS)
         self.requires_grad = refs[0].param.requires_grad
@@ -65,8 +70,12 @@ class ParamGroup:
             padded = flatten_and_pad(sources, self.layout)
             self.padded_shape = (self.layout.padded_numel,)
             self.full_shape = self.padded_shape if flat else tuple(sources[0].shape)
-        shard = shard_of(padded, rank, ws).detach().clone().to(torch.float32)
-        self.shard = nn.Parameter(shard.to(comms.device), requires_grad=self.requires_grad)
+        shard = shard_of(padded, rank, ws).detach()
+        if offload is not None:
+            shard = offload.host_shard(shard, storage_dtype)
+        else:
+            shard = shard.clone().to(storage_dtype).to(comms.device)
+        self.shard = nn.Parameter(shard, requires_grad=self.requires_grad)
         # Its gradient is reduced here: torch_xla's all-reduce of every gradient (xm.optimizer_step,
         # Accelerate's XLA path) must leave it out (see collectives/xla_gradients.py).
         self.shard._xla_fsdp_reduced = True
@@ -129,13 +138,29 @@ class ParamGroup:
         forward, whose parameter tensors autograd saved (see :meth:`install`)."""
         channel = self.channel_backward if backward else self.channel_forward
         version = self.shard._version
-        wait = self.comms.start_gather_into(self.full, self.shard, channel, self.padded_shape, self._unpad)
+        wait = self.comms.start_gather_into(self.full, self.gather_source(), channel, self.padded_shape, self._unpad,
+                                            alias_ok=self.offload is None)
 
         def finish() -> None:
             wait()
             self.mark_unsharded(version)
             self.install(refill_saved)
         return finish
+
+    def gather_source(self) -> torch.Tensor:
+        """What the all-gather reads: the shard, or with offload a device copy of it (the one staged
+        for a barrier if the shard has not changed since)."""
+        if self.offload is None:
+            return self.shard
+        staged, self._staged = self._staged, None
+        if staged is not None and staged[0] == self.shard._version:
+            return staged[1]
+        return self.offload.to_device(self.shard, self.compute_dtype)
+
+    def stage_device_copy(self) -> torch.Tensor:
+        """Offload: make the device copy the next gather reads now, so a barrier can cover it."""
+        self._staged = (self.shard._version, self.offload.to_device(self.shard, self.compute_dtype))
+        return self._staged[1]
 
     def mark_unsharded(self, shard_version: int) -> None:
         """``full`` now holds the data of the shard as it was at ``shard_version``."""
@@ -229,17 +254,21 @@ class ParamGroup:
         return padded
 
     def finish_grad(self, reduced: torch.Tensor, post_divide: float) -> torch.Tensor:
-        """This rank's reduced block as an fp32 shard gradient."""
+        """This rank's reduced block as a shard gradient (divided in fp32, then in the shard's dtype)."""
         if reduced.dtype != torch.float32:
             reduced = reduced.to(torch.float32)
         if post_divide != 1:
             reduced.div_(post_divide)
+        if reduced.dtype != self.shard.dtype:  # param_storage_dtype=bfloat16
+            reduced = reduced.to(self.shard.dtype)
         if reduced.shape == self.shard.shape:
             return reduced  # not a view: on XLA a live view and its live base are two graph outputs
         return reduced.view(self.shard.shape)
 
     def accumulate_shard_grad(self, reduced: torch.Tensor) -> None:
-        if self.shard.grad is None:
+        if self.offload is not None:
+            self.offload.add_grad(self.shard, reduced)  # to the host (at the end of backward on XLA)
+        elif self.shard.grad is None:
             self.shard.grad = reduced
         else:
             self.shard.grad += reduced
@@ -306,7 +335,7 @@ def start_unshard(groups: List[ParamGroup], backward: bool = False, refill_saved
 
 def _start_shared_unshard(groups: List[ParamGroup], backward: bool, refill_saved: bool) -> Callable[[], None]:
     comms = groups[0].comms
-    shards = [g.shard.detach().reshape(-1).to(g.compute_dtype) for g in groups]
+    shards = [g.gather_source().detach().reshape(-1).to(g.compute_dtype) for g in groups]
     channel = groups[0].channel_backward if backward else groups[0].channel_forward
     versions = [g.shard._version for g in groups]
     wait = comms.start_all_gather(torch.cat(shards), channel)
