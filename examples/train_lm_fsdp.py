@@ -181,6 +181,8 @@ def parse_args(argv=None):
     p.add_argument("--warmup_steps", type=int, default=10)
     p.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto",
                    help="bf16 compute (fp32 master weights and reductions): default on TPU, fp32 elsewhere")
+    p.add_argument("--cpu_offload", action="store_true",
+                   help="keep master weights, gradients and AdamW state in host memory; the step runs there")
     p.add_argument("--sharding_strategy", default="FULL_SHARD",
                    choices=["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2"],
                    help="HYBRID_*: shard within a node, replicate across nodes")
@@ -220,7 +222,8 @@ def train(ctx, args):
     n_params = sum(p.numel() for p in model.parameters())
     model = FSDP(model, auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block}),
                  sharding_strategy=ShardingStrategy[args.sharding_strategy],
-                 compute_dtype=torch.bfloat16 if bf16 else None, transport=ctx.transport)
+                 compute_dtype=torch.bfloat16 if bf16 else None, cpu_offload=args.cpu_offload,
+                 transport=ctx.transport)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(
         warmup_cosine, warmup=args.warmup_steps, total=args.num_steps))
@@ -266,7 +269,8 @@ def train(ctx, args):
     score = eval_loss(model, eval_data, args.eval_windows, ctx.device) if end == args.num_steps else float("nan")
     state_mib = sum(state_bytes(model, optimizer).values()) / 2 ** 20
     ctx.log(f"SUMMARY example=lm model_size={args.model_size} params={n_params} world_size={ctx.world_size} "
-            f"strategy={args.sharding_strategy} precision={'bf16' if bf16 else 'fp32'} start_step={start} "
+            f"strategy={args.sharding_strategy} precision={'bf16' if bf16 else 'fp32'} cpu_offload={args.cpu_offload} "
+            f"start_step={start} "
             f"end_step={end} tokens/s={tokens_per_s:.0f} final_loss={final:.6f} eval_loss={score:.6f} "
             f"rank_state_mib={state_mib:.2f} peak_rss_mib={peak_rss_mib():.0f}")
 

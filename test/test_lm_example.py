@@ -3,7 +3,7 @@ torchrun agents of 2 gloo ranks each (a c10d rendezvous on this machine's loopba
 every 20 steps and finish; the consolidated model, scored in one process without FSDP, gives the
 run's eval loss; a job that lost its last checkpoint resumes from the one before, at the same and
 at another world size, and ends with the uninterrupted run's loss. The XLA:CPU transport
-(torch_xla.launch) stops, resumes at another device count and matches the gloo run."""
+(torch_xla.launch) stops, resumes at another device count with host offload, and matches the gloo run."""
 import os
 import re
 import shlex
@@ -143,7 +143,7 @@ def test_a_job_that_lost_its_last_checkpoint_resumes_to_the_same_loss(workdir, u
     assert sorted(os.listdir(ckpt))[-1] == "step-000000060_rank-00000001-of-00000002.pth"  # the 4-rank set replaced
 
 
-def test_xla_devices_stop_and_resume_at_another_device_count(workdir):
+def test_xla_devices_stop_and_resume_at_another_device_count_with_host_offload(workdir):
     cwd, env = workdir
     out_dir = os.path.join(cwd, "xla")
     common = ["examples/train_lm_fsdp.py", "--num_steps", "20", "--ckpt_every", "10", "--out_dir", out_dir]
@@ -151,9 +151,11 @@ def test_xla_devices_stop_and_resume_at_another_device_count(workdir):
                         *common[:-1], out_dir + "-gloo"], cwd, env))
     first = summary(run([sys.executable, *common, "--stop_after_step", "13"], cwd, env, timeout=400))
     assert first["end_step"] == "13" and first["world_size"] == "2"
-    out = run([sys.executable, *common, "--resume", "auto", "--num_devices", "4"], cwd, env, timeout=400)
+    # resumed at 4 devices, with host offload this time (the checkpoint does not depend on where shards live)
+    out = run([sys.executable, *common, "--resume", "auto", "--num_devices", "4", "--cpu_offload"], cwd, env,
+              timeout=400)
     assert re.search(r"resumed from .*step-000000010 \(step 10, saved at world size 2, now 4\)", out)
     xla = summary(out)
-    assert xla["start_step"] == "10" and xla["world_size"] == "4"
+    assert xla["start_step"] == "10" and xla["world_size"] == "4" and xla["cpu_offload"] == "True"
     assert abs(float(xla["final_loss"]) - float(gloo["final_loss"])) <= TOL
     assert abs(float(xla["eval_loss"]) - float(gloo["eval_loss"])) <= TOL
