@@ -20,6 +20,7 @@ import glob
 import math
 import os
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
@@ -144,7 +145,21 @@ class TokenWindows:
         return torch.from_numpy(np.stack([self.sample(first + j) for j in range(size)]).astype(np.int64))
 
 
+_DATA_LOCK = threading.Lock()
+_DATA = {}
+
+
 def split_data(args, cfg: GPTConfig):
+    """Training and held-out windows. XLA:CPU ranks are threads of one process: they read the text
+    once, one at a time (datasets' progress-bar bookkeeping is not thread-safe)."""
+    key = (tuple(args.data_files or ()), args.out_dir, cfg.seq_len, args.seed)
+    with _DATA_LOCK:
+        if key not in _DATA:
+            _DATA[key] = _read_and_split(args, cfg)
+        return _DATA[key]
+
+
+def _read_and_split(args, cfg: GPTConfig):
     files = sorted(f for pattern in args.data_files for f in glob.glob(pattern)) if args.data_files else [
         write_default_corpus(os.path.join(args.out_dir, "data"))]
     if not files:
@@ -236,10 +251,11 @@ def train(ctx, args):
             ctx.log(f"resumed from {resumed.prefix} (step {resumed.step}, saved at world size "
                     f"{resumed.saved_world_size}, now {ctx.world_size})")
     end = args.num_steps if args.stop_after_step is None else min(args.num_steps, args.stop_after_step)
-    bar = tqdm(range(start, end), initial=start, total=args.num_steps, disable=not ctx.is_master,
-               desc="train", file=sys.stderr, mininterval=1.0)
+    # a bar on the first rank only (the others' threads share tqdm's class-level bookkeeping)
+    bar = tqdm(range(start, end), initial=start, total=args.num_steps, desc="train", file=sys.stderr,
+               mininterval=1.0) if ctx.is_master else None
     timed_steps, t0, loss = 0, None, None
-    for step in bar:
+    for step in bar if bar is not None else range(start, end):
         first = samples_seen + ctx.rank * local_batch  # this rank's share of the global batch
         samples_seen += args.global_batch_size
         ids = train_data.batch(first, local_batch).to(ctx.device)
@@ -256,13 +272,15 @@ def train(ctx, args):
             timed_steps += 1
         if (step + 1) % args.log_every == 0 or step + 1 == end:
             mean = ctx.mean(loss.item())
-            bar.set_postfix(loss=f"{mean:.4f}")
+            if bar is not None:
+                bar.set_postfix(loss=f"{mean:.4f}")
             ctx.log(f"step {step + 1}: loss {mean:.6f}")
         if args.ckpt_every and ((step + 1) % args.ckpt_every == 0 or step + 1 == args.num_steps):
             xla_fsdp.save_training_checkpoint(model, optimizer, ckpt_dir, step + 1, lr_scheduler=schedule,
                                               data_state={"samples_seen": samples_seen},
                                               keep=args.keep)
-    bar.close()
+    if bar is not None:
+        bar.close()
     elapsed = time.perf_counter() - t0 if t0 is not None else float("nan")
     tokens_per_s = timed_steps * args.global_batch_size * cfg.seq_len / elapsed if timed_steps else float("nan")
     final = ctx.mean(loss.item()) if loss is not None else float("nan")
