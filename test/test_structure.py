@@ -86,7 +86,7 @@ def test_the_cycle_finder_finds_a_planted_cycle():
 LAYERS = [
     ("entry points", ["xla_fsdp", "xla_fsdp.cli", "xla_fsdp.compat", "xla_fsdp.integrations",
                       "xla_fsdp.consolidate_sharded_ckpts", "xla_fsdp.reshard", "xla_fsdp.convert",
-                      "xla_fsdp._moved_modules"]),
+                      "xla_fsdp._moved_modules", "xla_fsdp.spmd"]),
     ("public API", ["xla_fsdp.fully_sharded_data_parallel", "xla_fsdp.wrap", "xla_fsdp.remat", "xla_fsdp.strategy"]),
     ("checkpoints", ["xla_fsdp.checkpoints"]),
     ("unit life cycle", ["xla_fsdp.unit"]),
