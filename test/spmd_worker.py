@@ -34,13 +34,47 @@ def compiles() -> int:
     return 0 if data is None else int(data[0])
 
 
+def _class(**kw):
+    """The public class itself (the harness configs wrap with the per-device class, then annotate)."""
+    return lambda model: spmd.SpmdFullyShardedDataParallel(model, auto_wrap_policy=harness.BLOCK_POLICY, **kw)
+
+
+#: configs built with SpmdFullyShardedDataParallel: a transformer auto-wrapped by block, 1-D and hybrid
+CLASS_CONFIGS = {
+    "class_lm_adamw": {"model": "lm", "opt": "adamw", "build": lambda: _class()},
+    "class_zero2_lm_sgd": {"model": "lm", "opt": "sgd", "build": lambda: _class(sharding_strategy="SHARD_GRAD_OP")},
+    "class_hybrid_lm_adamw": {"model": "lm", "opt": "adamw", "build": lambda: _class(
+        mesh=spmd.make_mesh(replicas=2), sharding_strategy="HYBRID_SHARD")},
+}
+
+
+def refusals() -> dict:
+    """What the class says to settings it cannot honour."""
+    said = {}
+    for key, kw in {"no_shard": {"sharding_strategy": "NO_SHARD"},
+                    "hybrid_without_replicas": {"sharding_strategy": "HYBRID_SHARD"},
+                    "groups": {"sharding_groups": [[0]], "sharding_rank": 0, "sharding_world_size": 1}}.items():
+        try:
+            spmd.SpmdFullyShardedDataParallel(torch.nn.Linear(2, 2), **kw)
+            said[key] = None
+        except ValueError as e:
+            said[key] = str(e)
+    return said
+
+
 def run(name: str, save: str, load: str) -> dict:
-    cfg = harness.CONFIGS[name]
+    if name in CLASS_CONFIGS:
+        special = CLASS_CONFIGS[name]
+        cfg = {"model": special["model"], "opt": special["opt"], "wrap": special["build"]()}
+    else:
+        cfg = harness.CONFIGS[name]
     reference = models.make_model(cfg["model"])
     ref_opt = harness.make_optimizer(cfg["opt"], reference)
     # built on the CPU and moved by the wrapper: module.to(xla) before wrapping unties shared
     # parameters (torch gives each module its own converted Parameter)
-    wrapped = spmd.shard_over_mesh(cfg["wrap"](models.make_model(cfg["model"])), spmd.make_mesh())
+    wrapped = cfg["wrap"](models.make_model(cfg["model"]))
+    if not isinstance(wrapped, spmd.SpmdFullyShardedDataParallel):
+        spmd.shard_over_mesh(wrapped, spmd.make_mesh())
     opt = harness.make_optimizer(cfg["opt"], wrapped)
     device = torch_xla.device()
     result = {"loss": 0.0, "compiles": [], "norm": 0.0}
@@ -91,5 +125,7 @@ if __name__ == "__main__":
     save = sys.argv[sys.argv.index("--save") + 1] if "--save" in sys.argv else ""
     load = sys.argv[sys.argv.index("--load") + 1] if "--load" in sys.argv else ""
     results = {name: run(name, save, load) for name in names}
+    if "--refusals" in sys.argv:
+        results["refusals"] = refusals()
     with open(out, "w") as f:
         json.dump(results, f)

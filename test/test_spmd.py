@@ -37,17 +37,27 @@ def spmd(devices, names, out_dir, *extra):
     return json.load(open(out))
 
 
+CLASS = ["class_lm_adamw", "class_zero2_lm_sgd"]  # built by SpmdFullyShardedDataParallel itself
+
+
 @pytest.mark.parametrize("devices", [1, 2, 4])
 def test_spmd_mode_trains_like_unsharded_without_recompiling(devices, tmp_path):
-    results = spmd(devices, CONFIGS, str(tmp_path))
-    for name in CONFIGS:
+    names = CONFIGS + CLASS + (["class_hybrid_lm_adamw"] if devices == 4 else [])
+    results = spmd(devices, names, str(tmp_path), "--refusals")
+    for name in names:
         r = results[name]
         assert r["loss"] <= TOL and r["params"] <= TOL and r["norm"] <= TOL, (name, r)
         assert r["buffers"] <= BUFFER_TOL, (name, r)
         assert r["compiles"][2:] == [0, 0, 0], (name, r["compiles"])
-        if devices > 1:  # every master shard and every optimizer tensor split over the devices
+        if devices > 1 and "hybrid" not in name:  # every master shard and optimizer tensor split over the devices
             assert all(s.startswith(f"{{devices=[{devices}") for s in r["shardings"]), (name, r["shardings"])
             assert all(s.startswith(f"{{devices=[{devices}") for s in r["optimizer_shardings"]), (name, r)
+    if devices == 4:  # hybrid: split over 2 devices, copied along the replica axis
+        assert results["class_hybrid_lm_adamw"]["shardings"] == ["{devices=[2,2]0,2,1,3 last_tile_dim_replicate}"]
+    said = results["refusals"]
+    assert "NO_SHARD in SPMD mode is plain data parallel" in said["no_shard"]
+    assert "needs a mesh with a 'replica' axis" in said["hybrid_without_replicas"]
+    assert "sharding_groups= is for the per-device mode" in said["groups"]
 
 
 def _full(path):
