@@ -24,6 +24,7 @@ import torch_xla.debug.metrics as met  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402
+from xla_fsdp.integrations.accelerate_config import from_accelerate  # noqa: E402
 import models  # noqa: E402
 
 STEPS = 5
@@ -43,6 +44,9 @@ def _class(**kw):
 CLASS_CONFIGS = {
     "class_lm_adamw": {"model": "lm", "opt": "adamw", "build": lambda: _class()},
     "class_zero2_lm_sgd": {"model": "lm", "opt": "sgd", "build": lambda: _class(sharding_strategy="SHARD_GRAD_OP")},
+    "accelerate_v2_lm_adamw": {"model": "lm", "opt": "adamw", "build": lambda: lambda model: from_accelerate(
+        {"xla_fsdp_v2": True, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+         "fsdp_transformer_layer_cls_to_wrap": "Block"}, model).wrap(model)},
     "class_hybrid_lm_adamw": {"model": "lm", "opt": "adamw", "build": lambda: _class(
         mesh=spmd.make_mesh(replicas=2), sharding_strategy="HYBRID_SHARD")},
 }

@@ -154,13 +154,20 @@ def test_offload_params_maps_to_cpu_offload(gloo, value):
     ({"fsdp_offload_params": True, "xla_fsdp_settings": {"cpu_offload": False}},
      "fsdp_offload_params=true contradicts xla_fsdp_settings cpu_offload=False"),
     ({"xla_fsdp_settings": {"flatten_params": True}}, r"unknown keyword 'flatten_params'.*flatten_parameters"),
-    ({"xla_fsdp_v2": True}, "SPMD FSDPv2"),
     ({"xla_fsdp_grad_ckpt": True}, "set an fsdp_auto_wrap_policy too"),
     ({"fsdp_backward_prefetch": "BACKWARD_FIRST"}, "fsdp_backward_prefetch 'BACKWARD_FIRST' is not one of"),
 ])
 def test_bad_configs_name_the_problem(cfg, message):
     with pytest.raises(ValueError, match=message):
         from_accelerate(cfg, BertModel())
+
+
+def test_xla_fsdp_v2_selects_the_spmd_mode_which_needs_the_spmd_runtime():
+    settings = from_accelerate({"xla_fsdp_v2": True, "fsdp_sharding_strategy": "SHARD_GRAD_OP"}, BertModel())
+    assert settings.spmd and not from_accelerate({}, BertModel()).spmd
+    # test_spmd trains a model wrapped this way in an SPMD process; this process runs the per-device mode
+    with pytest.raises(RuntimeError, match=r"SPMD mode needs torch_xla's SPMD runtime: call xla_fsdp.spmd.enable"):
+        settings.wrap(BertModel())
 
 
 def test_missing_yaml_file_is_a_clear_error(tmp_path):

@@ -37,7 +37,8 @@ def spmd(devices, names, out_dir, *extra):
     return json.load(open(out))
 
 
-CLASS = ["class_lm_adamw", "class_zero2_lm_sgd"]  # built by SpmdFullyShardedDataParallel itself
+# built by SpmdFullyShardedDataParallel itself, and by an Accelerate config with xla_fsdp_v2: true
+CLASS = ["class_lm_adamw", "class_zero2_lm_sgd", "accelerate_v2_lm_adamw"]
 
 
 @pytest.mark.parametrize("devices", [1, 2, 4])

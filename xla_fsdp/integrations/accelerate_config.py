@@ -44,9 +44,14 @@ class FsdpSettings:
     kwargs: Dict[str, Any]
     state_dict_type: str = "SHARDED_STATE_DICT"
     no_effect: Dict[str, Any] = field(default_factory=dict)  # accepted keys that change nothing here
+    spmd: bool = False  # xla_fsdp_v2: the SPMD mode (one process per host, shards by annotation)
 
     def wrap(self, model: nn.Module):
-        """``XlaFullyShardedDataParallel(model, **kwargs)``."""
+        """``XlaFullyShardedDataParallel(model, **kwargs)``, or in SPMD mode
+        ``xla_fsdp.spmd.SpmdFullyShardedDataParallel(model, **kwargs)``."""
+        if self.spmd:
+            from ..spmd import SpmdFullyShardedDataParallel
+            return SpmdFullyShardedDataParallel(model, **self.kwargs)
         from ..fully_sharded_data_parallel import XlaFullyShardedDataParallel
         return XlaFullyShardedDataParallel(model, **self.kwargs)
 
@@ -120,7 +125,8 @@ def from_accelerate(cfg: Union[str, os.PathLike, Mapping[str, Any]], model: nn.M
     class names, SIZE_BASED_WRAP with ``fsdp_min_num_params``, NO_WRAP), ``fsdp_sharding_strategy``
     (1-5 or names), ``fsdp_state_dict_type``, ``fsdp_offload_params`` (``cpu_offload``),
     ``xla_fsdp_settings`` (this wrapper's keywords, dtypes as strings allowed) and
-    ``xla_fsdp_grad_ckpt`` (rematerialize every auto-wrapped unit).
+    ``xla_fsdp_grad_ckpt`` (rematerialize every auto-wrapped unit) and ``xla_fsdp_v2`` (the SPMD
+    mode: ``wrap`` builds ``xla_fsdp.spmd.SpmdFullyShardedDataParallel``).
     """
     from ..remat import checkpoint_module
     from ..fully_sharded_data_parallel import XlaFullyShardedDataParallel
@@ -132,9 +138,7 @@ def from_accelerate(cfg: Union[str, os.PathLike, Mapping[str, Any]], model: nn.M
         hints = {k: difflib.get_close_matches(k, KNOWN, n=1) for k in unknown}
         raise ValueError(f"xla_fsdp: unknown FSDP config keys {unknown} (closest known: {hints}); "
                          f"known keys: {sorted(KNOWN)}")
-    if raw.get("xla_fsdp_v2"):
-        raise ValueError("xla_fsdp: xla_fsdp_v2=true asks for torch_xla's SPMD FSDPv2, a different "
-                         "wrapper; remove it to use xla_fsdp")
+    spmd = str(raw.get("xla_fsdp_v2", False)).lower() == "true"  # a YAML bool or the environment's "true"
     kwargs: Dict[str, Any] = {}
     if "_mixed_precision" in raw:  # accelerate's top-level mixed_precision: bf16 | fp16
         kwargs["compute_dtype"] = torch.bfloat16 if raw["_mixed_precision"] == "bf16" else torch.float16
@@ -184,4 +188,4 @@ def from_accelerate(cfg: Union[str, os.PathLike, Mapping[str, Any]], model: nn.M
     if state_dict_type not in STATE_DICT_TYPES:
         raise ValueError(f"xla_fsdp: fsdp_state_dict_type '{state_dict_type}' is not one of {STATE_DICT_TYPES}")
     no_effect = {k: v for k, v in raw.items() if k in NO_EFFECT}
-    return FsdpSettings(kwargs, state_dict_type, no_effect)
+    return FsdpSettings(kwargs, state_dict_type, no_effect, spmd)
