@@ -43,7 +43,7 @@ class GPTConfig:
 
 MODEL_SIZES = {
     "tiny": GPTConfig(vocab_size=256, seq_len=64, d_model=64, n_layers=2, n_heads=4),
-    "150m": GPTConfig(vocab_size=50304, seq_len=1024, d_model=768, n_layers=16, n_heads=12),  # 152.7 M params
+    "150m": GPTConfig(vocab_size=50304, seq_len=1024, d_model=768, n_layers=16, n_heads=12),  # 152.8 M params
 }
 
 
