@@ -14,7 +14,7 @@ GLOO = ("unwrapped", "ddp", "fsdp1", "fsdp2", "xla_fsdp")
 XLA_THREADS = ("xla_plain", "torchxla_fsdp", "xla_fsdp_xla", "torchxla_fsdp_perparam", "xla_fsdp_xla_perparam")
 #: suffix of the XLA FSDP contenders run in the default per-parameter layout (flatten_parameters=False)
 PER_PARAM = "_perparam"
-SPMD = ("torchxla_spmd",)
+SPMD = ("torchxla_spmd", "xla_fsdp_spmd")  # one process for all devices
 ALL = GLOO + XLA_THREADS + SPMD
 
 # The XLA FSDP settings of the anchor runs, for torch_xla's class and ours alike: barriers off
@@ -75,15 +75,23 @@ def wrap_xla(name: str, model: nn.Module, w: Workload, device, flatten_parameter
     raise ValueError(name)
 
 
-def wrap_spmd(model: nn.Module, w: Workload, ws: int) -> Tuple[nn.Module, Callable]:
-    """torch_xla's SPMD FSDPv2 over a (ws, 1) mesh; returns the model and how to shard a batch."""
+def wrap_spmd(model: nn.Module, w: Workload, ws: int, name: str = "torchxla_spmd") -> Tuple[nn.Module, Callable]:
+    """torch_xla's SPMD FSDPv2 over a (ws, 1) mesh, or xla_fsdp's SPMD mode over (ws,); returns the
+    model and how to shard a batch."""
     import numpy as np
+    import torch_xla
     import torch_xla.distributed.spmd as xs
+    if name == "xla_fsdp_spmd":
+        import xla_fsdp.spmd as spmd
+        from xla_fsdp.wrap import transformer_auto_wrap_policy as ours_policy
+        mesh = spmd.make_mesh()
+        policy = functools.partial(ours_policy, transformer_layer_cls=set(unit_classes(w)))
+        wrapped = spmd.SpmdFullyShardedDataParallel(model, mesh=mesh, auto_wrap_policy=policy, **XLA_KWARGS)
+        return wrapped, functools.partial(spmd.shard_batch, mesh=mesh)
     from torch_xla.distributed.fsdp.wrap import transformer_auto_wrap_policy
     from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel
     mesh = xs.Mesh(np.arange(ws), (ws, 1), ("fsdp", "model"))
     xs.set_global_mesh(mesh)
-    import torch_xla
     model = model.to(torch_xla.device())
     wrapped = SpmdFullyShardedDataParallel(model, mesh=mesh, auto_wrap_policy=functools.partial(
         transformer_auto_wrap_policy, transformer_layer_cls=set(unit_classes(w))))
@@ -97,4 +105,4 @@ def wrap_spmd(model: nn.Module, w: Workload, ws: int) -> Tuple[nn.Module, Callab
 def collective_theory(name: str) -> float:
     """Theoretical collective bytes per step, in multiples of the fp32 parameter bytes."""
     return {"ddp": 2.0, "fsdp1": 3.0, "fsdp2": 3.0, "xla_fsdp": 3.0, "torchxla_fsdp": 3.0,
-            "xla_fsdp_xla": 3.0, "torchxla_spmd": 3.0}.get(name.replace(PER_PARAM, ""), 0.0)
+            "xla_fsdp_xla": 3.0, "torchxla_spmd": 3.0, "xla_fsdp_spmd": 3.0}.get(name.replace(PER_PARAM, ""), 0.0)

@@ -10,10 +10,10 @@ MIB = 1024 * 1024
 OURS = {"gloo": "xla_fsdp", "xla": "xla_fsdp_xla"}
 FAMILY = {"unwrapped": "gloo", "ddp": "gloo", "fsdp1": "gloo", "fsdp2": "gloo", "xla_fsdp": "gloo",
           "xla_plain": "xla", "torchxla_fsdp": "xla", "xla_fsdp_xla": "xla", "torchxla_spmd": "xla",
-          "torchxla_fsdp_perparam": "xla", "xla_fsdp_xla_perparam": "xla"}
+          "xla_fsdp_spmd": "xla",          "torchxla_fsdp_perparam": "xla", "xla_fsdp_xla_perparam": "xla"}
 PER_PARAM = "_perparam"  # XLA FSDP rows in the default per-parameter layout: compared with each other
 IDEAL_COPIES = {"lm": 4, "resnet": 3}   # params + grads + AdamW (2) / SGD momentum (1)
-SHARDED = {"fsdp1", "fsdp2", "xla_fsdp", "xla_fsdp_xla", "torchxla_fsdp", "torchxla_spmd",
+SHARDED = {"fsdp1", "fsdp2", "xla_fsdp", "xla_fsdp_xla", "torchxla_fsdp", "torchxla_spmd", "xla_fsdp_spmd",
            "torchxla_fsdp_perparam", "xla_fsdp_xla_perparam"}
 
 
@@ -43,7 +43,8 @@ def _ratio(a: Optional[Dict], b: Optional[Dict]) -> Optional[float]:
 
 
 #: step-time comparisons whose round-to-round spread the report shows (ours, then the reference)
-ROUND_PAIRS = (("xla_fsdp_xla", "torchxla_fsdp"), ("xla_fsdp_xla" + PER_PARAM, "torchxla_fsdp" + PER_PARAM),
+ROUND_PAIRS = (("xla_fsdp_xla", "torchxla_fsdp"), ("xla_fsdp_spmd", "torchxla_spmd"),
+               ("xla_fsdp_xla" + PER_PARAM, "torchxla_fsdp" + PER_PARAM),
                ("xla_fsdp_xla", "xla_plain"), ("xla_fsdp_xla" + PER_PARAM, "xla_plain"),
                ("torchxla_fsdp", "xla_plain"), ("xla_fsdp", "fsdp1"), ("xla_fsdp", "fsdp2"))
 
@@ -88,6 +89,17 @@ def targets(data: Dict) -> List[Tuple[str, str, Optional[float], str, bool]]:
                     r = _ratio(_row(rows, pair[0], ws), _row(rows, pair[1], ws))
                     out.append((wl, f"XLA:CPU ws{ws} step time / torch_xla XlaFSDP{layout}", r, "<= 0.95",
                                 r is not None and r <= 0.95))
+        for ws in (2, 4):  # issue 27: our SPMD mode against torch_xla's FSDPv2, and the faster of our modes
+            if _in_run(rows, ("xla_fsdp_spmd", "torchxla_spmd"), ws):
+                r = _ratio(_row(rows, "xla_fsdp_spmd", ws), _row(rows, "torchxla_spmd", ws))
+                out.append((wl, f"XLA:CPU ws{ws} SPMD step time / torch_xla FSDPv2", r, "<= 0.95",
+                            r is not None and r <= 0.95))
+                ours = [x for x in (_row(rows, "xla_fsdp_spmd", ws), _row(rows, "xla_fsdp_xla", ws)) if x]
+                peers = [x for x in (_row(rows, p, ws) for p in ("torchxla_spmd", "torchxla_fsdp")) if x]
+                if ours and peers:
+                    r = min(o["median_step_s"] for o in ours) / min(p["median_step_s"] for p in peers)
+                    out.append((wl, f"XLA:CPU ws{ws} faster of our two modes / fastest XLA peer", r, "<= 1.00",
+                                r <= 1.0))
         if _in_run(rows, ("xla_fsdp", "fsdp1", "fsdp2"), 2):
             peers = [p for p in (_row(rows, "fsdp1", 2), _row(rows, "fsdp2", 2)) if p]
             fastest = min(peers, key=lambda p: p["median_step_s"]) if peers else None
@@ -106,7 +118,7 @@ def targets(data: Dict) -> List[Tuple[str, str, Optional[float], str, bool]]:
             r, peer = ratio.get("xla_fsdp flat"), ratio.get(flat_peer)
             out.append((wl, f"{label} ws1 step time / unwrapped model, flat layout (vs {flat_peer}, also flat)",
                         r, f"<= {peer:.3f}" if peer else "<= peer", r is not None and peer is not None and r <= peer))
-        for ours in (*OURS.values(), OURS["xla"] + PER_PARAM):
+        for ours in (*OURS.values(), OURS["xla"] + PER_PARAM, "xla_fsdp_spmd"):
             for ws in (2, 4):
                 row = _row(rows, ours, ws)
                 if row is None:

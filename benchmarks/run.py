@@ -39,7 +39,8 @@ ROOT = os.path.dirname(HERE)
 # at ws > 1 is the no-communication floor: the plain model on every device, no collectives.
 PLAN = [
     ("unwrapped", [1]), ("xla_fsdp", [1, 2, 4]), ("ddp", [2, 4]), ("fsdp1", [2, 4]), ("fsdp2", [2, 4]),
-    ("xla_plain", [1, 2, 4]), ("xla_fsdp_xla", [1, 2, 4]), ("torchxla_fsdp", [1, 2, 4]), ("torchxla_spmd", [4]),
+    ("xla_plain", [1, 2, 4]), ("xla_fsdp_xla", [1, 2, 4]), ("torchxla_fsdp", [1, 2, 4]),
+    ("xla_fsdp_spmd", [2, 4]), ("torchxla_spmd", [2, 4]),
     # the default layout of both XLA FSDPs (flatten_parameters=False); world size 1 is in the interleaved run
     ("xla_fsdp_xla_perparam", [2, 4]), ("torchxla_fsdp_perparam", [2, 4]),
 ]
@@ -74,7 +75,7 @@ def run_one(contender: str, ws: int, workload, warmup: int, steps: int, timeout:
         for name in sorted(os.listdir(out)):
             with open(os.path.join(out, name)) as f:
                 ranks.append(json.load(f))
-    expected = 1 if contender in ("unwrapped", "torchxla_spmd") else ws
+    expected = 1 if contender in ("unwrapped", "torchxla_spmd", "xla_fsdp_spmd") else ws
     if error is None and len(ranks) != expected:
         error = f"{len(ranks)} of {expected} rank results written"
     return {"ranks": ranks, "error": error, "wall_s": time.time() - t0}
@@ -143,8 +144,6 @@ def run_suite(args) -> Dict[str, Any]:
     for c, wss in PLAN:
         if args.contenders and c not in args.contenders.split(","):
             continue
-        if c == "torchxla_spmd":  # SPMD at the largest world size of the run
-            wss = [max(world_sizes)] if max(world_sizes) > 1 else []
         plan.append((c, [w for w in wss if w in world_sizes]))
     jobs = side_by_side(names, plan, world_sizes)
     results: Dict[tuple, List] = {}

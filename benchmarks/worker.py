@@ -111,7 +111,7 @@ def _spmd(spec: Dict[str, Any], out_dir: str) -> None:
     torch.set_num_threads(1)
     w, ws = Workload(**spec["workload"]), spec["ws"]
     measure.install_collective_counters()
-    model, shard_batch = contenders.wrap_spmd(build_model(w), w, ws)
+    model, shard_batch = contenders.wrap_spmd(build_model(w), w, ws, spec["contender"])
     opt = make_optimizer(w, model.parameters())
     # One program for the global batch: every rank's samples, sharded over the mesh.
     result = train_loop(model, opt, w, spec, 0, torch_xla.device(), torch_xla.sync, lambda: None,
