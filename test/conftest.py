@@ -18,7 +18,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=1")
 
 # What tests, their subprocesses and the libraries they drive leave in a temp folder: tempfile's
 # tmp*, multiprocessing's pymp-*, torchrun's error files and run dirs, pytest's own folder.
-TEMP_LITTER = ["tmp*", "pymp-*", "pytorch-errorfile-*", "torchelastic_*", "pytest-of-*", "xla_fsdp-tests-*"]
+TEMP_LITTER = ["tmp*", "pymp-*", "pytorch-errorfile-*", "torchelastic_*", "pytest-of-*"]
 _TEMP = {}
 
 
@@ -49,7 +49,8 @@ def pytest_sessionfinish(session, exitstatus):
     gained = sorted(
         name
         for name in set(os.listdir(_TEMP["system"])) - _TEMP["before"]
-        if any(fnmatch.fnmatch(name, p) for p in TEMP_LITTER) and name != os.path.basename(_TEMP["private"])
+        # another pytest session's private folder (a session running beside this one) is not this one's litter
+        if any(fnmatch.fnmatch(name, p) for p in TEMP_LITTER) and not name.startswith("xla_fsdp-tests-")
     )
     if gained:
         print(f"\nthe test session left {len(gained)} entries in {_TEMP['system']}: {gained[:10]}")
