@@ -119,6 +119,7 @@ def test_resume_picks_the_newest_marked_checkpoint_and_restores_everything(gloo,
     # a later checkpoint whose marker was never written (killed while saving) is never picked
     open(os.path.join(ckpt, "step-000000004_rank-00000000-of-00000001.pth"), "wb").write(b"half written")
     open(os.path.join(ckpt, "step-000000004_rank-00000000-of-00000001.pth.1a2b3c4d.tmp"), "wb").write(b"x")
+    open(os.path.join(ckpt, "step-000000003.complete.5e6f7a8b.tmp"), "w").write("{")  # a killed marker write
     assert xla_fsdp.latest_checkpoint(ckpt).step == 3
     fresh, fresh_opt, fresh_schedule = _model_and_optimizer(seed=1)
     torch.manual_seed(123)

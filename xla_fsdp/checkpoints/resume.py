@@ -148,11 +148,14 @@ def _prune(ckpt_dir: str, newest: int, keep: int) -> None:
         if c.step not in kept:
             os.unlink(c.prefix + ".complete")
     marked = {c.step for c in complete if c.step in kept}
-    for path in glob.glob(os.path.join(glob.escape(ckpt_dir), "step-*_rank-*")):
+    for path in glob.glob(os.path.join(glob.escape(ckpt_dir), "step-*")):
         name = os.path.basename(path)
-        step = int(name[len("step-"):len("step-") + 9])
-        if name.endswith(".tmp") or (step not in marked and step < newest):
+        if name.endswith(".tmp"):  # a rank file or a marker whose writer was killed
             os.unlink(path)
+        elif "_rank-" in name:
+            step = int(name[len("step-"):len("step-") + 9])
+            if step not in marked and step < newest:  # left by a job killed before marking it
+                os.unlink(path)
 
 
 def _warn_if_restarts_share_the_store(model) -> None:
