@@ -165,6 +165,8 @@ class XlaCollectives(Collectives):
         # channel-id path, whose point is identical, id-matched collectives.
         self.pin_layout = pin_layout and not use_channel_ids
         self._placeholders: Dict[torch.dtype, torch.Tensor] = {}
+        #: set by the SPMD mode (world size 1): the compiler, not this object, gathers the shards
+        self.gather_by_annotation = False
         if xr.device_type() == "CPU" and global_ws > 1:
             install_safe_sync()
 
@@ -223,8 +225,10 @@ class XlaCollectives(Collectives):
                              **self._channel_kwargs(channel))
 
     def all_gather(self, shard: torch.Tensor, channel: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if self.world_size == 1:  # NO_SHARD: nothing to exchange
-            result = shard.clone()
+        if self.world_size == 1:  # NO_SHARD, or the SPMD mode's one logical rank: nothing to exchange
+            # SPMD: the shard is annotated as split over the mesh and the partitioner gathers it
+            # where it is used; a copy here would only be one more full-size write per unit.
+            result = shard if self.gather_by_annotation else shard.clone()
         else:
             result = self._gather(shard, channel, self.groups)
         if out is not None:

@@ -1,7 +1,7 @@
 """``SpmdFullyShardedDataParallel``: xla_fsdp's units at world size 1, their shards annotated."""
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -9,7 +9,7 @@ import torch.nn as nn
 from ..fully_sharded_data_parallel import XlaFullyShardedDataParallel
 from ..strategy import ShardingStrategy, parse_strategy
 from ..unit.base import ShardedUnit
-from .mesh import FSDP_AXIS, REPLICA_AXIS, check_mesh, make_mesh, require_spmd
+from .mesh import FSDP_AXIS, REPLICA_AXIS, batch_spec, check_mesh, make_mesh, require_spmd
 
 # In SPMD the strategy is the annotation: what stays in a unit between forward and backward is
 # the reshard flag, and hybrid's replication is the mesh's replica axis.
@@ -20,7 +20,18 @@ _AS_PER_UNIT = {ShardingStrategy.FULL_SHARD: ShardingStrategy.FULL_SHARD,
 
 
 def _spec(tensor: torch.Tensor) -> tuple:
-    return (FSDP_AXIS,) + (None,) * (tensor.dim() - 1)
+    """Split the largest dimension (the first of equals) over the ``fsdp`` axis, as torch_xla's
+    FSDPv2 does: a split that follows the tensor's own axes lets GSPMD keep activations split by
+    the batch. (A flat 1-D shard reshaped to a matrix does not: measured, 1.38x FSDPv2's step.)"""
+    spec = [None] * tensor.dim()
+    if spec:
+        spec[list(tensor.shape).index(max(tensor.shape))] = FSDP_AXIS
+    return tuple(spec)
+
+
+def _annotate_grad(param: torch.Tensor) -> None:
+    import torch_xla.distributed.spmd as xs
+    xs.mark_sharding(param.grad, param._xla_fsdp_spmd_mesh, _spec(param.grad))
 
 
 def shard_over_mesh(root: nn.Module, mesh: Any) -> nn.Module:
@@ -33,15 +44,46 @@ def shard_over_mesh(root: nn.Module, mesh: Any) -> nn.Module:
     for unit in root.modules():
         if not isinstance(unit, ShardedUnit):
             continue
+        unit.comms.gather_by_annotation = True
         for shard in unit.parameters(recurse=False):
             if getattr(shard, "_xla_fsdp_spmd_mesh", None) is not None:
                 continue
             xs.mark_sharding(shard, mesh, _spec(shard))
             shard._xla_fsdp_spmd_mesh = mesh
             if shard.requires_grad:
-                shard.register_post_accumulate_grad_hook(
-                    lambda p: xs.mark_sharding(p.grad, p._xla_fsdp_spmd_mesh, _spec(p.grad)))
+                shard.register_post_accumulate_grad_hook(_annotate_grad)
     return root
+
+
+def _first_tensor(output: Any) -> Optional[torch.Tensor]:
+    """The tensor FSDPv2's default ``shard_output`` would mark: the output, the first element of a
+    tuple/list, or the first tensor value of a dict (a Hugging Face ``ModelOutput``)."""
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, (tuple, list)) and output:
+        return _first_tensor(output[0])
+    if isinstance(output, dict):
+        return next((v for v in output.values() if isinstance(v, torch.Tensor)), None)
+    return None
+
+
+def split_by_batch(output: Any, mesh: Any) -> None:
+    """The default ``shard_output``: annotate the unit's output as split by the batch (dimension 0)
+    over every device. It keeps the whole program data parallel; without it GSPMD may split
+    activations by features and all-reduce them (measured: more than FSDPv2's step time)."""
+    import torch_xla.distributed.spmd as xs
+
+    tensor = _first_tensor(output)
+    if tensor is not None and tensor.dim() > 0 and tensor.device.type == "xla":
+        xs.annotate_custom_sharding(tensor, mesh, batch_spec(mesh, tensor.dim()))
+
+
+def annotate_outputs(root: nn.Module, mesh: Any, shard_output: Callable[[Any, Any], Any]) -> None:
+    """Call ``shard_output(output, mesh)`` on the output of every unit under ``root`` (once per unit)."""
+    for unit in root.modules():
+        if isinstance(unit, ShardedUnit) and not getattr(unit, "_xla_fsdp_output_annotated", False):
+            unit.register_forward_hook(lambda _module, _args, output: shard_output(output, mesh))
+            unit._xla_fsdp_output_annotated = True
 
 
 class SpmdFullyShardedDataParallel(XlaFullyShardedDataParallel):
@@ -52,7 +94,8 @@ class SpmdFullyShardedDataParallel(XlaFullyShardedDataParallel):
     (``make_mesh(replicas=R)``). Feed it batches split over the devices (``shard_batch``)."""
 
     def __init__(self, module: nn.Module, *args: Any, mesh: Optional[Any] = None,
-                 sharding_strategy: Optional[Any] = None, **kwargs: Any):
+                 sharding_strategy: Optional[Any] = None,
+                 shard_output: Optional[Callable[[Any, Any], Any]] = None, **kwargs: Any):
         require_spmd()
         if mesh is None:
             mesh = make_mesh()
@@ -70,6 +113,10 @@ class SpmdFullyShardedDataParallel(XlaFullyShardedDataParallel):
             if kwargs.get(key) is not None:
                 raise ValueError(f"xla_fsdp: {key}= is for the per-device mode; in SPMD mode the mesh= decides "
                                  "where shards live")
+        # Each parameter keeps its own shape (at world size 1 its "shard" is the whole parameter), so
+        # the mesh split can follow its axes; flatten_parameters=True still works, more slowly.
+        kwargs.setdefault("shard_param_on_dim_0", True)
         super().__init__(module, *args, sharding_strategy=_AS_PER_UNIT.get(strategy), transport="xla", **kwargs)
         self.mesh = mesh
         shard_over_mesh(self, mesh)
+        annotate_outputs(self, mesh, shard_output or split_by_batch)
