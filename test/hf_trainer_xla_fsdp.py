@@ -7,7 +7,8 @@ on a tiny GPT-2 built from a config (no download) and synthetic token data. Run 
 Trainer trains, logs every step, saves (its own rank files, consolidated by the Trainer through
 xla_fsdp) and evaluates; rank 0 writes ``OUT_DIR/result.json`` with the logged losses and the wrapped
 model's eval loss. The global batch is fixed (``--global_batch``), so every device count sees the same
-batches in the same order. ``--resume DIR`` resumes from one of the Trainer's checkpoints.
+batches in the same order. ``--resume DIR`` resumes from one of the Trainer's checkpoints. ``--v2``
+takes the Trainer's FSDPv2 path (``xla_fsdp_v2``: SPMD, one process), served by ``xla_fsdp.spmd``.
 """
 import argparse
 import json
@@ -17,27 +18,35 @@ import torch
 import torch_xla
 # Imported here, before the device threads start: transformers' lazy imports are not thread-safe
 # (two XLA:CPU threads importing at once saw "cannot import name 'GPT2Config'").
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedModel, Trainer,
+                          TrainerCallback, TrainingArguments)
 
 VOCAB, LENGTH = 64, 16
 
 
-def build_model() -> GPT2LMHeadModel:
+def build_model(kind: str = "gpt2") -> PreTrainedModel:
+    """A tiny GPT-2, or a tiny Llama (its output type is the one the Trainer's FSDPv2 path knows how
+    to mark: it raises on GPT-2's)."""
+    torch.manual_seed(0)
+    if kind == "llama":
+        return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                            num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32,
+                                            tie_word_embeddings=True))
     config = GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=2, tie_word_embeddings=True,
                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    torch.manual_seed(0)
     return GPT2LMHeadModel(config)
 
 
+BLOCKS = {"gpt2": "GPT2Block", "llama": "LlamaDecoderLayer"}
 # XLA:CPU devices are threads of one process, sharing torch's CPU generator: one thread's Trainer
 # re-seeds it (set_seed) while another builds its model. So the initial weights are drawn once, at
 # import, before the device threads start, and every rank loads them (on TPU, processes need none of this).
-INITIAL_STATE = build_model().state_dict()
+INITIAL_STATES = {kind: build_model(kind).state_dict() for kind in BLOCKS}
 
 
-def initial_model() -> GPT2LMHeadModel:
-    model = build_model()
-    model.load_state_dict(INITIAL_STATE)
+def initial_model(kind: str = "gpt2") -> PreTrainedModel:
+    model = build_model(kind)
+    model.load_state_dict(INITIAL_STATES[kind])
     return model
 
 
@@ -73,9 +82,9 @@ class CountSteps(TrainerCallback):
 def _mp_fn(index, flags):
     import torch_xla.runtime as xr
     world_size = xr.world_size()
-    fsdp_config = {"xla": True, "xla_fsdp_grad_ckpt": flags.grad_ckpt}
+    fsdp_config = {"xla": True, "xla_fsdp_grad_ckpt": flags.grad_ckpt, "xla_fsdp_v2": flags.v2}
     if flags.wrap == "transformer":
-        fsdp_config["transformer_layer_cls_to_wrap"] = ["GPT2Block"]
+        fsdp_config["transformer_layer_cls_to_wrap"] = [BLOCKS[flags.model]]
     else:
         fsdp_config["min_num_params"] = 1000
     args = TrainingArguments(
@@ -84,8 +93,8 @@ def _mp_fn(index, flags):
         fsdp="full_shard", fsdp_config=fsdp_config, report_to=[], seed=0, dataloader_drop_last=True,
         save_safetensors=False, optim="adamw_torch")
     counter = CountSteps()
-    trainer = Trainer(model=initial_model(), args=args, train_dataset=Tokens(256, 0), eval_dataset=eval_data(),
-                      callbacks=[counter])
+    trainer = Trainer(model=initial_model(flags.model), args=args, train_dataset=Tokens(256, 0),
+                      eval_dataset=eval_data(), callbacks=[counter])
     trainer.train(resume_from_checkpoint=flags.resume)
     metrics = trainer.evaluate()
     if xr.global_ordinal() == 0:
@@ -109,5 +118,14 @@ if __name__ == "__main__":
     parser.add_argument("--global_batch", type=int, default=8)
     parser.add_argument("--wrap", default="transformer", choices=["transformer", "size"])
     parser.add_argument("--grad_ckpt", action="store_true")
+    parser.add_argument("--model", default="gpt2", choices=sorted(BLOCKS))
     parser.add_argument("--resume", default=None, help="a checkpoint directory the Trainer wrote")
-    torch_xla.launch(_mp_fn, args=(parser.parse_args(),))
+    parser.add_argument("--v2", action="store_true", help="the Trainer's FSDPv2 path: SPMD, one process for "
+                        "all devices (the global batch is the one process's batch)")
+    flags = parser.parse_args()
+    if flags.v2:
+        import torch_xla.runtime as xr
+        xr.use_spmd()
+        _mp_fn(0, flags)
+    else:
+        torch_xla.launch(_mp_fn, args=(flags,))

@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402
 from xla_fsdp.integrations.accelerate_config import from_accelerate  # noqa: E402
 import models  # noqa: E402
+from xla_fsdp.unit.base import ShardedUnit  # noqa: E402
 
 STEPS = 5
 
@@ -49,7 +50,15 @@ CLASS_CONFIGS = {
          "fsdp_transformer_layer_cls_to_wrap": "Block"}, model).wrap(model)},
     "class_hybrid_lm_adamw": {"model": "lm", "opt": "adamw", "build": lambda: _class(
         mesh=spmd.make_mesh(replicas=2), sharding_strategy="HYBRID_SHARD")},
+    # FSDPv2's shard_output= keyword, called on every unit's output
+    "class_shard_output_lm_sgd": {"model": "lm", "opt": "sgd", "build": lambda: _class(shard_output=_counted_split)},
 }
+SHARD_OUTPUT_CALLS = []
+
+
+def _counted_split(output, mesh):
+    SHARD_OUTPUT_CALLS.append(type(output).__name__)
+    spmd.split_by_batch(output, mesh)
 
 
 def refusals() -> dict:
@@ -111,6 +120,9 @@ def run(name: str, save: str, load: str) -> dict:
     result["params"] = max((full[k].float() - p.float()).abs().max().item() for k, p in params.items())
     result["buffers"] = max([(full[k].float() - b.float()).abs().max().item() for k, b in reference.named_buffers()]
                             or [0.0])
+    if name == "class_shard_output_lm_sgd":
+        result["shard_output_calls"] = len(SHARD_OUTPUT_CALLS)
+        result["units"] = sum(isinstance(m, ShardedUnit) for m in wrapped.modules())
     result["shardings"] = sorted({torch_xla._XLAC._get_xla_sharding_spec(p) for p in wrapped.parameters()})
     result["optimizer_shardings"] = sorted({torch_xla._XLAC._get_xla_sharding_spec(t) for s in opt.state.values()
                                             for t in s.values() if torch.is_tensor(t) and t.dim() > 0})

@@ -8,6 +8,7 @@ run, step by step, and reach the same eval loss (Trainer logs losses rounded to 
 The rank files the Trainer saved consolidate with our CLI into a state dict that a plain GPT-2 loads
 strictly and that scores the wrapped model's eval loss (1e-4); the Trainer's own consolidated file
 holds the same tensors. A run resumed from the step-3 checkpoint (2 devices) logs the uninterrupted run's losses.
+The Trainer's FSDPv2 path (``xla_fsdp_v2``) runs on xla_fsdp's SPMD mode the same way (issue 27).
 """
 import json
 import os
@@ -29,11 +30,13 @@ RUNS = {  # name: (devices, wrap, grad checkpointing)
 LOSS_TOL, EVAL_TOL = 2e-4, 1e-4
 
 
-def _launch(out, devices, wrap, grad_ckpt, resume=None):
+def _launch(out, devices, wrap, grad_ckpt, resume=None, model="gpt2", v2=False):
     cmd = [sys.executable, "-m", "xla_fsdp.compat", os.path.join(HERE, "hf_trainer_xla_fsdp.py"), str(out),
-           "--steps", str(STEPS), "--save_steps", str(SAVE_STEPS), "--wrap", wrap]
+           "--steps", str(STEPS), "--save_steps", str(SAVE_STEPS), "--wrap", wrap, "--model", model]
     if grad_ckpt:
         cmd.append("--grad_ckpt")
+    if v2:
+        cmd.append("--v2")
     if resume:
         cmd += ["--resume", str(resume)]
     env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(devices))
@@ -51,7 +54,7 @@ def runs(tmp_path_factory):
     return {name: (folder / name, _launch(folder / name, *spec)) for name, spec in RUNS.items()}
 
 
-def _plain_eval_loss(state_dict):
+def _plain_eval_loss(state_dict, kind="gpt2"):
     """The eval loss of a plain GPT-2 holding ``state_dict``, as the Trainer computes it: the mean
     over batches (equal sizes) of the summed token loss divided by the batch's label count, which
     transformers 4.57 passes as ``num_items_in_batch`` (one label more per sequence than it predicts:
@@ -61,7 +64,7 @@ def _plain_eval_loss(state_dict):
         import hf_trainer_xla_fsdp as harness
     finally:
         sys.path.remove(HERE)
-    model = harness.build_model()
+    model = harness.build_model(kind)
     model.load_state_dict(state_dict, strict=True)
     model.eval()
     ids = harness.eval_data().ids
@@ -117,3 +120,41 @@ def test_trainer_resumes_from_its_checkpoint(runs, tmp_path):
     for step, loss in resumed["losses"].items():
         assert abs(loss - full["losses"][step]) <= LOSS_TOL, (step, resumed["losses"], full["losses"])
     assert abs(resumed["eval_loss"] - full["eval_loss"]) <= EVAL_TOL
+
+
+def _consolidate(ckpt, out):
+    proc = subprocess.run([sys.executable, "-m", "xla_fsdp.consolidate_sharded_ckpts", "--ckpt_prefix", f"{ckpt}/",
+                           "--ckpt_suffix", "rank*-of-*-pytorch_model.bin", "--save_path", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return torch.load(out, weights_only=True)["model"]
+
+
+def test_trainer_fsdpv2_path_runs_on_the_spmd_mode(tmp_path):
+    """``xla_fsdp_v2: true``: the Trainer builds FSDPv2 from torch_xla's path, which xla_fsdp.compat serves
+    with xla_fsdp.spmd (one process, 4 devices, grad checkpointing). A tiny Llama (the Trainer's FSDPv2
+    output marking raises on GPT-2's output type). Same losses and eval loss as the per-device path at one
+    device; the Trainer's checkpoints hold real weight names (transformers#36004 lost them) and resume at 2."""
+    base = _launch(tmp_path / "v1", 1, "transformer", False, model="llama")
+    v2 = _launch(tmp_path / "v2", 4, "transformer", True, model="llama", v2=True)
+    assert v2["fsdp_class"] == "xla_fsdp.spmd.wrapper.SpmdFullyShardedDataParallel"
+    assert sorted(v2["losses"]) == list(range(1, STEPS + 1))
+    for step, loss in base["losses"].items():
+        assert abs(v2["losses"][step] - loss) <= LOSS_TOL, (step, v2["losses"], base["losses"])
+    assert abs(v2["eval_loss"] - base["eval_loss"]) <= EVAL_TOL, (v2, base)
+
+    ckpt = tmp_path / "v2" / f"checkpoint-{STEPS}"
+    assert {p.name for p in ckpt.glob("rank*")} == {"rank0-of-1-pytorch_model.bin", "rank0-of-1-optimizer.pt"}
+    ours = _consolidate(ckpt, tmp_path / "consolidated.pth")
+    trainers = torch.load(ckpt / "pytorch_model.bin", weights_only=True)  # save_pretrained: tied head once
+    assert set(trainers) <= set(ours) and len(ours) - len(trainers) <= 1
+    for key, value in trainers.items():
+        assert torch.equal(ours[key], value), key
+    assert abs(_plain_eval_loss(ours, "llama") - v2["eval_loss"]) <= EVAL_TOL
+
+    resumed = _launch(tmp_path / "resumed", 2, "transformer", True, model="llama", v2=True,
+                      resume=tmp_path / "v2" / f"checkpoint-{SAVE_STEPS}")
+    assert resumed["steps_run"] == STEPS - SAVE_STEPS
+    for step, loss in resumed["losses"].items():
+        assert abs(loss - v2["losses"][step]) <= LOSS_TOL, (step, resumed["losses"], v2["losses"])
+    assert abs(resumed["eval_loss"] - v2["eval_loss"]) <= EVAL_TOL

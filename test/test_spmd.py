@@ -39,7 +39,7 @@ def spmd(devices, names, out_dir, *extra):
 
 
 # built by SpmdFullyShardedDataParallel itself, and by an Accelerate config with xla_fsdp_v2: true
-CLASS = ["class_lm_adamw", "class_zero2_lm_sgd", "accelerate_v2_lm_adamw"]
+CLASS = ["class_lm_adamw", "class_zero2_lm_sgd", "accelerate_v2_lm_adamw", "class_shard_output_lm_sgd"]
 
 
 @pytest.mark.parametrize("devices", [1, 2, 4])
@@ -54,6 +54,8 @@ def test_spmd_mode_trains_like_unsharded_without_recompiling(devices, tmp_path):
         if devices > 1 and "hybrid" not in name:  # every master shard and optimizer tensor split over the devices
             assert all(_pieces(s) == (devices, 1) for s in r["shardings"]), (name, r["shardings"])
             assert all(_pieces(s) == (devices, 1) for s in r["optimizer_shardings"]), (name, r)
+    custom = results["class_shard_output_lm_sgd"]  # the user's shard_output saw every unit's output, every step
+    assert custom["units"] > 1 and custom["shard_output_calls"] == 5 * custom["units"], custom
     if devices == 4:  # hybrid: split over 2 devices, copied along the replica axis
         hybrid = results["class_hybrid_lm_adamw"]
         assert all(_pieces(s) == (2, 2) for s in hybrid["shardings"] + hybrid["optimizer_shardings"]), hybrid

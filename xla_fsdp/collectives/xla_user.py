@@ -46,9 +46,10 @@ def _next_channel() -> int:
 
 
 def is_threaded_cpu() -> bool:
-    """Whether this process runs several XLA:CPU devices, one thread each."""
+    """Whether this process runs several XLA:CPU devices, one thread each (not SPMD, where one
+    thread runs one program for all of them and torch_xla's collectives are its own)."""
     import torch_xla.runtime as xr
-    return xr.device_type() == "CPU" and xr.addressable_runtime_device_count() > 1
+    return xr.device_type() == "CPU" and xr.addressable_runtime_device_count() > 1 and not xr.is_spmd()
 
 
 _threaded = is_threaded_cpu

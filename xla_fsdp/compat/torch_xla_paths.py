@@ -1,5 +1,6 @@
 """torch_xla's FSDP module names (``torch_xla.distributed.fsdp`` and its ``wrap``, ``utils``,
-``state_dict_utils``, ``xla_fully_sharded_data_parallel``, ``consolidate_sharded_ckpts``) served by
+``state_dict_utils``, ``xla_fully_sharded_data_parallel``, ``consolidate_sharded_ckpts``, and FSDPv2's
+``torch_xla.experimental.spmd_fully_sharded_data_parallel``) served by
 xla_fsdp, swapped in place in ``sys.modules`` so modules that imported them before see xla_fsdp too."""
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from ..checkpoints import consolidate_sharded_model_checkpoints
 from ..checkpoints.shard_merge import consolidate_sharded_state_dicts
 from ..fully_sharded_data_parallel import XlaFullyShardedDataParallel
 from ..integrations.accelerate_clipping import patch_accelerate_clipping
+from ..integrations.hf_trainer_spmd import patch_trainer_for_spmd
 from ..remat import checkpoint_module
 from . import torch_xla_utils
 
@@ -44,7 +46,18 @@ def torch_xla_modules() -> Dict[str, types.ModuleType]:
                       __all__=["XlaFullyShardedDataParallel", "consolidate_sharded_state_dicts",
                                "consolidate_sharded_model_checkpoints", "checkpoint_module"])
     package.__path__ = []  # a package: its submodules are the entries below
-    return {base: package, f"{base}.wrap": _wrap, f"{base}.utils": utils, f"{base}.state_dict_utils": state_dict_utils,
+    from ..spmd import SpmdFullyShardedDataParallel  # FSDPv2, the Hugging Face Trainer's xla_fsdp_v2 path
+    spmd_name = "torch_xla.experimental.spmd_fully_sharded_data_parallel"
+    spmd_module = _module(spmd_name)
+
+    def spmd_class(name: str) -> Any:  # read when the Trainer (already imported) asks for FSDPv2
+        if name != "SpmdFullyShardedDataParallel":
+            raise AttributeError(f"module {spmd_name!r} has no attribute {name!r}")
+        patch_trainer_for_spmd()
+        return SpmdFullyShardedDataParallel
+    spmd_module.__getattr__ = spmd_class
+    return {spmd_name: spmd_module,
+            base: package, f"{base}.wrap": _wrap, f"{base}.utils": utils, f"{base}.state_dict_utils": state_dict_utils,
             f"{base}.xla_fully_sharded_data_parallel": fsdp_module,
             f"{base}.consolidate_sharded_ckpts": consolidate_sharded_ckpts}
 
@@ -57,4 +70,7 @@ def replace_torch_xla_fsdp() -> None:
     for name, module in torch_xla_modules().items():
         sys.modules[name] = module
     torch_xla.distributed.fsdp = sys.modules["torch_xla.distributed.fsdp"]
+    import torch_xla.experimental
+    torch_xla.experimental.spmd_fully_sharded_data_parallel = sys.modules[
+        "torch_xla.experimental.spmd_fully_sharded_data_parallel"]
     patch_accelerate_clipping()

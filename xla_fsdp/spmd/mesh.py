@@ -42,15 +42,28 @@ def make_mesh(replicas: int = 1) -> Any:
 
 
 def check_mesh(mesh: Any) -> None:
+    """The SPMD mode splits over ``fsdp`` and copies along ``replica``; any other axis must have
+    one device (the Hugging Face Trainer's ``("fsdp", "tensor")`` mesh of shape ``(N, 1)``)."""
     names = tuple(getattr(mesh, "axis_names", ()) or ())
-    if FSDP_AXIS not in names or set(names) - {FSDP_AXIS, REPLICA_AXIS}:
-        raise ValueError(f"xla_fsdp: the mesh's axes must be ('{FSDP_AXIS}',) or ('{REPLICA_AXIS}', '{FSDP_AXIS}'), "
-                         f"got {names}; build it with xla_fsdp.spmd.make_mesh(replicas=...)")
+    sizes = dict(zip(names, getattr(mesh, "mesh_shape", ())))
+    others = [n for n in names if n not in (FSDP_AXIS, REPLICA_AXIS) and sizes.get(n, 1) != 1]
+    if FSDP_AXIS not in names or others:
+        raise ValueError(f"xla_fsdp: the mesh's axes must be ('{FSDP_AXIS}',) or ('{REPLICA_AXIS}', '{FSDP_AXIS}') "
+                         f"(others of size 1 allowed), got {names} of shape {tuple(sizes.values())}; build it "
+                         "with xla_fsdp.spmd.make_mesh(replicas=...)")
+
+
+def default_mesh() -> Any:
+    """torch_xla's global mesh when the program set one (``xs.set_global_mesh``, as the Hugging Face
+    Trainer does), else every device on the ``fsdp`` axis."""
+    import torch_xla.distributed.spmd as xs
+    mesh = xs.get_global_mesh()
+    return make_mesh() if mesh is None else mesh
 
 
 def batch_spec(mesh: Any, dims: int) -> tuple:
     """Split dimension 0 over every device of the mesh (data parallel over all of them)."""
-    names = tuple(mesh.axis_names)
+    names = tuple(n for n in mesh.axis_names if n in (REPLICA_AXIS, FSDP_AXIS))
     first = names if len(names) > 1 else names[0]
     return (first,) + (None,) * (dims - 1)
 
@@ -58,6 +71,6 @@ def batch_spec(mesh: Any, dims: int) -> tuple:
 def shard_batch(tensor: torch.Tensor, mesh: Optional[Any] = None) -> torch.Tensor:
     """Annotate an input batch (on the XLA device) as split along dimension 0 over every device."""
     import torch_xla.distributed.spmd as xs
-    mesh = mesh if mesh is not None else make_mesh()
+    mesh = mesh if mesh is not None else default_mesh()
     xs.mark_sharding(tensor, mesh, batch_spec(mesh, tensor.dim()))
     return tensor

@@ -9,7 +9,7 @@ import torch.nn as nn
 from ..fully_sharded_data_parallel import XlaFullyShardedDataParallel
 from ..strategy import ShardingStrategy, parse_strategy
 from ..unit.base import ShardedUnit
-from .mesh import FSDP_AXIS, REPLICA_AXIS, batch_spec, check_mesh, make_mesh, require_spmd
+from .mesh import FSDP_AXIS, REPLICA_AXIS, batch_spec, check_mesh, default_mesh, require_spmd
 
 # In SPMD the strategy is the annotation: what stays in a unit between forward and backward is
 # the reshard flag, and hybrid's replication is the mesh's replica axis.
@@ -34,13 +34,16 @@ def _annotate_grad(param: torch.Tensor) -> None:
     xs.mark_sharding(param.grad, param._xla_fsdp_spmd_mesh, _spec(param.grad))
 
 
-def shard_over_mesh(root: nn.Module, mesh: Any) -> nn.Module:
+def shard_over_mesh(root: nn.Module, mesh: Any,
+                    shard_output: Optional[Callable[[Any, Any], Any]] = None) -> nn.Module:
     """Annotate every unit's master shards under ``root`` as split over the mesh's ``fsdp`` axis
-    (replicated along ``replica``), and each shard's gradient as it is accumulated (without it
-    GSPMD leaves gradients replicated: every device would hold them whole). Idempotent."""
+    (replicated along ``replica``), each shard's gradient as it is accumulated (without it GSPMD
+    leaves gradients replicated: every device would hold them whole), and each unit's output with
+    ``shard_output(output, mesh)`` (default :func:`split_by_batch`). Idempotent."""
     import torch_xla.distributed.spmd as xs
 
     check_mesh(mesh)
+    annotate_outputs(root, mesh, shard_output or split_by_batch)
     for unit in root.modules():
         if not isinstance(unit, ShardedUnit):
             continue
@@ -89,17 +92,24 @@ def annotate_outputs(root: nn.Module, mesh: Any, shard_output: Callable[[Any, An
 class SpmdFullyShardedDataParallel(XlaFullyShardedDataParallel):
     """``XlaFullyShardedDataParallel`` in SPMD: the same keywords (auto-wrap, ``checkpoint_module``
     through ``auto_wrapper_callable``, mixed precision, ``param_init_fn``, strategies) plus the
-    ``mesh`` (default: every device on the ``fsdp`` axis). FULL_SHARD and SHARD_GRAD_OP shard over
-    the ``fsdp`` axis; HYBRID_SHARD / HYBRID_SHARD_ZERO2 need a mesh with a ``replica`` axis
-    (``make_mesh(replicas=R)``). Feed it batches split over the devices (``shard_batch``)."""
+    ``mesh`` (default: torch_xla's global mesh if set, else every device on the ``fsdp`` axis) and
+    torch_xla FSDPv2's ``shard_output(output, mesh)`` (default :func:`split_by_batch`), called on
+    every unit's output. FULL_SHARD and SHARD_GRAD_OP shard over the ``fsdp`` axis; HYBRID_SHARD /
+    HYBRID_SHARD_ZERO2 need a mesh with a ``replica`` axis (``make_mesh(replicas=R)``). Feed it
+    batches split over the devices (``shard_batch``)."""
 
     def __init__(self, module: nn.Module, *args: Any, mesh: Optional[Any] = None,
                  sharding_strategy: Optional[Any] = None,
                  shard_output: Optional[Callable[[Any, Any], Any]] = None, **kwargs: Any):
         require_spmd()
-        if mesh is None:
-            mesh = make_mesh()
+        mesh = default_mesh() if mesh is None else mesh
         check_mesh(mesh)
+        if kwargs.pop("extra_data_axis", None) is not None:
+            raise ValueError("xla_fsdp: extra_data_axis= (torch_xla's FSDPv2) is not supported; for data parallel "
+                             "copies of sharded parameters use sharding_strategy='HYBRID_SHARD' with "
+                             "xla_fsdp.spmd.make_mesh(replicas=R)")
+        if kwargs.pop("transport", "xla") != "xla":  # children built by auto-wrap get the parent's keywords
+            raise ValueError("xla_fsdp: the SPMD mode runs on the XLA transport only")
         strategy = parse_strategy(sharding_strategy) if sharding_strategy is not None else None
         if strategy is ShardingStrategy.NO_SHARD:
             raise ValueError("xla_fsdp: NO_SHARD in SPMD mode is plain data parallel: mark the batch with "
@@ -118,5 +128,4 @@ class SpmdFullyShardedDataParallel(XlaFullyShardedDataParallel):
         kwargs.setdefault("shard_param_on_dim_0", True)
         super().__init__(module, *args, sharding_strategy=_AS_PER_UNIT.get(strategy), transport="xla", **kwargs)
         self.mesh = mesh
-        shard_over_mesh(self, mesh)
-        annotate_outputs(self, mesh, shard_output or split_by_batch)
+        shard_over_mesh(self, mesh, shard_output)
