@@ -1,0 +1,93 @@
+"""How a unit takes its module: the parameters it owns become sharded groups, registered as
+shards; and the per-step state a built unit starts from. A mixin of the public wrapper, which plans
+transport, strategy and groups first (``_plan``) and then calls :meth:`UnitSetup._adopt`."""
+from __future__ import annotations
+
+import functools
+import weakref
+from typing import Callable, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+from ..sharding import default_predivide_factor
+from . import construction, tied
+from .options import UnitOptions
+from .param_group import ParamGroup, ReduceInFlight
+from .param_names import SHARD_PREFIX, SHARD_SEPARATOR, WRAPPED, flat_parts
+from .schedule import Schedule, TrainingState
+
+
+class UnitSetup:
+    """Construction steps after planning (see the wrapper's ``_plan``)."""
+
+    def _adopt(self, module: nn.Module, options: UnitOptions) -> None:
+        """Take the parameters no nested unit owns: materialize meta ones, shard them into groups,
+        register the shards, cast buffers, move the module to the device."""
+        construction.materialize_meta(module, options.param_init_fn, torch.device("cpu"))
+        if options._use_xla_patched_linear and self.comms.name == "xla":
+            from .patched_linear import patch_linear_layers
+            patch_linear_layers(module)
+        refs, self._tied_slots_left = construction.collect_params(module, tied.escaping(module),
+                                                                  self.param_storage_dtype)
+        self._fsdp_wrapped_module = module
+        self._module_view: Optional[nn.Module] = None
+        if getattr(module, "_xla_fsdp_checkpointed", False):
+            # Weakly: the module must not keep its unit alive (nor make a reference cycle nn.Module sees).
+            unit = weakref.ref(self)
+            object.__setattr__(module, "_xla_fsdp_before_recompute", lambda: unit()._before_recompute())
+        self._groups: List[ParamGroup] = self._build_groups(refs)
+        self._shard_names: List[str] = []
+        for group in self._groups:
+            name = self._shard_param_name(group)
+            self.register_parameter(name, group.shard)
+            self._shard_names.append(name)
+            if group.requires_grad:
+                group.full.register_post_accumulate_grad_hook(
+                    functools.partial(self._on_full_grad_ready, group))
+        self.buffer_info = {k: {"_orig_dtype": v} for k, v in
+                            construction.cast_buffers(module, self.buffer_dtype, "").items()}
+        module.to(self.comms.device)
+
+    def _init_step_state(self) -> None:
+        """What the forward/backward life cycle tracks from step to step."""
+        self.training_state = TrainingState.IDLE
+        self._is_root: Optional[bool] = None
+        self._units_in_tree: List[nn.Module] = []  # the root's units (set in _lazy_init)
+        self._require_backward_grad_sync = True
+        self._pre_backward_done = False
+        self._pending_grads: List[Tuple[ParamGroup, torch.Tensor]] = []  # waiting for the unit's others
+        # Reduce-scatters started but not yet waited for; one list shared by the root's tree (set in
+        # _lazy_init) so they finish in the order they started, the same on every rank.
+        self._reduces_in_flight: List[ReduceInFlight] = []
+        self._schedule = Schedule()  # shared by the root's tree too
+        self._unshard_in_flight: Optional[Callable[[], None]] = None  # a started (pre)fetch
+        self._num_grad_groups = sum(g.requires_grad for g in self._groups)
+        # Gradients are averaged over every rank that computed one: the shard group and its replicas.
+        data_parallel = self.world_size * self.comms.num_replicas
+        self.gradient_predivide_factor = default_predivide_factor(data_parallel)
+        self.gradient_postdivide_factor = data_parallel / self.gradient_predivide_factor
+        self._norm_channel = self.comms.allocate_channels(1)
+        self._aux_channel = self.comms.allocate_channels(1)  # small control collectives (checkpoints)
+        self._replica_aux_channel = self.comms.allocate_channels(1)
+
+    def _build_groups(self, refs) -> List[ParamGroup]:
+        names: List[Optional[str]]
+        if self.flatten_parameters:
+            parts, names = flat_parts(refs, self._flatten_group_fn)
+        else:
+            parts, names = [[r] for r in refs], [None] * len(refs)
+        channel = self.comms.allocate_channels(ParamGroup.CHANNELS * len(parts))
+        groups = []
+        for i, (part, flat_name) in enumerate(zip(parts, names)):
+            group = ParamGroup(part, self.comms, flat=self.flatten_parameters,
+                               dim0=self._shard_param_on_dim_0, pad_multiple=self._shard_size_multiple,
+                               compute_dtype=self.compute_dtype, channel=channel + ParamGroup.CHANNELS * i,
+                               offload=self._offload, storage_dtype=self.param_storage_dtype)
+            group.flat_name = flat_name
+            groups.append(group)
+        return groups
+
+    def _shard_param_name(self, group: ParamGroup) -> str:
+        path = f"{WRAPPED}.{group.flat_name if group.flat else group.refs[0].fqn}"
+        return SHARD_PREFIX + path.replace(".", SHARD_SEPARATOR)
