@@ -106,3 +106,15 @@ def test_a_checkpoint_moves_between_spmd_and_per_device_mode_bit_for_bit(tmp_pat
         _assert_equal_states(trained, in_device_mode)
         _assert_equal_states(trained, _full(back_prefix.format(name=name) + ".full.pt"))
         assert ranks[0]["metadata"]["world_size"] == 4
+
+
+def test_default_shard_output_picks_the_batch_tensor_of_each_output_kind():
+    from collections import OrderedDict
+
+    from xla_fsdp.spmd.wrapper import _first_tensor
+    logits, hidden = torch.zeros(4, 3, 5), torch.zeros(4, 3, 2)
+    assert _first_tensor(logits) is logits
+    assert _first_tensor((hidden, None)) is hidden and _first_tensor([[hidden], logits]) is hidden
+    # a Hugging Face ModelOutput is an OrderedDict whose first value may be the scalar loss
+    assert _first_tensor(OrderedDict(loss=torch.tensor(1.0), logits=logits)) is logits
+    assert _first_tensor(None) is None and _first_tensor(()) is None and _first_tensor({"n": 3}) is None

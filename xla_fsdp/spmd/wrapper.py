@@ -59,14 +59,15 @@ def shard_over_mesh(root: nn.Module, mesh: Any,
 
 
 def _first_tensor(output: Any) -> Optional[torch.Tensor]:
-    """The tensor FSDPv2's default ``shard_output`` would mark: the output, the first element of a
-    tuple/list, or the first tensor value of a dict (a Hugging Face ``ModelOutput``)."""
+    """The tensor FSDPv2's default ``shard_output`` marks (the output, or a tuple's or list's first
+    element) or, where FSDPv2's raises, a dict's (a Hugging Face ``ModelOutput``) first tensor value
+    that is not a scalar (``logits`` after ``loss``)."""
     if isinstance(output, torch.Tensor):
         return output
     if isinstance(output, (tuple, list)) and output:
         return _first_tensor(output[0])
     if isinstance(output, dict):
-        return next((v for v in output.values() if isinstance(v, torch.Tensor)), None)
+        return next((v for v in output.values() if isinstance(v, torch.Tensor) and v.dim() > 0), None)
     return None
 
 
