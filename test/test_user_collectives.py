@@ -102,6 +102,50 @@ def test_torch_xla_user_collectives_on_several_xla_cpu_devices(world_size, monke
     assert torch.load(tmp_path / "master.pt", weights_only=True)["w"].tolist() == [7.0, 7.0]  # rank 0's
 
 
+LATE_S = 20.0  # past XLA:CPU's rendezvous limit (a 5 s warning, then 10 s more)
+
+
+def _late_rank_program():
+    """Rank 0 queues about LATE_S of device work that its collective's value depends on; rank 1 has
+    none. As device collectives (xla_fsdp before this test) rank 1 waited in XLA's rendezvous and
+    XLA aborted the process after 10 s; rank threads must wait for each other however long it takes."""
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+    import torch_xla.runtime as xr
+    dev, r = torch_xla.device(), xr.global_ordinal()
+    w = torch.eye(1024).to(dev)
+    y = torch.ones(1024, 1024).to(dev)
+    if r == 0:
+        for _ in range(2):  # the second run times execution alone (the first compiles)
+            start = time.perf_counter()
+            for _ in range(4):
+                y = torch.tanh(y @ w)
+            torch_xla.sync()
+            y.cpu()
+        per_matmul = (time.perf_counter() - start) / 4
+        for _ in range(int(LATE_S / per_matmul) + 1):  # pending: runs when the collective needs it
+            y = torch.tanh(y @ w)
+    start = time.perf_counter()
+    gathered = xm.all_gather(y[:1, :1].reshape(1)).cpu().tolist()
+    summed = xm.all_reduce(xm.REDUCE_SUM, torch.tensor([float(r)]).to(dev)).cpu().tolist()
+    return gathered, summed, time.perf_counter() - start
+
+
+def test_a_rank_far_behind_at_a_user_collective_is_waited_for(monkeypatch):
+    """A rank with more device work queued before a user collective (a rank-0-only metric, a
+    checkpoint write) reaches it LATE_S after its peer; the peer waits on the host, nothing aborts."""
+    from torch_xla._internal import pjrt
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")
+    monkeypatch.setenv("CPU_NUM_DEVICES", "2")
+    results = pjrt.run_multiprocess(_late_rank_program)
+    expected_first = torch.tanh(torch.tensor(1.0)).item()  # rank 0 iterates tanh from 1: it shrinks, stays > 0
+    for r in range(2):
+        gathered, summed, waited = results[r]
+        assert gathered[1] == 1.0 and 0.0 < gathered[0] < expected_first, (r, gathered)
+        assert summed == [1.0]
+    assert results[1][2] > 15.0, results[1][2]  # rank 1 really waited longer than XLA's limit
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("devices", [1, 4])
 def test_torch_xla_style_training_script_on_digits(devices, tmp_path):

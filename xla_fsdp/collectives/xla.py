@@ -21,7 +21,7 @@ from .xla_gradients import install_gradient_fetch
 from .thread_safety import install_shared_safe_globals
 from .xla_launch import install_failure_reporting, install_interrupt_handling
 from .xla_process_group import install_shared_xla_group
-from .xla_user import install_user_collectives, is_threaded_cpu, reset_user_channels
+from .xla_user import install_user_collectives, is_threaded_cpu
 
 ENV_DEFAULTS_CPU = {
     # Executions blocked in a rendezvous occupy pool threads: size the pools above the device count
@@ -86,7 +86,6 @@ def sync(wait: bool = False) -> None:
         xlac._xla_wait_device_ops(xlac._xla_real_devices([dev]))
     xm._run_step_closures()
     xlac._set_all_reduce_token(dev, None)
-    reset_user_channels()
 
 
 _patched = False

@@ -4,45 +4,37 @@ compiled module's id, which differs whenever two rank threads compile the same g
 
 Installed on ``import xla_fsdp`` with ``PJRT_DEVICE=CPU`` (``XLA_FSDP_PATCH_TORCH_XLA=0`` turns it
 off). Each patched function delegates to torch_xla's own unless the process runs several XLA:CPU
-devices, where:
+devices, where the rank threads exchange host copies instead of meeting in a device rendezvous:
 
-- ``xm.all_gather`` / ``xm.reduce_scatter`` get a channel id and global device ids, so separately
-  compiled graphs meet, and run at once through xla_fsdp's safe sync (see ``_run_now``); ids
-  restart at every ``sync``, so the graphs stay the same from step to step;
-- ``xm.all_reduce`` (tensor and in-place list forms, every reduce type, scale, groups) has no
-  channel id in torch_xla: it is an all-gather plus the reduction (also behind
-  ``xm.collective_broadcast`` and the ``xla`` torch.distributed backend);
-- ``xm.rendezvous`` exchanges its payloads on the host (behind ``xm.mesh_reduce`` and ``xm.save``),
-  after running pending device work, and checks that every rank named the same rendezvous.
+- ``xm.all_gather``, ``xm.reduce_scatter`` and ``xm.all_reduce`` (tensor and list forms, every
+  reduce type, scale, groups; also behind ``xm.collective_broadcast`` and the ``xla``
+  torch.distributed backend) run this rank's pending device work, then gather every group member's
+  values on the host and reduce them there in rank order (every rank gets the same bits);
+- ``xm.rendezvous`` exchanges its payloads on the host (behind ``xm.mesh_reduce`` and ``xm.save``).
 
-As on TPU, every rank must issue the same collectives in the same order.
+Why the host: XLA:CPU aborts a device rendezvous whose peers are 10 s late, and a rank can be that late
+for reasons the program cannot see (a peer compiling a different graph under the compile lock, more
+device work queued before the collective on one rank, a loaded machine). A host exchange waits as long
+as it takes, and a rank that fails releases its peers with its error. On the device these collectives
+are small (metrics, token counts, a loss), so the copy costs nothing that matters. xla_fsdp's own
+collectives carry channel ids and stay in the compiled step.
+
+As on TPU, every rank must issue the same collectives in the same order; ranks that do not get a
+clear error on every rank.
 """
 from __future__ import annotations
 
 import functools
 import os
 import threading
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from .host_exchange import thread_exchange
 
-USER_CHANNEL_BASE = 1 << 29  # above every id xla_fsdp's units take, below the construction check's
-_local = threading.local()
 _ORIGINALS: Dict[str, Callable[..., Any]] = {}
 _INSTALL_LOCK = threading.Lock()
-
-
-def reset_user_channels() -> None:
-    """A graph has been launched: the next one numbers its user collectives from the start."""
-    _local.next = 0
-
-
-def _next_channel() -> int:
-    n = getattr(_local, "next", 0)
-    _local.next = n + 1
-    return USER_CHANNEL_BASE + n
 
 
 def is_threaded_cpu() -> bool:
@@ -55,46 +47,90 @@ def is_threaded_cpu() -> bool:
 _threaded = is_threaded_cpu
 
 
-def _all_ranks() -> List[List[int]]:
+def _my_group(groups: Optional[Sequence[Sequence[int]]]) -> List[int]:
     import torch_xla.runtime as xr
-    return [list(range(xr.world_size()))]
+    rank = xr.global_ordinal()
+    if not groups:
+        return list(range(xr.world_size()))
+    for group in groups:
+        if rank in group:
+            return [int(r) for r in group]
+    raise ValueError(f"xla_fsdp: rank {rank} is in none of the collective's groups {groups}; "
+                     "every calling rank must be in exactly one group")
 
 
-def _meet(kind: str, value: Any, groups: Optional[List[List[int]]]) -> None:
-    """Before a user collective, the rank threads meet on the host and compare what they issue.
-    XLA:CPU aborts a device rendezvous after 10 s, and a rank may reach the same collective much
-    later (model building, a Trainer's set-up); and ranks that issue different collectives get a
-    clear error here instead of that abort."""
-    import torch_xla.runtime as xr
-    ws = xr.world_size()
-    if groups and sorted(r for g in groups for r in g) != list(range(ws)):
-        return  # not every rank takes part
-    tensors = value if isinstance(value, (list, tuple)) else [value]
-    mine = (kind, tuple((tuple(t.shape), str(t.dtype)) for t in tensors))
-    rows = thread_exchange("user collectives", ws).gather(xr.global_ordinal(), mine)
-    if any(row != mine for row in rows):
-        raise RuntimeError("xla_fsdp: ranks issued different collectives at the same point (as on TPU, every rank "
-                           f"must issue the same collectives in the same order): {dict(enumerate(rows))}")
-
-
-def _run_now(result: Any) -> Any:
-    """Execute a user collective at once, through xla_fsdp's safe sync. Left pending, the first
-    ``.item()``/``.cpu()`` would run it from a rank thread that keeps the GIL while it waits in
-    XLA's rendezvous, so the other ranks never arrive (seen at 4 devices: XLA aborts after 10 s)."""
+def _exchange(kind: str, tensors: Sequence[torch.Tensor],
+              groups: Optional[Sequence[Sequence[int]]]) -> Tuple[List[List[torch.Tensor]], int]:
+    """Every group member's host copies of ``tensors`` (rows in group order) and this rank's index
+    in its group. Pending device work runs first (as the collective would have waited for it); the
+    members then meet on the host and check that they issued the same collective."""
     import torch_xla
-    torch_xla.sync()
-    return result
+    import torch_xla.runtime as xr
+    torch_xla.sync()  # xla_fsdp's safe sync (patched with the collectives)
+    group = _my_group(groups)
+    me = group.index(xr.global_ordinal())
+    host = [t.detach().cpu() for t in tensors]
+    mine = (kind, tuple((tuple(t.shape), str(t.dtype)) for t in host))
+    rows = thread_exchange(f"user collectives {tuple(group)}", len(group)).gather(me, (mine, host))
+    if any(signature != mine for signature, _ in rows):
+        issued = {group[i]: signature for i, (signature, _) in enumerate(rows)}
+        raise RuntimeError("xla_fsdp: ranks issued different collectives at the same point (as on TPU, every rank "
+                           f"must issue the same collectives in the same order): {issued}")
+    return [values for _, values in rows], me
 
 
-def all_gather(value: torch.Tensor, dim: int = 0, groups: Optional[List[List[int]]] = None,
-               output: Optional[torch.Tensor] = None, pin_layout: bool = True, channel_id=None,
-               use_global_device_ids=None) -> torch.Tensor:
+def _as_list(value: Any) -> Tuple[List[torch.Tensor], bool]:
+    if isinstance(value, torch.Tensor):
+        return [value], False
+    if isinstance(value, (list, tuple)) and all(isinstance(v, torch.Tensor) for v in value):
+        return list(value), True
+    raise TypeError(f"xla_fsdp: a collective takes a tensor or a list of tensors, not {type(value).__name__}")
+
+
+def _deliver(results: List[torch.Tensor], like: List[torch.Tensor], output: Any, is_list: bool) -> Any:
+    """Move host results to the callers' devices, into ``output`` when one is given (torch_xla's
+    out= forms)."""
+    on_device = [r.to(t.device) for r, t in zip(results, like)]
+    if output is not None:
+        outs, _ = _as_list(output)
+        with torch.no_grad():
+            for out, r in zip(outs, on_device):
+                out.copy_(r)
+        return output
+    return on_device if is_list else on_device[0]
+
+
+def all_gather(value: Any, dim: int = 0, groups: Optional[List[List[int]]] = None,
+               output: Any = None, pin_layout: bool = True, channel_id=None,
+               use_global_device_ids=None) -> Any:
     if not _threaded():
         return _ORIGINALS["all_gather"](value, dim, groups, output, pin_layout, channel_id, use_global_device_ids)
     if channel_id is not None:  # xla_fsdp's own, part of a training step: stays in the graph
-        return _ORIGINALS["all_gather"](value, dim, groups or _all_ranks(), output, False, channel_id, True)
-    _meet("all_gather", value, groups)
-    return _run_now(_ORIGINALS["all_gather"](value, dim, groups or _all_ranks(), output, False, _next_channel(), True))
+        return _ORIGINALS["all_gather"](value, dim, groups or [list(range(_world_size()))], output, False,
+                                        channel_id, True)
+    tensors, is_list = _as_list(value)
+    rows, _ = _exchange("all_gather", tensors, groups)
+    gathered = []
+    for i, t in enumerate(tensors):
+        parts = [row[i] for row in rows]
+        gathered.append(torch.stack(parts) if t.dim() == 0 else torch.cat(parts, dim=dim % t.dim()))
+    return _deliver(gathered, tensors, output, is_list)
+
+
+_REDUCE = {"sum": torch.add, "mul": torch.mul, "min": torch.minimum, "max": torch.maximum,
+           "and": torch.bitwise_and, "or": torch.bitwise_or}
+
+
+def _reduce(reduce_type: str, parts: List[torch.Tensor], scale: float) -> torch.Tensor:
+    if reduce_type not in _REDUCE:
+        raise ValueError(f"xla_fsdp: unknown reduce type {reduce_type!r}; use one of {sorted(_REDUCE)}")
+    op = _REDUCE[reduce_type]
+    if reduce_type in ("and", "or") and parts[0].dtype == torch.bool:
+        op = torch.logical_and if reduce_type == "and" else torch.logical_or
+    out = parts[0]
+    for part in parts[1:]:  # rank order on every rank: the same bits everywhere
+        out = op(out, part)
+    return out * scale if scale != 1.0 else out
 
 
 def reduce_scatter(reduce_type: str, input: Any, scale: float, scatter_dim: int, shard_count: int,
@@ -103,44 +139,37 @@ def reduce_scatter(reduce_type: str, input: Any, scale: float, scatter_dim: int,
     if not _threaded():
         return _ORIGINALS["reduce_scatter"](reduce_type, input, scale, scatter_dim, shard_count, groups, output,
                                             pin_layout, channel_id, use_global_device_ids)
-    own = channel_id is not None
-    if not own:
-        _meet("reduce_scatter", input, groups)
-    result = _ORIGINALS["reduce_scatter"](reduce_type, input, scale, scatter_dim, shard_count, groups or _all_ranks(),
-                                          output, False, channel_id if own else _next_channel(), True)
-    return result if own else _run_now(result)
-
-
-_REDUCE = {"sum": torch.add, "mul": torch.mul, "min": torch.minimum, "max": torch.maximum,
-           "and": torch.bitwise_and, "or": torch.bitwise_or}
-
-
-def _reduced(reduce_type: str, tensor: torch.Tensor, scale: float, groups: List[List[int]]) -> torch.Tensor:
-    if reduce_type not in _REDUCE:
-        raise ValueError(f"xla_fsdp: unknown reduce type {reduce_type!r}; use one of {sorted(_REDUCE)}")
-    rows = all_gather(tensor.reshape(1, -1), 0, groups)
-    op = _REDUCE[reduce_type]
-    if reduce_type in ("and", "or") and tensor.dtype == torch.bool:
-        op = torch.logical_and if reduce_type == "and" else torch.logical_or
-    out = rows[0]
-    for i in range(1, rows.shape[0]):
-        out = op(out, rows[i])
-    out = out.reshape(tensor.shape)
-    return out * scale if scale != 1.0 else out
+    if channel_id is not None:  # xla_fsdp's own: stays in the graph
+        return _ORIGINALS["reduce_scatter"](reduce_type, input, scale, scatter_dim, shard_count,
+                                            groups or [list(range(_world_size()))], output, False, channel_id, True)
+    tensors, is_list = _as_list(input)
+    rows, me = _exchange("reduce_scatter", tensors, groups)
+    pieces = []
+    for i in range(len(tensors)):
+        full = _reduce(reduce_type, [row[i] for row in rows], scale)
+        dim = scatter_dim % full.dim()
+        if full.shape[dim] % shard_count:
+            raise ValueError(f"xla_fsdp: reduce_scatter of shape {tuple(full.shape)} along dim {scatter_dim} into "
+                             f"{shard_count} shards: the size must divide evenly")
+        pieces.append(full.chunk(shard_count, dim=dim)[me])
+    return _deliver(pieces, tensors, output, is_list)
 
 
 def all_reduce(reduce_type: str, inputs: Any, scale: float = 1.0, groups: Optional[List[List[int]]] = None,
                pin_layout: bool = True) -> Any:
-    import torch_xla.runtime as xr
-    if not _threaded() or xr.world_size() == 1:
+    if not _threaded() or _world_size() == 1:
         return _ORIGINALS["all_reduce"](reduce_type, inputs, scale, groups, pin_layout)
-    groups = groups or _all_ranks()
-    if isinstance(inputs, torch.Tensor):
-        return _reduced(reduce_type, inputs, scale, groups)
-    with torch.no_grad():  # the list form reduces in place, as torch_xla's
-        for tensor in inputs:
-            tensor.copy_(_reduced(reduce_type, tensor, scale, groups))
-    return inputs
+    tensors, is_list = _as_list(inputs)
+    rows, _ = _exchange(f"all_reduce {reduce_type}", tensors, groups)
+    reduced = [_reduce(reduce_type, [row[i] for row in rows], scale) for i in range(len(tensors))]
+    if is_list:  # the list form reduces in place, as torch_xla's
+        return _deliver(reduced, tensors, tensors, True)
+    return _deliver(reduced, tensors, None, False)
+
+
+def _world_size() -> int:
+    import torch_xla.runtime as xr
+    return xr.world_size()
 
 
 def rendezvous(tag: str, payload: bytes = b"", replicas: List[int] = []) -> List[bytes]:  # noqa: B006 - torch_xla's
