@@ -18,7 +18,7 @@ demo: $(STAMP)
 	$(PY) examples/train_resnet_fsdp_auto_wrap.py
 
 test: $(STAMP)
-	$(PY) -m pytest -q test
+	$(PY) -m pytest -q --durations=25 test
 
 clean:
 	rm -rf $(VENV) *.egg-info
