@@ -396,3 +396,41 @@ def test_unit_kept_for_a_backward_that_never_ran_is_freed_by_the_next_forward(gl
     assert freed_at_start == [True]
     assert all(g.shard.grad is not None for u in (inner, last) for g in u._groups)
     assert not any(g.is_unsharded() for u in (inner, last) for g in u._groups)
+
+
+def _reinit_rank(rank: int, attempts: range, store_dir: str, out_dir: str) -> None:
+    """Train one step in each attempt's process group (a fresh ``init_process_group`` each time)."""
+    for attempt in attempts:
+        dist.init_process_group("gloo", init_method=f"file://{store_dir}/store{attempt}", rank=rank, world_size=2)
+        try:
+            torch.manual_seed(0)
+            model = FSDP(nn.Linear(4, 2), sharding_groups=[[0, 1]], sharding_rank=rank, sharding_world_size=2)
+            model(torch.full((3, 4), float(rank + 1))).sum().backward()
+            torch.save([p.grad for p in model.parameters()], f"{out_dir}/rank{rank}-attempt{attempt}.pt")
+        finally:
+            dist.destroy_process_group()
+
+
+def test_a_new_process_group_gets_new_collectives(tmp_path):
+    """Rank 0 trains in a process group, destroys it and joins a new one in the same process, where
+    rank 1 is a new process (an in-process restart after a peer was replaced). Its units must use
+    the new group: collectives cached from the old one hold its destroyed subgroup, whose
+    connections lead to the process that is gone."""
+    import torch.multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_reinit_rank, args=(0, range(2), str(tmp_path), str(tmp_path))),
+             ctx.Process(target=_reinit_rank, args=(1, range(1), str(tmp_path), str(tmp_path)))]
+    for p in procs:
+        p.start()
+    procs[1].join(timeout=120)
+    replacement = ctx.Process(target=_reinit_rank, args=(1, range(1, 2), str(tmp_path), str(tmp_path)))
+    replacement.start()
+    for p in (procs[0], replacement):
+        p.join(timeout=120)
+        if p.is_alive():
+            p.kill()
+    assert [p.exitcode for p in procs + [replacement]] == [0, 0, 0]
+    for rank in range(2):
+        first, second = (torch.load(tmp_path / f"rank{rank}-attempt{a}.pt", weights_only=True) for a in range(2))
+        for a, b in zip(first, second):
+            torch.testing.assert_close(b, a, rtol=0, atol=0)

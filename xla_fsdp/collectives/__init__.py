@@ -73,16 +73,29 @@ __all__ = ["Collectives", "TorchDistCollectives", "global_rank_and_size", "ranks
            "resolve_transport", "select_collectives"]
 
 
-_SHARED: Dict[Tuple, Collectives] = {}
+#: (thread, transport, grouping) -> (the torch.distributed default group it was built in, collectives)
+_SHARED: Dict[Tuple, Tuple[object, Collectives]] = {}
+
+
+def _default_group(transport: str) -> object:
+    """The torch.distributed default group (None on XLA): after ``destroy_process_group`` and a new
+    ``init_process_group`` it is another object, and collectives built in the old one must not be
+    reused, since they hold its destroyed subgroups, whose connections lead to peers that may be gone."""
+    if transport != "torch":
+        return None
+    import torch.distributed as dist
+    return dist.group.WORLD
 
 
 def shared_collectives(transport: str, groups, rank, world_size, pin_layout: bool, replica_groups) -> Collectives:
-    """One collectives object per (thread, transport, grouping), shared by the units of a model
-    (XLA:CPU ranks are threads of one process, so the thread is part of the key)."""
+    """One collectives object per (thread, transport, grouping) in the current process group, shared
+    by the units of a model (XLA:CPU ranks are threads of one process, so the thread is part of the key)."""
     import threading
     key = (threading.get_ident(), transport, tuple(map(tuple, groups or [])), rank, world_size, pin_layout,
            tuple(map(tuple, replica_groups or [])))
-    comms = _SHARED.get(key)
-    if comms is None:
-        comms = _SHARED[key] = select_collectives(transport, groups, rank, world_size, pin_layout, replica_groups)
-    return comms
+    world = _default_group(transport)
+    cached = _SHARED.get(key)
+    if cached is None or cached[0] is not world:
+        cached = _SHARED[key] = (world, select_collectives(transport, groups, rank, world_size, pin_layout,
+                                                           replica_groups))
+    return cached[1]
