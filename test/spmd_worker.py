@@ -90,7 +90,7 @@ def run(name: str, save: str, load: str) -> dict:
         spmd.shard_over_mesh(wrapped, spmd.make_mesh())
     opt = harness.make_optimizer(cfg["opt"], wrapped)
     device = torch_xla.device()
-    result = {"loss": 0.0, "compiles": [], "norm": 0.0}
+    result = {"loss": 0.0, "compiles": [], "norm": 0.0, "grad_views": 0}
     if load:
         xla_fsdp.load_sharded_checkpoint(wrapped, opt, load.format(name=name))
         steps = 0
@@ -102,6 +102,10 @@ def run(name: str, save: str, load: str) -> dict:
         out = wrapped(spmd.shard_batch(x.to(device)))
         loss = models.loss_fn(cfg["model"], out, y.to(device))
         loss.backward()
+        # A gradient that is a view keeps its base alive: on XLA both are outputs of the step graph
+        # (one more full-size write per parameter, each step).
+        result["grad_views"] = max(result["grad_views"], sum(p.grad._base is not None for p in wrapped.parameters()
+                                                             if p.grad is not None))
         norm = wrapped.clip_grad_norm_(cfg["clip"]) if cfg.get("clip") else None
         opt.step()
         opt.zero_grad()

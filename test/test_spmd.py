@@ -51,6 +51,7 @@ def test_spmd_mode_trains_like_unsharded_without_recompiling(devices, tmp_path):
         assert r["loss"] <= TOL and r["params"] <= TOL and r["norm"] <= TOL, (name, r)
         assert r["buffers"] <= BUFFER_TOL, (name, r)
         assert r["compiles"][2:] == [0, 0, 0], (name, r["compiles"])
+        assert r["grad_views"] == 0, (name, r["grad_views"])  # shard gradients own their data
         if devices > 1 and "hybrid" not in name:  # every master shard and optimizer tensor split over the devices
             assert all(_pieces(s) == (devices, 1) for s in r["shardings"]), (name, r["shardings"])
             assert all(_pieces(s) == (devices, 1) for s in r["optimizer_shardings"]), (name, r)

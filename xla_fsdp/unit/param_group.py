@@ -112,14 +112,22 @@ class ParamGroup:
     # --- layout helpers -------------------------------------------------------------------
     def _unpad(self, padded: torch.Tensor) -> torch.Tensor:
         if self.dim0:
+            if self.layout.padded_rows == self.layout.rows and tuple(padded.shape) == tuple(self.full_shape):
+                return padded  # no slice op: in SPMD the full parameter is then the annotated shard itself
             return padded[:self.layout.rows].view(self.full_shape)
         if self.flat:
             return padded
         return padded[:self.layout.numel].view(self.full_shape)
 
     def _pad_grad(self, grad: torch.Tensor) -> torch.Tensor:
-        if self.layout.padding == 0:
-            return grad.reshape(self.padded_shape)  # nothing to pad: no copy (one rank, CPU)
+        if self.layout.padding == 0:  # one rank: nothing to pad
+            if tuple(grad.shape) == tuple(self.padded_shape):
+                return grad
+            padded = grad.reshape(self.padded_shape)
+            # Eager: a view, no copy. Lazy (XLA): the shard gradient would be that view, and a live
+            # view keeps its base live, so both would be outputs of the step graph (one more
+            # full-size write per parameter); a lazy clone costs nothing, and the base is dropped.
+            return padded if self.comms.views_see_refills else padded.clone()
         if self.dim0:
             return pad_dim0(grad, self.layout)
         if self.flat:
