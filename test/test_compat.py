@@ -114,15 +114,20 @@ if __name__ == "__main__":
 
 
 def test_an_unchanged_torch_xla_fsdp_program_runs_on_xla_fsdp(tmp_path):
-    """``python -m xla_fsdp.compat SCRIPT``, 2 XLA:CPU devices (where torch_xla's own FSDP aborts)."""
+    """``python -m xla_fsdp.compat SCRIPT``, 2 XLA:CPU devices (where torch_xla's own FSDP aborts).
+    Every process of the run leaves its temp folder as it found it (the launcher, which replaces
+    itself with the program, left torch's ``_remote_module_non_scriptable.py`` folder behind)."""
     script = tmp_path / "train.py"
     script.write_text(PROGRAM)
-    env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="2")
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="2", TMPDIR=str(temp))
     proc = subprocess.run([sys.executable, "-m", "xla_fsdp.compat", str(script), str(tmp_path)], env=env,
                           capture_output=True, text=True, timeout=300)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT")]
     assert proc.returncode == 0 and lines, proc.stderr[-2000:]
     assert lines[0] == "RESULT xla_fsdp.fully_sharded_data_parallel ['0.bias', '0.weight', '2.bias', '2.weight']"
+    assert not [str(p.relative_to(temp)) for p in temp.rglob("*")]
 
 
 def test_replace_in_process_swaps_the_names():

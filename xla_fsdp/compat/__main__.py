@@ -3,6 +3,7 @@ xla_fsdp, in it and in every Python process it starts (``torch_xla.launch`` spaw
 processes afresh, so a ``sitecustomize`` on ``PYTHONPATH`` swaps the names in each of them)."""
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 from typing import List, Optional
@@ -23,6 +24,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     env = dict(os.environ, **{ENV: "1"})
     env["PYTHONPATH"] = os.pathsep.join(p for p in (STARTUP_DIR, PACKAGE_PARENT,
                                                    env.get("PYTHONPATH")) if p)
+    # This process ends here without exiting: run what it registered to run at exit first (importing
+    # xla_fsdp imports torch, whose torch.distributed.nn makes a temp folder it removes at exit).
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
     os.execve(sys.executable, [sys.executable] + argv, env)
     return 0  # not reached
 
