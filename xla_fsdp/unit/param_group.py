@@ -120,11 +120,11 @@ class ParamGroup:
         return padded[:self.layout.numel].view(self.full_shape)
 
     def _pad_grad(self, grad: torch.Tensor) -> torch.Tensor:
-        if self.layout.padding == 0:  # one rank: nothing to pad
+        if self.layout.padding == 0:  # nothing to pad (one rank, or sizes that divide evenly)
             if tuple(grad.shape) == tuple(self.padded_shape):
                 return grad
             padded = grad.reshape(self.padded_shape)
-            # Eager: a view, no copy. Lazy (XLA): the shard gradient would be that view, and a live
+            # Eager: a view, no copy. Lazy (XLA): at one rank the shard gradient would be that view, and a live
             # view keeps its base live, so both would be outputs of the step graph (one more
             # full-size write per parameter); a lazy clone costs nothing, and the base is dropped.
             return padded if self.comms.views_see_refills else padded.clone()
