@@ -67,6 +67,15 @@ class Program:
     reload: bool = False               # load the state saved after step 0 before step 2 (both runs)
     steps: int = 3
     wrong_reduction: bool = False      # self-test: sum gradients over ranks instead of averaging
+    # Programs as users write them (issue 42):
+    toggle: str = "none"               # at step 1, requires_grad of the shards holding blocks.0.fc.weight is
+    #                                    set False (freeze) or True (unfreeze: it is frozen at wrap if `frozen`)
+    clip_by: str = "model"             # with clip: model.clip_grad_norm_ | torch (torch.nn.utils.clip_grad_norm_
+    #                                    over model.parameters(), as the PyTorch and FSDP2 tutorials write it)
+    scaler: bool = False               # torch.amp.GradScaler; at step 1 one element of head.weight's
+    #                                    gradient is inf on rank 0 only (a hook): every rank must skip the step
+    hook: bool = False                 # a gradient hook registered before wrapping zeroes inp.weight's rows 0-1
+    output: str = "tensor"             # what the model and its blocks return: tensor | tuple | dict | dataclass
 
 
 def programs(world_size: int) -> st.SearchStrategy[Program]:
@@ -81,7 +90,10 @@ def programs(world_size: int) -> st.SearchStrategy[Program]:
         branch=st.sampled_from(["all", "steps", "ranks", "none"]), twice=st.booleans(), remat=st.booleans(),
         addmm=st.booleans(), tied=st.sampled_from(["none", "blocks", "late"]),
         micro=st.sampled_from([1, 1, 2]), clip=st.sampled_from([None, None, 0.05]),
-        eval_before_reload=st.booleans(), reload=st.booleans(), steps=st.integers(3, 4))
+        eval_before_reload=st.booleans(), reload=st.booleans(), steps=st.integers(3, 4),
+        toggle=st.sampled_from(["none", "none", "freeze", "unfreeze"]), clip_by=st.sampled_from(["model", "torch"]),
+        scaler=st.sampled_from([False, False, True]), hook=st.booleans(),
+        output=st.sampled_from(["tensor", "tuple", "dict", "dataclass"]))
     return program.filter(functools.partial(_exact, world_size=world_size))
 
 
@@ -131,14 +143,41 @@ class Late(nn.Linear):
     gradient reaches the shared weight before the block's recompute needs it."""
 
 
+@dataclasses.dataclass
+class Output:
+    """A plain dataclass output (Hugging Face's ModelOutput is one, registered with pytree)."""
+    logits: torch.Tensor
+    aux: Optional[torch.Tensor] = None
+    note: str = "out"
+
+
+def pack(kind: str, h: torch.Tensor) -> Any:
+    if kind == "tuple":
+        return h, 3
+    if kind == "dict":
+        return {"logits": h, "count": 3}
+    if kind == "dataclass":
+        return Output(h, aux=h.detach().sum())
+    return h
+
+
+def unpack(out: Any) -> torch.Tensor:
+    if isinstance(out, tuple):
+        return out[0]
+    if isinstance(out, dict):
+        return out["logits"]
+    return out.logits if isinstance(out, Output) else out
+
+
 class Block(nn.Module):
-    def __init__(self, addmm: bool = False):
+    def __init__(self, addmm: bool = False, output: str = "tensor"):
         super().__init__()
         self.norm = nn.LayerNorm(WIDTH)
         self.fc = Conv1D(WIDTH) if addmm else nn.Linear(WIDTH, WIDTH)
+        self.output = output
 
     def forward(self, h):
-        return h + torch.tanh(self.fc(self.norm(h)))
+        return pack(self.output, h + torch.tanh(self.fc(self.norm(h))))
 
 
 class Net(nn.Module):
@@ -146,7 +185,10 @@ class Net(nn.Module):
         super().__init__()
         self.embedding = p.embedding
         self.inp = nn.Embedding(VOCAB, WIDTH) if p.embedding else nn.Linear(6, WIDTH)
-        self.blocks = nn.ModuleList([Block(p.addmm), Block(p.addmm)])
+        # torch_xla's reentrant checkpoint returns tensors only: checkpointed blocks return one
+        block_output = "tensor" if p.remat else p.output
+        self.blocks = nn.ModuleList([Block(p.addmm, block_output), Block(p.addmm, block_output)])
+        self.output = p.output
         self.branch = nn.Linear(WIDTH, WIDTH)
         self.bn = nn.BatchNorm1d(WIDTH) if p.batchnorm else None
         self.temp = nn.Parameter(torch.tensor(1.25)) if p.scalar else None
@@ -162,9 +204,9 @@ class Net(nn.Module):
 
     def forward(self, x, use_branch: bool = True):
         h = self.inp(x).mean(1) if self.embedding else self.inp(x)
-        h = self.blocks[1](self.blocks[0](h))
+        h = unpack(self.blocks[1](unpack(self.blocks[0](h))))
         if self.twice:
-            h = self.blocks[0](h)
+            h = unpack(self.blocks[0](h))
         if self.late is not None:
             h = h + torch.tanh(self.late(h))
         if self.bn is not None:
@@ -172,7 +214,31 @@ class Net(nn.Module):
         if use_branch:  # after the BatchNorm, which would cancel the branch's bias (a zero gradient
             h = h + self.branch(h)  # that AdamW turns into steps of rounding noise)
         out = self.head(h)
-        return out * self.temp if self.temp is not None else out
+        return pack(self.output, out * self.temp if self.temp is not None else out)
+
+
+class StepState:
+    """What the gradient hooks of a program read: the step, this rank, and whether it runs."""
+
+    def __init__(self, rank: int):
+        self.step, self.rank = 0, rank
+
+
+def add_hooks(p: Program, model: Net, state: StepState) -> None:
+    """Hooks a program registers on its parameters before wrapping (both runs register them)."""
+    if p.hook:
+        def mask(g):
+            g = g.clone()
+            g[:2] = 0  # "train only the new rows": rows 0-1 keep their values
+            return g
+        model.inp.weight.register_hook(mask)
+    if p.scaler:
+        def overflow(g):
+            if state.step == 1 and state.rank == 0:
+                g = g.clone()
+                g.view(-1)[0] = float("inf")
+            return g
+        model.head.weight.register_hook(overflow)
 
 
 def batch(p: Program, step: int, micro: int, rank: int):
@@ -233,7 +299,57 @@ def wrap(p: Program, model: Net, world_size: int) -> FSDP:
 
 # ----------------------------------------------------------------------------- one run
 def _loss(p: Program, model, x, y, use_branch):
-    return F.cross_entropy(model(x, use_branch=use_branch).float(), y)
+    return F.cross_entropy(unpack(model(x, use_branch=use_branch)).float(), y)
+
+
+def make_scaler(p: Program, device) -> Optional[torch.amp.GradScaler]:
+    # 2**10: a power of two, so scaling and unscaling change no bit of an fp32 gradient
+    return torch.amp.GradScaler(torch.device(device).type, init_scale=2.0 ** 10) if p.scaler else None
+
+
+def toggled_names(p: Program, model: FSDP) -> List[str]:
+    """Original names of every parameter in the shards holding blocks.0.fc.weight (a flat shard
+    holds others too: they are toggled with it, in the reference run as well)."""
+    names: List[str] = []
+    for layout in model.get_shard_metadata()["layout"].values():
+        if "blocks.0.fc.weight" in layout["names"]:
+            names += layout["names"]
+    return names
+
+
+def set_requires_grad(p: Program, model: nn.Module, names: List[str]) -> None:
+    """The program's toggle at step 1, on the shards (sharded run) or the parameters (reference)."""
+    value = p.toggle == "unfreeze"
+    if isinstance(model, FSDP):
+        shards = {k for k, layout in model.get_shard_metadata()["layout"].items()
+                  if set(layout["names"]) & set(names)}
+        for key, shard in model.named_parameters():
+            if key in shards:
+                shard.requires_grad_(value)
+    else:
+        for name, param in model.named_parameters():
+            if name in names:
+                param.requires_grad_(value)
+
+
+def clip(p: Program, model: nn.Module) -> float:
+    if p.clip_by == "torch" or not isinstance(model, FSDP):
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), p.clip)
+    else:
+        norm = model.clip_grad_norm_(p.clip)
+    return float(norm)
+
+
+def optimizer_step(p: Program, model: nn.Module, opt: torch.optim.Optimizer, scaler, norms: List[float]) -> None:
+    if scaler is not None and p.clip:
+        scaler.unscale_(opt)
+    if p.clip:
+        norms.append(clip(p, model))
+    if scaler is not None:
+        scaler.step(opt)
+        scaler.update()
+    else:
+        opt.step()
 
 
 _BUILD_LOCK = threading.Lock()  # XLA:CPU ranks are threads sharing the CPU RNG
@@ -241,10 +357,15 @@ _BUILD_LOCK = threading.Lock()  # XLA:CPU ranks are threads sharing the CPU RNG
 
 def train_sharded(p: Program, rank: int, world_size: int, device, sync,
                   barrier=lambda: None) -> Dict[str, Any]:
+    state = StepState(rank)
     with _BUILD_LOCK:
         torch.manual_seed(0)
-        model = wrap(p, Net(p), world_size)
+        net = Net(p)
+        add_hooks(p, net, state)
+        model = wrap(p, net, world_size)
     sync()
+    toggled = toggled_names(p, model) if p.toggle != "none" else []
+    scaler = make_scaler(p, device)
     barrier()  # nobody trains (torch_xla's checkpoint forks the CPU RNG) before all have built
     if p.wrong_reduction:
         model.set_gradient_divide_factors(1.0, 1.0)  # sums over ranks: the self-test's bug
@@ -253,6 +374,9 @@ def train_sharded(p: Program, rank: int, world_size: int, device, sync,
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", xla_fsdp.unit.gradient_usage.UnusedFlatParameterWarning)
         for step in range(p.steps):
+            state.step = step
+            if step == 1 and toggled:
+                set_requires_grad(p, model, toggled)
             if p.reload and step == 2:
                 if p.eval_before_reload:
                     x, _ = batch(p, 99, 0, rank)
@@ -268,17 +392,17 @@ def train_sharded(p: Program, rank: int, world_size: int, device, sync,
                 ctx = model.no_sync() if k < p.micro - 1 else _Null()
                 with ctx:
                     loss = _loss(p, model, x.to(device), y.to(device), uses_branch(p, step, rank))
-                    loss.backward()
+                    (scaler.scale(loss) if scaler is not None else loss).backward()
                 sync()
                 total += loss.item()
-            if p.clip:
-                norms.append(float(model.clip_grad_norm_(p.clip)))
-            opt.step()
+            optimizer_step(p, model, opt, scaler, norms)
             sync()
             losses.append(total)
             if p.reload and step == 0:
                 saved = (full_state_dict(model, rank0_only=False), full_optim_state_dict(model, opt, rank0_only=False))
-    return {"losses": losses, "norms": norms, "full": full_state_dict(model, rank0_only=False),
+    return {"losses": losses, "norms": norms, "toggled": toggled,
+            "scale": scaler.get_scale() if scaler is not None else None,
+            "full": full_state_dict(model, rank0_only=False),
             "optim": full_optim_state_dict(model, opt, rank0_only=False),
             "state_dict": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
             "metadata": model.get_shard_metadata(),
@@ -294,12 +418,21 @@ class _Null:
         return False
 
 
-def train_reference(p: Program, world_size: int) -> Dict[str, Any]:
+def train_reference(p: Program, world_size: int, toggled: Optional[List[str]] = None) -> Dict[str, Any]:
+    """``toggled``: the names the sharded run toggled (its flat shards may hold more than blocks.0.fc)."""
     torch.manual_seed(0)
     model = Net(p)
+    state = StepState(0)  # the overflow of rank 0's batch: the reference runs every rank's batch
+    add_hooks(p, model, state)
     opt = make_optimizer(p, model)
+    scaler = make_scaler(p, "cpu")
+    if toggled is None:
+        toggled = ["blocks.0.fc.weight", "blocks.0.fc.bias"] if p.toggle != "none" else []
     losses, norms, saved = [], [], None
     for step in range(p.steps):
+        state.step = step
+        if step == 1 and toggled:
+            set_requires_grad(p, model, toggled)
         if p.reload and step == 2:
             model.load_state_dict(saved[0])
             opt.load_state_dict(saved[1])
@@ -308,18 +441,17 @@ def train_reference(p: Program, world_size: int) -> Dict[str, Any]:
         for k in range(p.micro):
             per_rank = [_loss(p, model, *batch(p, step, k, r), uses_branch(p, step, r)) for r in range(world_size)]
             loss = torch.stack(per_rank).mean()
-            loss.backward()
+            (scaler.scale(loss) if scaler is not None else loss).backward()
             total += loss.item()
-        if p.clip:
-            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), p.clip)))
-        opt.step()
+        optimizer_step(p, model, opt, scaler, norms)
         losses.append(total)
         if p.reload and step == 0:
             saved = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()))
     names = {id(q): n for n, q in model.named_parameters()}
     ordered = [names[id(q)] for g in opt.param_groups for q in g["params"]]
     optim = {ordered[i]: s for i, s in opt.state_dict()["state"].items()}
-    return {"losses": losses, "norms": norms, "full": model.state_dict(), "optim": optim}
+    return {"losses": losses, "norms": norms, "full": model.state_dict(), "optim": optim,
+            "scale": scaler.get_scale() if scaler is not None else None}
 
 
 # ----------------------------------------------------------------------------- comparison
@@ -332,6 +464,8 @@ def compare(p: Program, sharded: List[Dict[str, Any]], ref: Dict[str, Any]) -> f
     def close(what: str, got, want, tolerance: float) -> None:
         nonlocal worst
         got, want = torch.as_tensor(got, dtype=torch.float32), torch.as_tensor(want, dtype=torch.float32)
+        assert torch.equal(got.isfinite(), want.isfinite()), f"{what}: finite where the other is not ({p})"
+        got, want = got.nan_to_num(0.0, 0.0, 0.0), want.nan_to_num(0.0, 0.0, 0.0)
         assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
         dev = (got - want).abs().max().item() if got.numel() else 0.0
         worst = max(worst, dev)
@@ -342,6 +476,7 @@ def compare(p: Program, sharded: List[Dict[str, Any]], ref: Dict[str, Any]) -> f
     close("losses (mean over ranks)", torch.tensor([r["losses"] for r in sharded]).mean(0), ref["losses"], loss_tol)
     for rank, r in enumerate(sharded):
         assert not r["warnings"], f"rank {rank} warned: {r['warnings']}"
+        assert r["scale"] == ref["scale"], f"rank {rank}: loss scale {r['scale']} != {ref['scale']} ({p})"
         # A gradient norm sums every squared gradient: relative to its size (norms of 6 and more
         # with BatchNorm on 3 samples differ by 5e-5 between XLA's and eager's fp32 summation).
         norm_scale = max([1.0] + [abs(float(n)) for n in ref["norms"]])

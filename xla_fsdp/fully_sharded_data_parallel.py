@@ -15,7 +15,6 @@ from typing import Any, Callable, Dict, Generator, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_map_only
 
 from .collectives import resolve_transport, shared_collectives
 from .strategy import plan_for_unit, resolve_torch_group_keywords
@@ -29,6 +28,7 @@ from .unit.setup import UnitSetup
 from .unit.param_group import SOLO_NUMEL, start_unshard
 from .unit.param_names import WRAPPED
 from .unit.schedule import TrainingState
+from .unit.tensor_tree import map_tensors
 from .wrap import recursive_wrap, set_default_wrapper
 
 METADATA_VERSION = 1
@@ -298,18 +298,22 @@ class XlaFullyShardedDataParallel(UnitSetup, GradientReduction, ShardedUnit):
                 unit._is_root = False
             unit._reduces_in_flight = self._reduces_in_flight
             unit._schedule = self._schedule
-        self._trainable_groups = [g for u in self._units_in_tree for g in u._groups if g.requires_grad]
         for unit in self._units_in_tree:
             if getattr(unit._fsdp_wrapped_module, "_xla_fsdp_checkpointed", False):
                 unit._find_shared_groups(self._units_in_tree)
-        # Which groups get gradients is worth finding out after each forward where ranks could
-        # disagree, or where a flat shard could be only partly used (see usage.py).
-        data_parallel = self.comms.world_size * self.comms.num_replicas
-        self._plans_gradients = bool(self._trainable_groups) and (
-            data_parallel > 1 or any(g.flat and len(g.refs) > 1 for g in self._trainable_groups))
+        self._find_trainable_groups()
         if self.disable_reshard_on_root:
             self.reshard_after_forward = False
         self.comms.check_construction()
+
+    def _find_trainable_groups(self) -> None:
+        """The root's list of groups that train, and whether each forward must plan which of them
+        get gradients: where ranks could disagree, or a flat shard could be only partly used (see
+        gradient_usage.py)."""
+        self._trainable_groups = [g for u in self._units_in_tree for g in u._groups if g.requires_grad]
+        data_parallel = self.comms.world_size * self.comms.num_replicas
+        self._plans_gradients = bool(self._trainable_groups) and (
+            data_parallel > 1 or any(g.flat and len(g.refs) > 1 for g in self._trainable_groups))
 
     def assert_state(self, state: Any) -> None:
         """Raise ValueError unless the unit is in ``state`` (one state or a list; this package's
@@ -335,13 +339,16 @@ class XlaFullyShardedDataParallel(UnitSetup, GradientReduction, ShardedUnit):
             self.training_state = TrainingState.FORWARD
         if self.compute_dtype != torch.float32:
             cast = lambda t: t.to(self.compute_dtype) if t.is_floating_point() else t
-            args, kwargs = tree_map_only(torch.Tensor, cast, args), tree_map_only(torch.Tensor, cast, kwargs)
+            args, kwargs = map_tensors(cast, args), map_tensors(cast, kwargs)
         if self.optimization_barrier_in_forward:
             self.comms.optimization_barrier(barrier_sources(self._offload, self._groups))
         if in_backward:
             self._unshard(backward=True)
         else:
             if self._is_root:
+                # Parameters frozen or unfrozen since the last step: every rank must do the same.
+                if any([unit._follow_requires_grad() for unit in self._units_in_tree]):
+                    self._find_trainable_groups()
                 self._schedule.recording = []
                 self._schedule.release_kept()
                 self._begin_gradient_plan()
@@ -359,8 +366,7 @@ class XlaFullyShardedDataParallel(UnitSetup, GradientReduction, ShardedUnit):
             self._schedule.end_forward(self._units_in_tree)
             self._end_gradient_plan(outputs)
         if self.output_dtype is not None:
-            outputs = tree_map_only(torch.Tensor, lambda t: t.to(self.output_dtype) if t.is_floating_point() else t,
-                                    outputs)
+            outputs = map_tensors(lambda t: t.to(self.output_dtype) if t.is_floating_point() else t, outputs)
         if in_backward:  # a checkpoint recompute: parameters stay for this backward
             return outputs
         if self.reshard_after_forward and torch.is_grad_enabled() and not self._is_root:

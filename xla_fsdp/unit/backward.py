@@ -7,11 +7,11 @@ from typing import Any, List, Optional, Set
 
 import torch
 from torch.autograd import Variable
-from torch.utils._pytree import tree_map_only
 
 from .offload import barrier_sources, land_gradients
 from .param_group import ParamGroup, start_reduce
 from .schedule import TrainingState
+from .tensor_tree import tensors_in
 from .gradient_usage import GradientPlan, reachable_edges, used_members
 
 
@@ -109,12 +109,10 @@ class GradientReduction:
         def hook(grad: torch.Tensor) -> None:
             self._pre_backward(grad)
 
-        def register(t: torch.Tensor) -> torch.Tensor:
+        for t in tensors_in(outputs):
             if t.requires_grad:
                 t.register_hook(hook)
-            return t
-
-        return tree_map_only(torch.Tensor, register, outputs)
+        return outputs
 
     def _pre_backward(self, grad: torch.Tensor) -> None:
         if self._pre_backward_done:

@@ -23,7 +23,8 @@ from typing import Any, Callable, Iterable, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch.autograd.graph import get_gradient_edge
-from torch.utils._pytree import tree_flatten
+
+from .tensor_tree import tensors_in
 
 Edge = Tuple[Any, int]  # (autograd node, input number): where a tensor's gradient flows
 
@@ -38,8 +39,8 @@ def reachable_edges(outputs: Any) -> Set[Edge]:
     edges: Set[Edge] = set()
     seen: Set[Any] = set()
     stack = []
-    for t in tree_flatten(outputs)[0]:
-        if isinstance(t, torch.Tensor) and t.requires_grad:
+    for t in tensors_in(outputs):
+        if t.requires_grad:
             node, nr = tensor_edge(t)
             edges.add((node, nr))
             if node not in seen:

@@ -23,6 +23,8 @@ from typing import Any, Callable, Iterable, Iterator, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
+from .shard_grad import run_post_accumulate_hooks
+
 STORAGE_DTYPES = (None, torch.float32, torch.bfloat16)
 
 
@@ -60,7 +62,7 @@ class HostOffload:
         self.pin = pin_memory and device.type == "cuda"  # pinned pages only help copies to a GPU
         #: XLA: gradients wait on the device for the end of backward (see the module docstring)
         self.lazy = device.type == "xla"
-        self._waiting: List[Tuple[torch.Tensor, torch.Tensor]] = []  # (host shard, device gradient)
+        self._waiting: List[Tuple[torch.Tensor, torch.Tensor, Callable]] = []  # (host shard, device gradient, as_grad)
         self._copies_in_flight = False
 
     # --- parameters ---------------------------------------------------------------------------
@@ -80,25 +82,31 @@ class HostOffload:
         return shard.to(self.device, dtype=dtype, non_blocking=self.pin, copy=True)
 
     # --- gradients ----------------------------------------------------------------------------
-    def add_grad(self, shard: torch.Tensor, reduced: torch.Tensor) -> None:
-        """Add a reduced device gradient shard to the host shard's ``grad``."""
+    def add_grad(self, shard: torch.Tensor, reduced: torch.Tensor,
+                 as_grad: Callable[[torch.Tensor], torch.Tensor] = lambda g: g) -> None:
+        """Add a reduced device gradient shard to the host shard's ``grad`` (a new ``grad`` is
+        made ``as_grad(host tensor)``: the shard gradient type, see shard_grad.py)."""
         if self.lazy:
-            self._waiting.append((shard, reduced))
+            self._waiting.append((shard, reduced, as_grad))
         else:
-            self._store(shard, reduced)
+            self._store(shard, reduced, as_grad)
 
-    def _store(self, shard: torch.Tensor, reduced: torch.Tensor, owned: bool = False) -> None:
+    def _store(self, shard: torch.Tensor, reduced: torch.Tensor, as_grad: Callable[[torch.Tensor], torch.Tensor],
+               owned: bool = False) -> None:
         """``owned``: ``reduced`` is a host tensor read back for this gradient alone, kept as it is."""
         reduced = reduced.reshape(shard.shape)
         if shard.grad is None and owned and reduced.dtype == shard.dtype:
-            shard.grad = reduced
+            shard.grad = as_grad(reduced)
         elif shard.grad is None:
             grad = torch.empty(shard.shape, dtype=shard.dtype, device="cpu", pin_memory=self.pin)
             grad.copy_(reduced, non_blocking=self.pin)  # a fresh buffer: nothing reads it before backward ends
             self._copies_in_flight |= self.pin
-            shard.grad = grad
+            shard.grad = as_grad(grad)
         else:  # accumulating (no zero_grad between backwards): the sum needs the data now
             shard.grad.add_(reduced.to("cpu", dtype=shard.dtype))
+        if shard._post_accumulate_grad_hooks:  # they read the host gradient: let the copy end first
+            self._wait_for_copies()
+            run_post_accumulate_hooks(shard)
 
     @property
     def waiting(self) -> bool:
@@ -108,9 +116,12 @@ class HostOffload:
         """Finish this unit's gradient copies: store the waiting ones (their host values read
         already, in order, when given) and wait for non-blocking copies."""
         waiting, self._waiting = self._waiting, []
-        values = host_values if host_values is not None else [r for _, r in waiting]
-        for (shard, _), value in zip(waiting, values):
-            self._store(shard, value, owned=host_values is not None)
+        values = host_values if host_values is not None else [r for _, r, _ in waiting]
+        for (shard, _, as_grad), value in zip(waiting, values):
+            self._store(shard, value, as_grad, owned=host_values is not None)
+        self._wait_for_copies()
+
+    def _wait_for_copies(self) -> None:
         if self._copies_in_flight:
             torch.cuda.current_stream(self.device).synchronize()
             self._copies_in_flight = False
@@ -126,7 +137,7 @@ def land_gradients(offloads: Iterable[HostOffload], sync: Callable[[], None]) ->
         import torch_xla
 
         sync()
-        device = [r for o in lazy for _, r in o._waiting]
+        device = [r for o in lazy for _, r, _ in o._waiting]
         host = torch_xla._XLAC._xla_get_cpu_tensors(device)
         position = 0
         for o in lazy:

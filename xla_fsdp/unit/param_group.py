@@ -17,6 +17,7 @@ import torch.nn as nn
 from ..collectives import Collectives
 from .gradient_usage import Edge, tensor_edge
 from .offload import HostOffload
+from .shard_grad import as_shard_grad, run_post_accumulate_hooks, run_shard_hooks
 from ..sharding import Dim0Layout, FlatLayout, flatten_and_pad, pad_dim0, shard_of
 
 
@@ -38,7 +39,9 @@ class ParamRef:
 class ParamGroup:
     """Owns one shard parameter and the matching full parameter for a unit."""
 
-    CHANNELS = 4  # forward gather, backward gather, reduce-scatter, replica all-reduce
+    # forward gather, backward gather, reduce-scatter, replica all-reduce, and the norms and overflow
+    # checks the program takes of the shard gradient (see shard_grad.py)
+    CHANNELS = 5
 
     def __init__(self, refs: List[ParamRef], comms: Collectives, *, flat: bool, dim0: bool,
                  pad_multiple: int, compute_dtype: torch.dtype, channel: int,
@@ -54,8 +57,8 @@ class ParamGroup:
         self.offload = offload
         self._staged: Optional[Tuple[int, torch.Tensor]] = None  # (shard version, device copy) for a barrier
         (self.channel_forward, self.channel_backward, self.channel_reduce,
-         self.channel_replicas) = range(channel, channel + self.CHANNELS)
-        self.requires_grad = refs[0].param.requires_grad
+         self.channel_replicas, self.channel_grad_norm) = range(channel, channel + self.CHANNELS)
+        requires_grad = refs[0].param.requires_grad
         ws, rank = comms.world_size, comms.rank
         sources = [r.param.detach() for r in refs]
 
@@ -75,12 +78,14 @@ class ParamGroup:
             shard = offload.host_shard(shard, storage_dtype)
         else:
             shard = shard.clone().to(storage_dtype).to(comms.device)
-        self.shard = nn.Parameter(shard, requires_grad=self.requires_grad)
+        self.shard = nn.Parameter(shard, requires_grad=requires_grad)
         # Its gradient is reduced here: torch_xla's all-reduce of every gradient (xm.optimizer_step,
         # Accelerate's XLA path) must leave it out (see collectives/xla_gradients.py).
         self.shard._xla_fsdp_reduced = True
         self.full = nn.Parameter(comms.new_full(self.full_shape, self.layout.padded_numel, compute_dtype),
-                                 requires_grad=self.requires_grad)
+                                 requires_grad=requires_grad)
+        #: whether the group trains, as last seen (see :meth:`follow_requires_grad`)
+        self.requires_grad = requires_grad
         comms.free(self.full)
         self.state = ShardedState.SHARDED
         # The shard's version counter when ``full`` was last gathered from it: any in-place change
@@ -97,6 +102,11 @@ class ParamGroup:
         # another unit in between gathers twice, and backward must refill what both calls saved.
         self._member_sets: List[List[torch.Tensor]] = []
         _install_optimizer_check()
+        #: per member, the gradient hooks the program registered on the original parameter
+        self._member_hooks = [_hooks_kept_from(ref) for ref in refs]
+        if not flat:
+            for hook in self._member_hooks[0]:
+                self.full.register_hook(hook)  # ``full`` is the parameter the module computes with
         # The originals stop being registered parameters; the module reads full data through
         # plain attributes that ``install`` refreshes after every gather.
         for ref in refs:
@@ -108,6 +118,27 @@ class ParamGroup:
             # the whole model in host memory (the object stays, marked, to catch sharing across units).
             ref.param.data = ref.param.data.new_empty(0)
         self.install()
+
+    def follow_requires_grad(self) -> bool:
+        """Take up a ``requires_grad`` the program set since the last forward, on the shard (what
+        ``model.parameters()`` yields) or on the full parameter (what the module's attribute is);
+        returns whether it changed. Tensors handed to the module before keep the old flag, so a
+        gathered group is freed and gathered again, as PyTorch's FSDP2 reads its sharded
+        parameter's flag at every all-gather."""
+        wanted = self.shard.requires_grad
+        if wanted == self.requires_grad:
+            wanted = self.full.requires_grad
+        if wanted == self.requires_grad:
+            return False
+        self.requires_grad = wanted
+        self.shard.requires_grad_(wanted)
+        self.full.requires_grad_(wanted)
+        if self.state is ShardedState.UNSHARDED:
+            if self._aliases_shard():
+                self.install()
+            else:
+                self.reshard()
+        return True
 
     # --- layout helpers -------------------------------------------------------------------
     def _unpad(self, padded: torch.Tensor) -> torch.Tensor:
@@ -241,16 +272,24 @@ class ParamGroup:
             # of the weight) saves fewer tensors than the forward did and torch's checkpoint fails.
             with torch.enable_grad():
                 chunks = torch.split(self.full, sizes)
-                return [c.view(shape) for c, shape in zip(chunks, self.layout.shapes)]
+                return self._hooked([c.view(shape) for c, shape in zip(chunks, self.layout.shapes)])
         if refill_saved and self._members is not None:
             pieces = torch.split(self.full, sizes)
             for members in self._member_sets:
                 for member, piece, shape in zip(members, pieces, self.layout.shapes):
                     self.comms.fill_full(member, piece, tuple(shape), lambda t: t)
         else:
-            self._members = list(_SplitFlat.apply(self.full, tuple(sizes), tuple(self.layout.shapes)))
+            self._members = self._hooked(list(_SplitFlat.apply(self.full, tuple(sizes), tuple(self.layout.shapes))))
             self._member_sets.append(self._members)
         return self._members
+
+    def _hooked(self, members: List[torch.Tensor]) -> List[torch.Tensor]:
+        """Members handed to the module carry the hooks of the parameters they stand for."""
+        for member, hooks in zip(members, self._member_hooks):
+            if member.requires_grad:
+                for hook in hooks:
+                    member.register_hook(hook)
+        return members
 
     def prepare_grad(self, grad: torch.Tensor, pre_divide: float, fp32_reduce_scatter: bool) -> torch.Tensor:
         """The padded, pre-divided full gradient, ready to reduce-scatter."""
@@ -274,12 +313,19 @@ class ParamGroup:
         return reduced.view(self.shard.shape)
 
     def accumulate_shard_grad(self, reduced: torch.Tensor) -> None:
-        if self.offload is not None:
-            self.offload.add_grad(self.shard, reduced)  # to the host (at the end of backward on XLA)
-        elif self.shard.grad is None:
-            self.shard.grad = reduced
+        reduced = run_shard_hooks(self.shard, reduced)
+        if self.offload is not None:  # to the host (at the end of backward on XLA)
+            self.offload.add_grad(self.shard, reduced, self.as_shard_grad)
+            return
+        if self.shard.grad is None:
+            self.shard.grad = self.as_shard_grad(reduced)
         else:
             self.shard.grad += reduced
+        run_post_accumulate_hooks(self.shard)
+
+    def as_shard_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        """The shard's gradient as the program sees it: norms and overflow checks span the ranks."""
+        return as_shard_grad(grad, self.comms, self.channel_grad_norm)
 
     # --- introspection --------------------------------------------------------------------
     @property
@@ -428,6 +474,18 @@ class _SplitFlat(torch.autograd.Function):
         if ctx.padding:
             flat.append(grads[0].new_zeros(ctx.padding))
         return torch.cat(flat), None, None
+
+
+def _hooks_kept_from(ref: ParamRef) -> List[Callable]:
+    """Gradient hooks registered on an original parameter before wrapping: they move to the
+    tensor the module computes with, so they see (and may change) the full gradient as before.
+    A post-accumulate hook would read ``param.grad`` of a parameter that no longer gets one."""
+    if ref.param._post_accumulate_grad_hooks:
+        raise RuntimeError(
+            f"xla_fsdp: parameter '{ref.fqn}' has a post-accumulate-grad hook registered before wrapping; "
+            "the original parameter gets no gradient once sharded. Register it after wrapping on the shard "
+            "(a parameter of model.parameters()): it then runs once the reduced gradient block is in shard.grad.")
+    return list((ref.param._backward_hooks or {}).values())
 
 
 _optimizer_check_installed = False

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, List, Optional, Set, Tuple
 
 import torch
 import torch.nn as nn
@@ -37,17 +37,29 @@ class UnitSetup:
             unit = weakref.ref(self)
             object.__setattr__(module, "_xla_fsdp_before_recompute", lambda: unit()._before_recompute())
         self._groups: List[ParamGroup] = self._build_groups(refs)
+        self._watched_groups: Set[int] = set()  # ids of groups whose full parameter has the gradient hook
         self._shard_names: List[str] = []
         for group in self._groups:
             name = self._shard_param_name(group)
             self.register_parameter(name, group.shard)
             self._shard_names.append(name)
-            if group.requires_grad:
-                group.full.register_post_accumulate_grad_hook(
-                    functools.partial(self._on_full_grad_ready, group))
+        self._follow_requires_grad()
         self.buffer_info = {k: {"_orig_dtype": v} for k, v in
                             construction.cast_buffers(module, self.buffer_dtype, "").items()}
         module.to(self.comms.device)
+
+    def _follow_requires_grad(self) -> bool:
+        """Take up ``requires_grad`` changes the program made since the last forward (freezing or
+        unfreezing after wrapping); a group that trains gets its gradient hook once. Returns
+        whether any group changed."""
+        changed = False
+        for group in self._groups:
+            changed |= group.follow_requires_grad()
+            if group.requires_grad and id(group) not in self._watched_groups:
+                group.full.register_post_accumulate_grad_hook(functools.partial(self._on_full_grad_ready, group))
+                self._watched_groups.add(id(group))
+        self._num_grad_groups = sum(g.requires_grad for g in self._groups)
+        return changed
 
     def _init_step_state(self) -> None:
         """What the forward/backward life cycle tracks from step to step."""
@@ -62,7 +74,6 @@ class UnitSetup:
         self._reduces_in_flight: List[ReduceInFlight] = []
         self._schedule = Schedule()  # shared by the root's tree too
         self._unshard_in_flight: Optional[Callable[[], None]] = None  # a started (pre)fetch
-        self._num_grad_groups = sum(g.requires_grad for g in self._groups)
         # Gradients are averaged over every rank that computed one: the shard group and its replicas.
         data_parallel = self.world_size * self.comms.num_replicas
         self.gradient_predivide_factor = default_predivide_factor(data_parallel)
