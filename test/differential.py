@@ -76,6 +76,10 @@ class Program:
     #                                    gradient is inf on rank 0 only (a hook): every rank must skip the step
     hook: bool = False                 # a gradient hook registered before wrapping zeroes inp.weight's rows 0-1
     output: str = "tensor"             # what the model and its blocks return: tensor | tuple | dict | dataclass
+    reinit: bool = False               # at step 1: model.apply(init) (zeroed biases, halved weights, LayerNorm
+    #                                    scales reset) and an in-place edit of head.weight under torch.no_grad()
+    rnn: bool = False                  # an nn.LSTM after the input layer (its own unit when auto-wrapped)
+    offload: bool = False              # cpu_offload=True: shards, gradients and optimizer state on the host
 
 
 def programs(world_size: int) -> st.SearchStrategy[Program]:
@@ -93,7 +97,8 @@ def programs(world_size: int) -> st.SearchStrategy[Program]:
         eval_before_reload=st.booleans(), reload=st.booleans(), steps=st.integers(3, 4),
         toggle=st.sampled_from(["none", "none", "freeze", "unfreeze"]), clip_by=st.sampled_from(["model", "torch"]),
         scaler=st.sampled_from([False, False, True]), hook=st.booleans(),
-        output=st.sampled_from(["tensor", "tuple", "dict", "dataclass"]))
+        output=st.sampled_from(["tensor", "tuple", "dict", "dataclass"]), reinit=st.booleans(), rnn=st.booleans(),
+        offload=st.sampled_from([False, False, True]))
     return program.filter(functools.partial(_exact, world_size=world_size))
 
 
@@ -188,6 +193,7 @@ class Net(nn.Module):
         # torch_xla's reentrant checkpoint returns tensors only: checkpointed blocks return one
         block_output = "tensor" if p.remat else p.output
         self.blocks = nn.ModuleList([Block(p.addmm, block_output), Block(p.addmm, block_output)])
+        self.rnn = nn.LSTM(WIDTH, WIDTH, batch_first=True) if p.rnn else None
         self.output = p.output
         self.branch = nn.Linear(WIDTH, WIDTH)
         self.bn = nn.BatchNorm1d(WIDTH) if p.batchnorm else None
@@ -204,6 +210,8 @@ class Net(nn.Module):
 
     def forward(self, x, use_branch: bool = True):
         h = self.inp(x).mean(1) if self.embedding else self.inp(x)
+        if self.rnn is not None:
+            h = h + self.rnn(h.unsqueeze(1))[0][:, 0]
         h = unpack(self.blocks[1](unpack(self.blocks[0](h))))
         if self.twice:
             h = unpack(self.blocks[0](h))
@@ -280,6 +288,8 @@ def wrap(p: Program, model: Net, world_size: int) -> FSDP:
         kw["hybrid_shard_size"] = 2
     if p.dtype == "bf16":
         kw.update(compute_dtype=torch.bfloat16, fp32_reduce_scatter=True, output_dtype=torch.float32)
+    if p.offload:
+        kw["cpu_offload"] = True
     if p.layout == "flat" and p.optimizer == "adamw_groups":
         kw["flatten_group_fn"] = lambda name, q: no_decay(name)
     child = dict(kw, output_dtype=None)
@@ -332,6 +342,23 @@ def set_requires_grad(p: Program, model: nn.Module, names: List[str]) -> None:
                 param.requires_grad_(value)
 
 
+def reinit(model: nn.Module) -> None:
+    """Re-initialising a trained model, as programs do after wrapping (Hugging Face's post_init,
+    a reset of the head): the same calls in both runs; the sharded one gets the full parameters
+    from ``apply`` itself and from ``summon_full_params`` for the in-place edit."""
+    def init(m: nn.Module) -> None:
+        if isinstance(m, nn.Linear):
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+            m.weight.data.mul_(0.5)
+        elif isinstance(m, nn.LayerNorm):
+            nn.init.ones_(m.weight)
+    model.apply(init)
+    context = FSDP.summon_full_params(model) if isinstance(model, FSDP) else _Null()
+    with context, torch.no_grad():
+        model.head.weight[0].fill_(0.1)
+
+
 def clip(p: Program, model: nn.Module) -> float:
     if p.clip_by == "torch" or not isinstance(model, FSDP):
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), p.clip)
@@ -377,6 +404,9 @@ def train_sharded(p: Program, rank: int, world_size: int, device, sync,
             state.step = step
             if step == 1 and toggled:
                 set_requires_grad(p, model, toggled)
+            if step == 1 and p.reinit:
+                reinit(model)
+                sync()
             if p.reload and step == 2:
                 if p.eval_before_reload:
                     x, _ = batch(p, 99, 0, rank)
@@ -433,6 +463,8 @@ def train_reference(p: Program, world_size: int, toggled: Optional[List[str]] = 
         state.step = step
         if step == 1 and toggled:
             set_requires_grad(p, model, toggled)
+        if step == 1 and p.reinit:
+            reinit(model)
         if p.reload and step == 2:
             model.load_state_dict(saved[0])
             opt.load_state_dict(saved[1])

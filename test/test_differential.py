@@ -137,6 +137,16 @@ REGRESSIONS = {
     "dataclass_output_root": Program(scalar=False, output="dataclass", wrap="root"),
     "dataclass_output_nested": Program(scalar=False, output="dataclass"),
     "dict_output_flat_bf16": Program(scalar=False, output="dict", layout="flat", dtype="bf16"),
+    # 1 with offload: AdamW's step count moved for a frozen host shard
+    "freeze_mid_run_offload": Program(scalar=False, toggle="freeze", optimizer="adamw", offload=True),
+    # 9: model.apply(init_fn) after wrapping killed every rank (SIGSEGV writing into a freed parameter)
+    "reinit_after_wrap": Program(scalar=False, reinit=True),
+    "reinit_after_wrap_flat_root": Program(scalar=False, reinit=True, layout="flat", wrap="root"),
+    "reinit_after_wrap_dim0_zero2_tied": Program(scalar=False, reinit=True, layout="dim0", strategy="SHARD_GRAD_OP",
+                                                 tied="late", wrap="auto"),
+    # 10: nn.LSTM in a flat shard crashed at the first forward ('NoneType' object has no attribute 'dtype')
+    "lstm_flat_root": Program(scalar=False, rnn=True, layout="flat", wrap="root"),
+    "lstm_auto_unit": Program(scalar=False, rnn=True, wrap="auto", optimizer="adamw"),
 }
 
 
@@ -150,10 +160,18 @@ def test_regression_on_gloo_world_size_4(ranks, name):
     _check(REGRESSIONS[name], 4, ranks[4].run(REGRESSIONS[name]))
 
 
+def _xla_exact(p: Program) -> bool:
+    """XLA:CPU fuses fp32 arithmetic differently from eager, and BatchNorm over 3 samples leaves some
+    gradients at rounding-noise size, which Adam's normalisation turns into steps of up to lr: a
+    drawn program (dim-0, BatchNorm, a unit run twice, tied, no_sync) was 1.6e-4 off in its loss with
+    AdamW and 6.4e-6 with SGD, on main before issue 42 as well. So on XLA BatchNorm is drawn with SGD."""
+    return not (p.batchnorm and p.optimizer != "sgd")
+
+
 @pytest.fixture(scope="module")
 def xla_results():
     """The regressions and a drawn list of programs, in one launch of 2 XLA:CPU devices."""
-    drawn = _draw(programs(2), XLA_EXAMPLES)
+    drawn = _draw(programs(2).filter(_xla_exact), XLA_EXAMPLES)
     listed = list(REGRESSIONS.values()) + drawn
     return dict(zip(list(REGRESSIONS) + [f"drawn{i}" for i in range(len(drawn))],
                     zip(listed, run_xla(listed, 2))))

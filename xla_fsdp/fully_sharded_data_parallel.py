@@ -18,7 +18,7 @@ import torch.nn as nn
 
 from .collectives import resolve_transport, shared_collectives
 from .strategy import plan_for_unit, resolve_torch_group_keywords
-from .unit import construction, param_names, tied
+from .unit import construction, param_names, summon, tied
 from .unit.backward import GradientReduction
 from .unit.base import ShardedUnit
 from .unit.module_view import torch_xla_view
@@ -50,6 +50,27 @@ def _options_from_keywords(keywords: Dict[str, Any]) -> UnitOptions:
         raise ValueError("xla_fsdp runs real collectives only; to test without a TPU use "
                          "PJRT_DEVICE=CPU with CPU_NUM_DEVICES=N, or transport='torch' with gloo.")
     return UnitOptions(**keywords)
+
+
+class _FlattenFlag(int):
+    """The unit's ``flatten_parameters`` option (torch_xla's public attribute, true or false) that
+    can also be called: a wrapped ``nn.LSTM`` / ``nn.GRU`` is still asked ``rnn.flatten_parameters()``
+    by the code around it, which then reaches the layer's own method."""
+
+    def __new__(cls, value: bool, unit: nn.Module) -> "_FlattenFlag":
+        flag = super().__new__(cls, bool(value))
+        flag._unit = unit
+        return flag
+
+    def __repr__(self) -> str:
+        return repr(bool(self))
+
+    def __call__(self) -> None:
+        method = getattr(self._unit._fsdp_wrapped_module, "flatten_parameters", None)
+        if not callable(method):
+            raise TypeError("xla_fsdp: flatten_parameters is this unit's option (a bool), not a method of the "
+                            "wrapped module")
+        method()
 
 
 class XlaFullyShardedDataParallel(UnitSetup, GradientReduction, ShardedUnit):
@@ -208,7 +229,7 @@ class XlaFullyShardedDataParallel(UnitSetup, GradientReduction, ShardedUnit):
         self.reshard_after_forward = reshard_after_forward
         self.output_dtype = options.output_dtype
         self._flatten_group_fn = options.flatten_group_fn
-        self.flatten_parameters = options.flatten_parameters
+        self.flatten_parameters = _FlattenFlag(options.flatten_parameters, self)
         self.optimization_barrier_in_forward = options.optimization_barrier_in_forward
         self.optimization_barrier_in_backward = options.optimization_barrier_in_backward
         self.sync_on_finalization = options.sync_on_finalization
@@ -462,6 +483,20 @@ class XlaFullyShardedDataParallel(UnitSetup, GradientReduction, ShardedUnit):
         if not self._is_root:
             raise RuntimeError("xla_fsdp: clip_grad_norm_() must be called on the root unit")
         return clip_sharded_grad_norm_(self, max_norm, norm_type)
+
+    @staticmethod
+    def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool = True
+                           ) -> contextlib.AbstractContextManager:
+        """``with XlaFullyShardedDataParallel.summon_full_params(model):`` the module's parameter
+        attributes hold the full parameters (in the master dtype); with ``writeback`` what they
+        hold at exit becomes the shards. PyTorch FSDP's signature; every rank must enter it."""
+        return summon.summon_full_params(module, recurse, writeback)
+
+    def apply(self, fn: Callable[[nn.Module], None]) -> "XlaFullyShardedDataParallel":
+        """``nn.Module.apply`` on the full parameters (re-initialising a wrapped model, as
+        Hugging Face's ``post_init`` does): written back to the shards. Every rank must call it."""
+        with summon.summon_full_params(self, recurse=False):
+            return super().apply(fn)
 
     def get_original_names_and_sharded_parameters(self) -> List[Tuple[str, nn.Parameter]]:
         """(original name relative to this wrapper, shard) for every shard in this unit's tree.

@@ -73,7 +73,7 @@ def shard_metadata(root) -> Dict[str, Any]:
         "rank": root.rank,
         "version": METADATA_VERSION,
         "layout": layout,
-        "flatten_parameters": root.flatten_parameters,
+        "flatten_parameters": bool(root.flatten_parameters),
         "shard_param_on_dim_0": root._shard_param_on_dim_0,
         "shard_size_multiple": root._shard_size_multiple,
         "sharding_groups": root.comms.groups,

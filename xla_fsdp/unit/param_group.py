@@ -16,9 +16,10 @@ import torch.nn as nn
 
 from ..collectives import Collectives
 from .gradient_usage import Edge, tensor_edge
+from .freed import FreedParameter
 from .offload import HostOffload
 from .shard_grad import as_shard_grad, run_post_accumulate_hooks, run_shard_hooks
-from ..sharding import Dim0Layout, FlatLayout, flatten_and_pad, pad_dim0, shard_of
+from ..sharding import Dim0Layout, FlatLayout, flatten_and_pad, pad_dim0, shard_of, unflatten, unpad_dim0
 
 
 class ShardedState(enum.Enum):
@@ -112,7 +113,7 @@ class ParamGroup:
         for ref in refs:
             for module, attr in ref.slots:
                 module._parameters.pop(attr, None)
-                object.__setattr__(module, attr, None)
+                set_module_tensor(module, attr, None)
             ref.param._xla_fsdp_sharded = True
             # The shard is the only copy now: drop the original's data so every rank does not keep
             # the whole model in host memory (the object stays, marked, to catch sharing across units).
@@ -221,17 +222,22 @@ class ParamGroup:
 
     def install(self, refill_saved: bool = False) -> None:
         """Point the module's attributes at the full data (the flat buffer's parameters if flattened)."""
-        if self.flat:
-            values = (self._flat_values(refill_saved) if self.state is ShardedState.UNSHARDED
-                      else [None] * len(self.refs))
+        if self.state is not ShardedState.UNSHARDED and not self._aliases_shard():
+            values = self._freed_values()
+        elif self.flat:
+            values = self._flat_values(refill_saved)
         else:
             values = [self.full]
-        for ref, value in zip(self.refs, values):
-            for module, attr in ref.slots:
-                object.__setattr__(module, attr, value)
+        self.set_module_values(values)
         if self.flat:
             self._installed = values if self.state is ShardedState.UNSHARDED else None
             self._record_edges()
+
+    def _freed_values(self) -> List[torch.Tensor]:
+        """Stand-ins that know each member's shape and refuse data access (see freed.py)."""
+        shapes = [self.full_shape] if not self.flat else self.layout.shapes
+        return [FreedParameter(shape, self.compute_dtype, self.full.device, ref.fqn, self.shard)
+                for ref, shape in zip(self.refs, shapes)]
 
     def refill_freed_members(self) -> None:
         """Backward of a gathered group: members an earlier call of this forward saved, freed
@@ -326,6 +332,41 @@ class ParamGroup:
     def as_shard_grad(self, grad: torch.Tensor) -> torch.Tensor:
         """The shard's gradient as the program sees it: norms and overflow checks span the ranks."""
         return as_shard_grad(grad, self.comms, self.channel_grad_norm)
+
+    # --- the full parameters outside forward (see summon.py) ------------------------------------
+    def gather_values(self) -> List[torch.Tensor]:
+        """Every member's full data in the shard's dtype, in tensors of their own (not ``full``):
+        a collective, which every rank of the group must call."""
+        source = self.shard.detach()
+        if self.offload is not None:
+            source = self.offload.to_device(source, self.shard.dtype)
+        padded = self.comms.all_gather(source.reshape(self.layout.shard_shape if self.dim0 else (-1,)),
+                                       self.channel_forward)
+        if self.dim0:
+            return [unpad_dim0(padded.reshape(self.padded_shape), self.layout).clone()]
+        return [t.clone() for t in unflatten(padded.reshape(-1), self.layout)]
+
+    def write_back(self, values: List[torch.Tensor]) -> None:
+        """Make this rank's shard the block of ``values`` (every member's full data) it owns."""
+        with torch.no_grad():
+            if self.dim0:
+                padded = pad_dim0(values[0].detach(), self.layout)
+            else:
+                padded = flatten_and_pad([v.detach().reshape(s) for v, s in zip(values, self.layout.shapes)],
+                                         self.layout)
+            block = shard_of(padded, self.comms.rank, self.comms.world_size)
+            self.shard.copy_(block.reshape(self.shard.shape).to(self.shard.device, self.shard.dtype))
+
+    def set_module_values(self, values: List[Optional[torch.Tensor]]) -> None:
+        """Point every place that refers to a member at ``values`` (``install`` puts ``full`` back)."""
+        for ref, value in zip(self.refs, values):
+            for module, attr in ref.slots:
+                set_module_tensor(module, attr, value)
+
+    def module_values(self) -> List[torch.Tensor]:
+        """What the module's first place of each member holds now (a program may have assigned a
+        new tensor or Parameter there)."""
+        return [module_tensor(*ref.slots[0]) for ref in self.refs]
 
     # --- introspection --------------------------------------------------------------------
     @property
@@ -474,6 +515,24 @@ class _SplitFlat(torch.autograd.Function):
         if ctx.padding:
             flat.append(grads[0].new_zeros(ctx.padding))
         return torch.cat(flat), None, None
+
+
+def set_module_tensor(module: nn.Module, attr: str, value: Optional[torch.Tensor]) -> None:
+    """Give ``module`` a plain attribute ``attr`` (never a registered parameter: the unit's
+    ``parameters()`` are the shards). Recurrent layers compute from their own list of weights,
+    which their ``__setattr__`` keeps current: kept current here too."""
+    module._parameters.pop(attr, None)
+    object.__setattr__(module, attr, value)
+    names = getattr(module, "_flat_weights_names", None)
+    if isinstance(module, nn.RNNBase) and names is not None and attr in names:
+        module._flat_weights[names.index(attr)] = value
+
+
+def module_tensor(module: nn.Module, attr: str) -> torch.Tensor:
+    """``module.attr`` as the program left it: a Parameter assigned to it is registered by
+    ``nn.Module.__setattr__``, and read from there."""
+    value = module._parameters.get(attr)
+    return value if value is not None else module.__dict__[attr]
 
 
 def _hooks_kept_from(ref: ParamRef) -> List[Callable]:

@@ -6,8 +6,12 @@ training (and for PyTorch FSDP2, whose DTensor gradients behave this way) reduce
 gradient, and ``torch.amp.GradScaler`` looks for infs in them. On shards each rank would get its
 own answer (its own clip factor; an inf seen by one rank only, so ranks disagree on skipping the
 step). :class:`ShardGrad` is the shard gradient's type: those few reductions are summed (or maxed)
-over the ranks that split the parameter, so every rank gets the answer unsharded training gets.
-Every other operation runs on the plain tensor, and returns plain tensors.
+over the ranks that split the parameter, so every rank gets the answer unsharded training gets:
+norms over all elements (``torch.linalg.vector_norm``, ``torch.norm``, ``Tensor.norm``,
+``torch._foreach_norm``), ``max``/``min`` over all elements (torch_xla's own ``clip_grad_norm_``,
+which replaces torch's, takes the inf norm so), and GradScaler's ``found_inf``. ``detach()``,
+``.data`` and ``abs()`` give the same gradient, still of this type; every other operation runs on
+the plain tensor and returns plain tensors.
 
 A norm of a shard gradient is therefore a collective: every rank of the sharding group must ask
 for it (as with FSDP2's DTensors), not rank 0 alone.
@@ -35,6 +39,8 @@ class ShardGrad(torch.Tensor):
             handler = _GLOBAL.get(func)
             if handler is not None:
                 result = handler(result, args, kwargs)
+            elif func in _SAME_GRADIENT and isinstance(args[0], ShardGrad) and isinstance(result, torch.Tensor):
+                result = as_shard_grad(result, *args[0]._xla_fsdp_sharding)
         return result
 
 
@@ -182,6 +188,20 @@ def _non_finite_check(result: Any, args: Sequence[Any], kwargs: Dict[str, Any]) 
     return result
 
 
+def _extreme(largest: bool) -> Callable[[Any, Sequence[Any], Dict[str, Any]], Any]:
+    """``max``/``amax`` (``largest``) or ``min``/``amin`` over every element: torch_xla's own
+    ``clip_grad_norm_`` takes the inf norm so."""
+    def handler(result: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> Any:
+        tensor = args[0]
+        if not isinstance(tensor, ShardGrad) or len(args) > 1 or kwargs or not isinstance(result, torch.Tensor):
+            return result
+        comms, channel = tensor._xla_fsdp_sharding
+        gathered = comms.all_gather(result.detach().reshape(1).to(comms.device), channel)
+        total = gathered.max() if largest else gathered.min()
+        return total.to(result.device, result.dtype).reshape(result.shape)
+    return handler
+
+
 _GLOBAL: Dict[Callable, Callable[[Any, Sequence[Any], Dict[str, Any]], Any]] = {
     torch.linalg.vector_norm: _vector_norm,
     torch.linalg.norm: _linalg_norm,
@@ -189,4 +209,9 @@ _GLOBAL: Dict[Callable, Callable[[Any, Sequence[Any], Dict[str, Any]], Any]] = {
     torch.Tensor.norm: _norm,
     torch._foreach_norm: _foreach_norm,
     torch._amp_foreach_non_finite_check_and_unscale_: _non_finite_check,
+    torch.Tensor.max: _extreme(True), torch.max: _extreme(True), torch.Tensor.amax: _extreme(True),
+    torch.amax: _extreme(True), torch.Tensor.min: _extreme(False), torch.min: _extreme(False),
+    torch.Tensor.amin: _extreme(False), torch.amin: _extreme(False),
 }
+#: operations whose result is the same gradient (a detached alias, its magnitudes): still a ShardGrad
+_SAME_GRADIENT = {torch.Tensor.detach, torch.Tensor.data.__get__, torch.Tensor.abs, torch.abs}
