@@ -1,4 +1,5 @@
 """Sharded checkpoints: round trips, resharding, resume, full state dicts, crash safety, bad input."""
+import functools
 import glob
 import hashlib
 import os
@@ -50,6 +51,49 @@ def test_round_trip_is_bit_exact(transport, world_size):
         assert final["optimizer"]["param_groups"] == want_opt["param_groups"]
         for pname, st in want_opt["state"].items():
             assert_bit_exact(final["optimizer"]["state"][pname], st)
+
+
+class _OwnParamAfterChildren(torch.nn.Module):
+    """named_parameters(): the root's own ``scale`` first though registered last, then depth first
+    (``a.0``, ``a.1.0``, ``b``): neither the order of registration nor breadth first."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Sequential(torch.nn.Linear(4, 4)))
+        self.b = torch.nn.Linear(4, 4)
+        self.scale = torch.nn.Parameter(torch.ones(4))
+
+    def forward(self, x):
+        return self.b(self.a(x)) * self.scale
+
+
+@pytest.mark.parametrize("name", ["seq_nested_adamw", "seq_groups_flat_adamw", "flatten_nested_adamw",
+                                  "autowrap_type_lm_adamw", "autowrap_type_lm_flat_sgd", "tied_param_adamw",
+                                  "tied_across_units_adamw", "tied_across_units_flat_sgd", "frozen_flat_adamw",
+                                  "tiny_param_sgd", "convbn_sgd", "own_param_after_children"])
+def test_metadata_records_the_unwrapped_models_parameter_order(name, gloo):
+    """metadata['model_param_order'] == [n for n, _ in unwrapped.named_parameters()], whatever the
+    units (nested, auto-wrapped, flat, tied within and across units, frozen, 0-d parameters)."""
+    from xla_fsdp import XlaFullyShardedDataParallel as FSDP
+    if name == "own_param_after_children":
+        make = _OwnParamAfterChildren
+        def wrap(m):
+            harness._wrap_children(m.a, ["1"], flatten_parameters=True)
+            return FSDP(harness._wrap_children(m, ["b"]), flatten_parameters=True)
+    else:
+        make = functools.partial(models.make_model, harness.CONFIGS[name]["model"])
+        wrap = harness.CONFIGS[name]["wrap"]
+    want = [n for n, _ in make().named_parameters()]
+    wrapped = wrap(make())
+    assert wrapped.get_shard_metadata()["model_param_order"] == want
+
+
+def test_inferred_parameter_order_of_files_that_do_not_record_it():
+    from xla_fsdp.checkpoints.metadata import inferred_param_order
+    assert inferred_param_order(["4.weight", "4.bias", "0.weight", "0.bias", "10.weight", "2.weight"]) == [
+        "0.weight", "0.bias", "2.weight", "4.weight", "4.bias", "10.weight"]
+    assert inferred_param_order(["head.w", "pos", "blocks.1.ln.b", "blocks.0.attn.w", "blocks.0.ln.b"]) == [
+        "pos", "head.w", "blocks.0.attn.w", "blocks.0.ln.b", "blocks.1.ln.b"]
 
 
 @pytest.fixture(scope="module")
