@@ -210,6 +210,16 @@ CONFIGS: Dict[str, Dict[str, Any]] = {  # noqa: E501
         model="lm_tied", opt="sgd", wrap=lambda m: FSDP(m, flatten_parameters=True, auto_wrap_policy=TIED_SPLIT_POLICY)
     ),
     "clip_lm_sgd": dict(model="lm", opt="sgd", wrap=lambda m: FSDP(m, auto_wrap_policy=BLOCK_POLICY), clip=0.5),
+    # nn.Sequential with its inner Linear layers as nested units: the root unit's 4.* come first in
+    # the wrapped model's parameters(), the unwrapped model's order is 0, 2, 4 (test_checkpoints).
+    "seq_nested_adamw": dict(model="seq", opt="adamw", equivalence=False,
+                             wrap=lambda m: FSDP(_wrap_children(m, ["0", "2"]))),
+    "seq_nested_flat_adamw": dict(model="seq", opt="adamw", equivalence=False,
+                                  wrap=lambda m: FSDP(_wrap_children(m, ["0", "2"], flatten_parameters=True),
+                                                      flatten_parameters=True)),
+    "seq_groups_flat_adamw": dict(model="seq", opt="adamw_groups", equivalence=False,
+                                  wrap=lambda m: FSDP(_wrap_children(m, ["0", "2"], flatten_parameters=True),
+                                                      flatten_parameters=True)),
     # Host offload (cpu_offload): master shards, gradients and optimizer state on the host. Run by
     # test_offload in launches of their own (equivalence=False keeps them out of the session runs);
     # check_host records after every step where the state lives (host_residency).

@@ -133,8 +133,14 @@ class TiedLM(TinyLM):
         self.head.weight = self.emb.weight
 
 
+def seq() -> nn.Sequential:
+    """Three Linear layers of one shape: optimizer state given to the wrong one loads without error."""
+    return nn.Sequential(nn.Linear(12, 12), nn.ReLU(), nn.Linear(12, 12), nn.ReLU(), nn.Linear(12, 12))
+
+
 MODELS = {
     "mlp": MLP,
+    "seq": seq,
     "tiny": TinyParams,
     "frozen": FrozenMLP,
     "tied": TiedMLP,

@@ -1,8 +1,11 @@
 """Sharded checkpoints: round trips, resharding, resume, full state dicts, crash safety, bad input."""
+import functools
 import glob
 import hashlib
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -13,6 +16,7 @@ from xla_fsdp.consolidate_sharded_ckpts import main as consolidate_cli
 from xla_fsdp.reshard import main as reshard_cli
 
 ROUND_TRIP = harness.ROUND_TRIP
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GLOBAL_BATCH = 8  # divisible by every world size used, so resumed runs see the same global batch
 
 
@@ -50,6 +54,122 @@ def test_round_trip_is_bit_exact(transport, world_size):
         assert final["optimizer"]["param_groups"] == want_opt["param_groups"]
         for pname, st in want_opt["state"].items():
             assert_bit_exact(final["optimizer"]["state"][pname], st)
+
+
+SEQ = ["seq_nested_adamw", "seq_nested_flat_adamw", "seq_groups_flat_adamw"]
+
+
+def _plain_optimizer(name, model):
+    """The optimizer a user builds for the unwrapped model: model.parameters(), or for the
+    weight-decay groups the usual two groups, each in model order."""
+    if harness.CONFIGS[name]["opt"] != "adamw_groups":
+        return harness.make_optimizer(harness.CONFIGS[name]["opt"], model)
+    named = list(model.named_parameters())
+    return torch.optim.AdamW([{"params": [p for n, p in named if not harness.no_decay(n)]},
+                              {"params": [p for n, p in named if harness.no_decay(n)], "weight_decay": 0.0}],
+                             lr=1e-3, weight_decay=0.5, eps=1e-6)
+
+
+def test_consolidated_optimizer_state_loads_into_the_plain_model(tmp_path):
+    """Issue 42 item 7: the consolidated optimizer state loads into the unwrapped model's own
+    optimizer with plain ``load_state_dict``: nn.Sequential with nested units for 0 and 2 (root owns
+    4), per-parameter and flat, one group and the weight-decay groups, 2 gloo ranks, 3 steps. Every
+    parameter gets its own moments (bit for bit, by name, against the state gathered from the
+    sharded run), each group names its parameters (param_names) in model order, and one more step
+    from the consolidated model and optimizer matches unsharded training (1e-5)."""
+    steps, ws, per_rank = 3, 2, 4
+    prefix = str(tmp_path / "{name}")
+    results = harness.run_gloo(SEQ, ws, steps=steps, per_rank=per_rank, save_prefix=prefix, full_state=SEQ)
+    failures = []
+    for name in SEQ:
+        cfg = harness.CONFIGS[name]
+        out = prefix.format(name=name) + "_full.pth"
+        proc = subprocess.run([sys.executable, "-m", "xla_fsdp.consolidate_sharded_ckpts", "--ckpt_prefix",
+                               prefix.format(name=name), "--optimizer", "--save_path", out],
+                              capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT))
+        assert proc.returncode == 0, proc.stderr
+        full = torch.load(out, weights_only=True)
+        gathered = results[name][0]["full_optim"]["state"]  # full_optim_state_dict: keyed by name
+        model = models.make_model(cfg["model"], seed=1)  # other weights: the load must replace them
+        model.load_state_dict(full["model"])
+        opt = _plain_optimizer(name, model)
+        group_names = [[n for n, p in model.named_parameters() if any(p is q for q in g["params"])]
+                       for g in opt.param_groups]
+        opt.load_state_dict(full["optimizer"])
+        named = list(model.named_parameters())
+        exact = all(set(opt.state[p]) == set(gathered[n]) and all(
+            torch.equal(torch.as_tensor(v), torch.as_tensor(gathered[n][f])) for f, v in opt.state[p].items())
+            for n, p in named)
+        got = {n: next((m for m, want in gathered.items() if want["exp_avg"].shape == opt.state[p]["exp_avg"].shape
+                        and torch.equal(want["exp_avg"], opt.state[p]["exp_avg"])), None) for n, p in named}
+        wrong = {n: m for n, m in got.items() if m != n}  # parameter: whose moments it got
+        opt.zero_grad()  # one more step, on the global batch
+        losses = [models.loss_fn(cfg["model"], model(x), y)
+                  for x, y in (models.batch(cfg["model"], steps, r, per_rank) for r in range(ws))]
+        torch.stack(losses).mean().backward()
+        opt.step()
+        ref = harness.train_reference(name, ws, steps=steps + 1, per_rank=per_rank)["state_dict"]
+        worst = max((model.state_dict()[k] - v).abs().max().item() for k, v in ref.items())
+        print(f"{name}: moments of another parameter: {wrong or 'none'}; one more step within {worst:.2e} of "
+              "unsharded training")
+        groups = full["optimizer"]["param_groups"]
+        saved_names = [g.get("param_names") for g in groups]
+        if (wrong or not exact or worst > 1e-5 or saved_names != group_names
+                or groups != results[name][0]["full_optim"]["param_groups"]):
+            failures.append((name, wrong, worst, saved_names))
+    assert not failures, failures
+    # Files that do not record the order (torch_xla's, older ones): inferred from the names, with a warning.
+    source, legacy = prefix.format(name=SEQ[0]), str(tmp_path / "legacy")
+    for path in sorted(glob.glob(source + "_rank-*.pth")):
+        ckpt = torch.load(path, weights_only=True)
+        del ckpt["shard_metadata"]["model_param_order"]
+        torch.save(ckpt, legacy + path[len(source):])
+    with pytest.warns(UserWarning, match="do not record the model's parameter order"):
+        inferred = consolidate(legacy, "--optimizer")["optimizer"]
+    assert inferred["param_groups"] == torch.load(source + "_full.pth", weights_only=True)["optimizer"]["param_groups"]
+
+
+class _OwnParamAfterChildren(torch.nn.Module):
+    """named_parameters(): the root's own ``scale`` first though registered last, then depth first
+    (``a.0``, ``a.1.0``, ``b``): neither the order of registration nor breadth first."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Sequential(torch.nn.Linear(4, 4)))
+        self.b = torch.nn.Linear(4, 4)
+        self.scale = torch.nn.Parameter(torch.ones(4))
+
+    def forward(self, x):
+        return self.b(self.a(x)) * self.scale
+
+
+@pytest.mark.parametrize("name", ["seq_nested_adamw", "seq_groups_flat_adamw", "flatten_nested_adamw",
+                                  "autowrap_type_lm_adamw", "autowrap_type_lm_flat_sgd", "tied_param_adamw",
+                                  "tied_across_units_adamw", "tied_across_units_flat_sgd", "frozen_flat_adamw",
+                                  "tiny_param_sgd", "convbn_sgd", "own_param_after_children"])
+def test_metadata_records_the_unwrapped_models_parameter_order(name, gloo):
+    """metadata['model_param_order'] == [n for n, _ in unwrapped.named_parameters()], whatever the
+    units (nested, auto-wrapped, flat, tied within and across units, frozen, 0-d parameters)."""
+    from xla_fsdp import XlaFullyShardedDataParallel as FSDP
+    if name == "own_param_after_children":
+        make = _OwnParamAfterChildren
+        def wrap(m):
+            harness._wrap_children(m.a, ["1"], flatten_parameters=True)
+            return FSDP(harness._wrap_children(m, ["b"]), flatten_parameters=True)
+    else:
+        make = functools.partial(models.make_model, harness.CONFIGS[name]["model"])
+        wrap = harness.CONFIGS[name]["wrap"]
+    want = [n for n, _ in make().named_parameters()]
+    wrapped = wrap(make())
+    assert wrapped.get_shard_metadata()["model_param_order"] == want
+
+
+def test_inferred_parameter_order_of_files_that_do_not_record_it():
+    from xla_fsdp.checkpoints.metadata import inferred_param_order
+    assert inferred_param_order(["4.weight", "4.bias", "0.weight", "0.bias", "10.weight", "2.weight"]) == [
+        "0.weight", "0.bias", "2.weight", "4.weight", "4.bias", "10.weight"]
+    assert inferred_param_order(["head.w", "pos", "blocks.1.ln.b", "blocks.0.attn.w", "blocks.0.ln.b"]) == [
+        "pos", "head.w", "blocks.0.attn.w", "blocks.0.ln.b", "blocks.1.ln.b"]
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import os
+import warnings
 from collections import OrderedDict
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 
@@ -16,6 +17,7 @@ import torch
 from .files import (DEFAULT_SUFFIX, CheckpointError, atomic_write, check_consistent, find_rank_files,
                     load_rank_file, refuse_overwriting_inputs, tensor_checksum, verify_archive)
 from .layout_ops import unshard_entry
+from .metadata import full_optimizer_state_dict, param_order
 from .migrate import is_torch_xla_metadata, torch_xla_layout
 from .stream_save import PthStreamWriter, SafetensorsStreamWriter
 from ..shard_names import clean_name, readable_key
@@ -167,15 +169,17 @@ class ShardedCheckpoint:
 
     # ------------------------------------------------------------------ optimizer
     def full_optimizer_state(self) -> Dict[str, Any]:
-        """A plain ``torch.optim`` state dict keyed by original parameter names."""
+        """A plain ``torch.optim`` state dict keyed by original parameter names, for the unwrapped
+        model's optimizer: ``state`` and every group's ``params`` in the unwrapped model's
+        ``named_parameters()`` order (``optimizer.load_state_dict`` maps by position), each group
+        with ``param_names``; the groups as the wrapped optimizer had them."""
         ckpts = self._open()
         if any(c.get("optimizer") is None for c in ckpts):
             raise CheckpointError("the checkpoint holds no optimizer state")
         keys = self.optimizer_param_keys
         if keys is None:
             raise CheckpointError(MISSING_OPTIMIZER_KEYS)
-        state: Dict[str, Any] = OrderedDict()
-        osds = [c["optimizer"] for c in ckpts]
+        state: Dict[str, Any] = {}
         for idx, key in enumerate(keys):
             entry = self.layout[key]
             per_rank = self.optimizer_states(idx)
@@ -187,12 +191,14 @@ class ShardedCheckpoint:
                     full[field] = [value.clone() if isinstance(value, torch.Tensor) else value] * len(entry["names"])
             for i, name in enumerate(entry["names"]):
                 state[name] = {field: values[i] for field, values in full.items()}
-        groups = []
-        for group in osds[0]["param_groups"]:
-            g = {k: v for k, v in group.items() if k != "params"}
-            g["params"] = [name for idx in group["params"] for name in self.layout[keys[idx]]["names"]]
-            groups.append(g)
-        return {"state": state, "param_groups": groups}
+        order, recorded = param_order(self.metadata, [n for key in keys for n in self.layout[key]["names"]])
+        if not recorded:
+            warnings.warn(f"'{self.prefix}': the rank files do not record the model's parameter order (written by "
+                          "torch_xla, imported, or by an older xla_fsdp); the optimizer state lists the parameters "
+                          "in an order inferred from their names: check each group's 'param_names' against "
+                          "[n for n, _ in model.named_parameters()] before optimizer.load_state_dict", stacklevel=2)
+        return full_optimizer_state_dict(state, ckpts[0]["optimizer"]["param_groups"],
+                                         lambda idx: self.layout[keys[idx]]["names"], order)
 
     # ------------------------------------------------------------------ verification
     def verify(self) -> List[str]:

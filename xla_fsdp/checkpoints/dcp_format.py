@@ -31,7 +31,7 @@ from ..shard_names import SHARD_PREFIX, SHARD_SEPARATOR
 from ..sharding import FlatLayout
 from .consolidate import MISSING_OPTIMIZER_KEYS, ShardedCheckpoint
 from .files import DEFAULT_SUFFIX, CheckpointError, rank_path, refuse_overwriting_inputs, tensor_checksum
-from .metadata import METADATA_VERSION, _library_versions
+from .metadata import METADATA_VERSION, _library_versions, full_optimizer_state_dict, param_order
 from .resharded_load import NameIndex, read_full
 from .stream_save import PthStreamWriter
 
@@ -153,12 +153,11 @@ def _optimizer_placeholders(src: ShardedCheckpoint, ckpts, index: NameIndex, opt
                 else:
                     st[field] = value.clone() if isinstance(value, torch.Tensor) else value
             state[name] = st
-    groups = []
-    for group in ckpts[0]["optimizer"]["param_groups"]:
-        g = {k: v for k, v in group.items() if k != "params"}
-        g["params"] = [name for i in group["params"] for name in src.layout[keys[i]]["names"]]
-        groups.append(g)
-    return {"state": state, "param_groups": groups}
+    # as get_optimizer_state_dict gives it for a plain model's optimizer built from model.parameters():
+    # parameters in named_parameters() order, no param_names
+    order, _ = param_order(src.metadata, [n for key in keys for n in src.layout[key]["names"]])
+    return full_optimizer_state_dict(state, ckpts[0]["optimizer"]["param_groups"],
+                                     lambda i: src.layout[keys[i]]["names"], order, param_names=False)
 
 
 # ---------------------------------------------------------------------------------------------- import
@@ -259,6 +258,8 @@ def import_dcp(dcp_dir: str, world_size: int, out_prefix: str, model_key: Option
         out.finish(lambda r: {"version": METADATA_VERSION, "world_size": world_size, "rank": r, "layout": layout,
                               "run_id": run_id, "shard_size_multiple": 1, "flatten_parameters": False,
                               "shard_param_on_dim_0": False, "buffer_info": {}, "param_keys": list(keys.values()),
+                              # the saver's state_dict() order, which DCP's metadata keeps
+                              "model_param_order": list(params),
                               "optimizer_param_keys": optimizer_keys,
                               "imported_from": f"dcp:{os.path.abspath(dcp_dir)}",
                               "library_versions": _library_versions()})

@@ -13,6 +13,7 @@ import torch
 from ..shard_names import clean_name
 from .files import CheckpointError
 from .layout_ops import reshard_entry, unshard_entry
+from .metadata import full_optimizer_state_dict, param_order
 
 
 def _shard_of_layout(model):
@@ -79,7 +80,9 @@ def _optimizer_keys(model, optimizer):
 
 @torch.no_grad()
 def full_optim_state_dict(model, optimizer, rank0_only: bool = True) -> Optional[Dict[str, Any]]:
-    """Optimizer state keyed by original parameter names, full tensors on CPU."""
+    """Optimizer state keyed by original parameter names, full tensors on CPU, laid out for the
+    unwrapped model's optimizer as consolidation lays it out (``metadata.full_optimizer_state_dict``:
+    parameters in ``named_parameters()`` order, ``param_names`` in each group)."""
     metadata, _ = _shard_of_layout(model)
     keys = _optimizer_keys(model, optimizer)
     osd = optimizer.state_dict()
@@ -96,7 +99,7 @@ def full_optim_state_dict(model, optimizer, rank0_only: bool = True) -> Optional
             gathered[idx][f] = v
     if rank0_only and model.rank != 0:
         return None
-    state: Dict[str, Any] = OrderedDict()
+    state: Dict[str, Any] = {}
     for idx, key in enumerate(keys):
         entry = metadata["layout"][key]
         per_field = {}
@@ -110,12 +113,9 @@ def full_optim_state_dict(model, optimizer, rank0_only: bool = True) -> Optional
             continue  # no state yet (frozen, or never stepped): absent, as in torch.optim's own state dicts
         for i, name in enumerate(entry["names"]):
             state[name] = {f: vals[i] for f, vals in per_field.items()}
-    groups = []
-    for g in osd["param_groups"]:
-        new = {k: v for k, v in g.items() if k != "params"}
-        new["params"] = [n for idx in g["params"] for n in metadata["layout"][keys[idx]]["names"]]
-        groups.append(new)
-    return {"state": state, "param_groups": groups}
+    order, _ = param_order(metadata, [n for key in keys for n in metadata["layout"][key]["names"]])
+    return full_optimizer_state_dict(state, osd["param_groups"], lambda idx: metadata["layout"][keys[idx]]["names"],
+                                     order)
 
 
 def _per_element_fields(state: Mapping[str, Any], layout: Mapping[str, Any]) -> Dict[str, bool]:
@@ -172,7 +172,7 @@ def load_full_optim_state_dict(model, optimizer, full_osd: Mapping[str, Any]) ->
         state[idx] = st
     groups = []
     for g, current in zip(full_osd["param_groups"], optimizer.state_dict()["param_groups"]):
-        new = {k: v for k, v in g.items() if k != "params"}
-        new["params"] = current["params"]
+        new = {k: v for k, v in g.items() if k not in ("params", "param_names")}  # original names: not the shards'
+        new.update((k, current[k]) for k in ("param_names", "params") if k in current)
         groups.append(new)
     optimizer.load_state_dict({"state": state, "param_groups": groups})

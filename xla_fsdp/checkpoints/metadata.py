@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
-from typing import Any, Dict
+from collections import OrderedDict
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Tuple
 
 import torch
 
@@ -29,6 +30,7 @@ def _library_versions() -> Dict[str, str]:
 def shard_metadata(root) -> Dict[str, Any]:
     from ..shard_names import WRAPPED, clean_name as _clean_name
     from ..unit.base import ShardedUnit
+    from ..unit.param_names import names_in_model_order
 
     shard_info: Dict[str, Dict[str, Any]] = {}
     flatten_info: Dict[str, Any] = {}
@@ -84,4 +86,62 @@ def shard_metadata(root) -> Dict[str, Any]:
         "library_versions": dict(_library_versions()),
         # shard state-dict keys in parameters() order: maps optimizer state indices to shards
         "param_keys": [name for name, _ in root.named_parameters()],
+        # original names in the unwrapped model's named_parameters() order: full optimizer state
+        # dicts list their parameters so, for the unwrapped model's optimizer (load_state_dict maps by position)
+        "model_param_order": names_in_model_order(root),
     }
+
+
+def param_order(metadata: Mapping[str, Any], names: Iterable[str]) -> Tuple[List[str], bool]:
+    """(``names``, original parameter names, in the unwrapped model's ``named_parameters()`` order;
+    whether the metadata recorded that order). Files without ``model_param_order`` (torch_xla's,
+    xla_fsdp's from before it was recorded, imported ones) get :func:`inferred_param_order`."""
+    recorded = metadata.get("model_param_order")
+    if recorded is None:
+        return inferred_param_order(names), False
+    position = {n: i for i, n in enumerate(recorded)}
+    return sorted(names, key=lambda n: position.get(n, len(position))), True
+
+
+def inferred_param_order(names: Iterable[str]) -> List[str]:
+    """``names`` in module order as far as names tell it: a module's own parameters before its
+    submodules', numbered submodules (``nn.Sequential``, ``nn.ModuleList``) by number, others in
+    the order first seen. The unwrapped model may register its submodules in another order."""
+    names = list(names)
+    first_seen: Dict[str, int] = {}
+    for i, name in enumerate(names):
+        parts = name.split(".")
+        for depth in range(1, len(parts) + 1):
+            first_seen.setdefault(".".join(parts[:depth]), i)
+
+    def key(name: str):
+        parts = name.split(".")
+        path = [(1, (0, int(p), 0) if p.isdigit() else (1, 0, first_seen[".".join(parts[:d + 1])]))
+                for d, p in enumerate(parts[:-1])]
+        return path + [(0, (0, 0, first_seen[name]))]
+    return sorted(names, key=key)
+
+
+def full_optimizer_state_dict(state: Mapping[str, Any], saved_groups: List[Mapping[str, Any]],
+                              names_of: Callable[[int], List[str]], order: List[str],
+                              param_names: bool = True) -> Dict[str, Any]:
+    """A ``torch.optim`` state dict for the unwrapped model, keyed by original names: ``state``
+    (name -> fields) and each of ``saved_groups`` (the wrapped optimizer's groups, ``params`` the
+    indices whose names ``names_of`` gives) with its parameters in ``order``, the unwrapped model's
+    ``named_parameters()`` order. ``optimizer.load_state_dict`` maps saved parameters to its own by
+    position, so an optimizer of the unwrapped model built from ``model.parameters()`` (or from
+    groups, each in model order) gets every parameter's own state. Each group carries
+    ``param_names``, as torch writes it for optimizers built from ``named_parameters()``."""
+    position = {n: i for i, n in enumerate(order)}
+
+    def rank(name: str) -> int:
+        return position.get(name, len(position))
+    groups = []
+    for group in saved_groups:
+        names = sorted((n for i in group["params"] for n in names_of(i)), key=rank)
+        new = {k: v for k, v in group.items() if k not in ("params", "param_names")}
+        if param_names:
+            new["param_names"] = names
+        new["params"] = list(names)
+        groups.append(new)
+    return {"state": OrderedDict((n, state[n]) for n in sorted(state, key=rank)), "param_groups": groups}

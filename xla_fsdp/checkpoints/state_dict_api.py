@@ -65,7 +65,13 @@ def get_optimizer_state_dict(model, optimizers: Optimizers, *, submodules=None,
     optimizer = _one(optimizers)
     _init_optim_state(optimizer)
     state = full_optim_state_dict(model, optimizer, rank0_only=options.cpu_offload)
-    return {} if state is None else state
+    if state is None:
+        return {}
+    # PyTorch's layout for an optimizer built from parameters(): no param_names (a dcp.load template
+    # holding them would ask every checkpoint, FSDP2's included, for them)
+    for group in state["param_groups"]:
+        group.pop("param_names", None)
+    return state
 
 
 def get_state_dict(model, optimizers: Optimizers, *, submodules=None, options: Optional[StateDictOptions] = None

@@ -30,7 +30,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--save_path", default="", help="output file (default PREFIX_consolidated.pth)")
     parser.add_argument("--format", choices=["pth", "safetensors"], default="pth")
     parser.add_argument("--optimizer", action="store_true",
-                        help="also consolidate optimizer state, keyed by original parameter names")
+                        help="also the optimizer state, keyed by original parameter names and listed in the "
+                             "unwrapped model's named_parameters() order: the unwrapped model's optimizer takes "
+                             "it with optimizer.load_state_dict(full['optimizer'])")
     parser.add_argument("--verify", action="store_true", help="only check the files (checksums, layout)")
     hf = parser.add_argument_group("Hugging Face model folder (--format safetensors, --save_path a folder)")
     hf.add_argument("--max_shard_size", default=None,

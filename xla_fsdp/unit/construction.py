@@ -71,6 +71,13 @@ def materialize_meta(module: nn.Module, param_init_fn: Optional[Callable[[nn.Mod
                            f"{still_meta[:5]}; make param_init_fn materialize them (e.g. to_empty + init).")
 
 
+def param_attrs(module: nn.Module) -> Dict[nn.Module, Tuple[str, ...]]:
+    """The parameter attributes of every module this unit owns, in registration order, taken
+    before the unit removes them: with the module tree they give ``named_parameters()``'s order of
+    the unwrapped model (``param_names.names_in_model_order``)."""
+    return {m: tuple(n for n, p in m._parameters.items() if p is not None) for _, m in owned_modules(module)}
+
+
 def collect_params(module: nn.Module, leave: Set[int] = frozenset(), storage_dtype: torch.dtype = torch.float32
                    ) -> Tuple[List[ParamRef], List[LeftSlot]]:
     """The parameters this unit owns, each once, with all the places that refer to it; and the

@@ -59,6 +59,27 @@ def original_names_and_shards(root: ShardedUnit) -> List[Tuple[str, nn.Parameter
             for prefix, unit in named_units(root) for g in unit._groups]
 
 
+def names_in_model_order(root: ShardedUnit) -> List[str]:
+    """Every original parameter name (a tied parameter once, by its first name) in the order
+    ``named_parameters()`` of the unwrapped model gives them: module by module in module order, a
+    module's parameters in the order it registered them, whichever unit owns each. (The wrapped
+    model's own ``parameters()`` lists the shards unit by unit, the root's first.)"""
+    module_index = {id(m): i for i, m in enumerate(root.modules())}
+    attrs: Dict[int, Tuple[str, ...]] = {}
+    for _, unit in named_units(root):
+        attrs.update((id(m), names) for m, names in getattr(unit, "_param_attrs", {}).items())
+    keyed = []
+    for prefix, unit in named_units(root):
+        for group in unit._groups:
+            for ref in group.refs:
+                module, attr = ref.slots[0]  # the place of the first name (construction sorts them)
+                names = attrs.get(id(module), ())
+                keyed.append((module_index.get(id(module), len(module_index)),
+                              names.index(attr) if attr in names else len(names), prefix + ref.fqn))
+    keyed.sort(key=lambda k: k[:2])
+    return [name for _, _, name in keyed]
+
+
 def optimizer_param_groups(root: ShardedUnit,
                            options_fn: Callable[[str], Dict[str, Any]]) -> List[Dict[str, Any]]:
     """See ``XlaFullyShardedDataParallel.optimizer_param_groups``."""

@@ -28,6 +28,7 @@ class UnitSetup:
         if options._use_xla_patched_linear and self.comms.name == "xla":
             from .patched_linear import patch_linear_layers
             patch_linear_layers(module)
+        self._param_attrs = construction.param_attrs(module)
         refs, self._tied_slots_left = construction.collect_params(module, tied.escaping(module),
                                                                   self.param_storage_dtype)
         self._fsdp_wrapped_module = module
