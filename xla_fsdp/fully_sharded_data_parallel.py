@@ -52,6 +52,15 @@ def _options_from_keywords(keywords: Dict[str, Any]) -> UnitOptions:
     return UnitOptions(**keywords)
 
 
+def _job_size(comms: Any) -> int:
+    """How many ranks ``start_sum_over_ranks`` sums over: every rank of the job."""
+    if comms.name == "xla":
+        import torch_xla.runtime as xr
+        return xr.world_size()
+    import torch.distributed as dist
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
 class _FlattenFlag(int):
     """The unit's ``flatten_parameters`` option (torch_xla's public attribute, true or false) that
     can also be called: a wrapped ``nn.LSTM`` / ``nn.GRU`` is still asked ``rnn.flatten_parameters()``
@@ -134,6 +143,11 @@ class XlaFullyShardedDataParallel(UnitSetup, GradientReduction, ShardedUnit):
         reduce_scatter_bucket_size_mb, coalesce_all_gather_ops: accepted for compatibility and
             passed to child units; with ``flatten_parameters=True`` a unit already issues one
             collective of each kind.
+        sync_module_states: take global rank 0's parameters and floating buffers at construction
+            (PyTorch FSDP's keyword), for ranks that build their model from different random
+            states. Without it, the first forward checks that every rank built the same parameters
+            (a fingerprint of each) and otherwise stops every rank with an error naming the first
+            that differs.
         auto_wrap_policy: ``policy(module, recurse, unwrapped_params) -> bool`` deciding which
             children become their own units (see :mod:`xla_fsdp.wrap`); every keyword of this
             constructor is passed on to them.
@@ -197,6 +211,7 @@ class XlaFullyShardedDataParallel(UnitSetup, GradientReduction, ShardedUnit):
         device_mesh: Optional[Any] = None,
         cpu_offload: Any = False,
         param_storage_dtype: Optional[torch.dtype] = None,
+        sync_module_states: bool = False,
     ):
         keywords = {k: v for k, v in locals().items() if k not in ("self", "module", "__class__")}
         resolve_torch_group_keywords(keywords)
@@ -323,9 +338,34 @@ class XlaFullyShardedDataParallel(UnitSetup, GradientReduction, ShardedUnit):
             if getattr(unit._fsdp_wrapped_module, "_xla_fsdp_checkpointed", False):
                 unit._find_shared_groups(self._units_in_tree)
         self._find_trainable_groups()
+        self._check_same_parameters_on_every_rank()
         if self.disable_reshard_on_root:
             self.reshard_after_forward = False
         self.comms.check_construction()
+
+    def _check_same_parameters_on_every_rank(self) -> None:
+        """Ranks that built different parameters (a model made before seeding, or from a random
+        generator the ranks share, as XLA:CPU device threads do) would train a different model on
+        each rank, and replicas (NO_SHARD, hybrid) would drift apart silently. Each group's
+        fingerprint, taken at construction, is summed over every rank: equal only if all agree."""
+        named = [(prefix + group.names[0], group) for prefix, unit in param_names.named_units(self)
+                 for group in unit._groups]
+        if not named:
+            return
+        bits = torch.stack([group.init_fingerprint.to(self.comms.device) for _, group in named]).cpu()
+        own = [b & 0xFFFFF for b in bits.view(torch.int32).tolist()]  # small: sums over ranks stay in int32
+        totals = self.comms.start_sum_over_ranks(own)()
+        if totals is None:  # no cheap host channel (XLA across processes): ranks are assumed alike
+            return
+        everyone = _job_size(self.comms)
+        for (name, _), mine, total in zip(named, own, totals):
+            if total != mine * everyone:
+                raise RuntimeError(
+                    f"xla_fsdp: the ranks built different values for parameter '{name}' (and maybe others): each "
+                    "would train a different model. Build the model the same way on every rank "
+                    "(torch.manual_seed(N) right before building it; XLA:CPU device threads share one CPU random "
+                    "generator, so build under a lock), or wrap with sync_module_states=True to take rank 0's "
+                    "parameters and buffers.")
 
     def _find_trainable_groups(self) -> None:
         """The root's list of groups that train, and whether each forward must plan which of them

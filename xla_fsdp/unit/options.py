@@ -50,6 +50,7 @@ class UnitOptions:
     prefetch: bool = True
     cpu_offload: Any = False
     param_storage_dtype: Optional[torch.dtype] = None
+    sync_module_states: bool = False
 
     def __post_init__(self) -> None:
         if self.compute_dtype not in _FLOAT_DTYPES:

@@ -46,7 +46,8 @@ class ParamGroup:
 
     def __init__(self, refs: List[ParamRef], comms: Collectives, *, flat: bool, dim0: bool,
                  pad_multiple: int, compute_dtype: torch.dtype, channel: int,
-                 offload: Optional[HostOffload] = None, storage_dtype: torch.dtype = torch.float32):
+                 offload: Optional[HostOffload] = None, storage_dtype: torch.dtype = torch.float32,
+                 sync_from_rank_0: bool = False):
         if dim0 and (flat or len(refs) != 1):
             raise ValueError("dim-0 sharding applies to one unflattened parameter at a time")
         self.refs = refs
@@ -74,7 +75,14 @@ class ParamGroup:
             padded = flatten_and_pad(sources, self.layout)
             self.padded_shape = (self.layout.padded_numel,)
             self.full_shape = self.padded_shape if flat else tuple(sources[0].shape)
-        shard = shard_of(padded, rank, ws).detach()
+        if sync_from_rank_0:
+            shard = self._rank_0_block(padded.to(comms.device))
+            #: every rank holds rank 0's values now: nothing left to compare (see the wrapper's check)
+            self.init_fingerprint = torch.zeros((), dtype=torch.float32)
+        else:
+            shard = shard_of(padded, rank, ws).detach()
+            #: a fingerprint of the full values this rank built, compared across ranks at the first forward
+            self.init_fingerprint = fingerprint(sources)
         if offload is not None:
             shard = offload.host_shard(shard, storage_dtype)
         else:
@@ -83,8 +91,15 @@ class ParamGroup:
         # Its gradient is reduced here: torch_xla's all-reduce of every gradient (xm.optimizer_step,
         # Accelerate's XLA path) must leave it out (see collectives/xla_gradients.py).
         self.shard._xla_fsdp_reduced = True
+        # torch_xla's attributes, read by its clients (Lightning's XLAFSDPStrategy finds the optimizer's
+        # shards by ``_is_sharded``): the size and name of what the shard is part of; ``_name`` is set
+        # by the unit, which names the shard.
+        self.shard._is_sharded = True
+        self.shard._orig_size = torch.Size((self.layout.numel,) if flat else self.full_shape)
         self.full = nn.Parameter(comms.new_full(self.full_shape, self.layout.padded_numel, compute_dtype),
                                  requires_grad=requires_grad)
+        self.full._sharded_param = self.shard  # torch_xla's handle, and whether the full data is there
+        self.full._has_full_param = False
         #: whether the group trains, as last seen (see :meth:`follow_requires_grad`)
         self.requires_grad = requires_grad
         comms.free(self.full)
@@ -140,6 +155,16 @@ class ParamGroup:
             else:
                 self.reshard()
         return True
+
+    def _rank_0_block(self, padded: torch.Tensor) -> torch.Tensor:
+        """This rank's block of global rank 0's ``padded`` full values (``sync_module_states``):
+        a reduce-scatter in which only rank 0 of the first replica adds its values, then a sum
+        over the replicas, in which only the first replica has any."""
+        source = self.comms.rank == 0 and self.comms.replica_rank == 0
+        block = self.comms.reduce_scatter(padded if source else torch.zeros_like(padded), self.channel_reduce)
+        if self.comms.replica_rank != 0:
+            block = torch.zeros_like(block)
+        return self.comms.all_reduce_replicas(block, self.channel_replicas).detach()
 
     # --- layout helpers -------------------------------------------------------------------
     def _unpad(self, padded: torch.Tensor) -> torch.Tensor:
@@ -205,6 +230,7 @@ class ParamGroup:
     def mark_unsharded(self, shard_version: int) -> None:
         """``full`` now holds the data of the shard as it was at ``shard_version``."""
         self.state = ShardedState.UNSHARDED
+        self.full._has_full_param = True
         self._gathered_version = shard_version
 
     def reshard(self) -> None:
@@ -216,6 +242,7 @@ class ParamGroup:
             for member in members:
                 self.comms.free(member)
         self.state = ShardedState.SHARDED
+        self.full._has_full_param = False
         # Drop the module's views too: a live view keeps the freed data alive (on XLA every
         # live tensor is an output of the step graph, so stale views cost a full-size write).
         self.install()
@@ -515,6 +542,22 @@ class _SplitFlat(torch.autograd.Function):
         if ctx.padding:
             flat.append(grads[0].new_zeros(ctx.padding))
         return torch.cat(flat), None, None
+
+
+def fingerprint(tensors: List[torch.Tensor], samples: int = 1024) -> torch.Tensor:
+    """A 0-d float32 summary of ``tensors``: up to ``samples`` evenly strided elements of each,
+    weighted by position (so a permutation changes it). Identical values give identical bits on
+    every rank; values drawn from different random states differ with near certainty. Left on the
+    device: read back once for the whole model (see the wrapper's check)."""
+    total = torch.zeros((), dtype=torch.float32, device=tensors[0].device)
+    for t in tensors:
+        flat = t.detach().reshape(-1)
+        if flat.numel() == 0:
+            continue
+        picked = flat[::max(1, flat.numel() // samples)][:samples].float()
+        weights = torch.arange(1, picked.numel() + 1, dtype=torch.float32, device=picked.device)
+        total = total + (picked * weights).sum()
+    return total
 
 
 def set_module_tensor(module: nn.Module, attr: str, value: Optional[torch.Tensor]) -> None:

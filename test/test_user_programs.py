@@ -1,0 +1,214 @@
+"""What programs do around the training loop (issue 42): ranks that build different models, reading
+and editing a wrapped model between steps, hooks and misuse that must fail clearly on every rank.
+The training-loop patterns themselves (freezing, clipping, loss scaling, hooks, re-initialising,
+outputs) are dimensions of the differential suite (test_differential.py)."""
+from __future__ import annotations
+
+import functools
+import os
+import tempfile
+import traceback
+from typing import Any, Callable, Dict, List
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from harness import _free_port
+from xla_fsdp import XlaFullyShardedDataParallel as FSDP
+from xla_fsdp.checkpoints import full_state_dict
+
+
+def _rank(rank: int, world_size: int, port: int, fn: Callable[[int, int], Any], out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        result: Any = fn(rank, world_size)
+    except Exception as e:  # noqa: BLE001 - the test reads every rank's error
+        result = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+    finally:
+        dist.destroy_process_group()
+    torch.save(result, os.path.join(out_dir, f"{rank}.pt"))
+
+
+def run_ranks(fn: Callable[[int, int], Any], world_size: int) -> List[Any]:
+    """``fn(rank, world_size)`` on gloo ranks; each rank's result, or its error as a string."""
+    import torch.multiprocessing as mp
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.spawn(_rank, args=(world_size, _free_port(), fn, out_dir), nprocs=world_size)
+        return [torch.load(os.path.join(out_dir, f"{r}.pt"), weights_only=False) for r in range(world_size)]
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.bn, self.fc2 = nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.bn(self.fc1(x))))
+
+
+def _batch(step: int, rank: int) -> torch.Tensor:
+    return torch.randn(4, 6, generator=torch.Generator().manual_seed(100 * step + rank))
+
+
+def _train(model: nn.Module, batches: List[torch.Tensor]) -> List[float]:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for x in batches:
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _built_per_rank(rank: int, world_size: int, **kw: Any) -> Dict[str, Any]:
+    """Each rank seeds with its own rank before building (or changes a buffer): the program
+    without a common seed."""
+    torch.manual_seed(rank)
+    net = Net()
+    net.bn.running_mean.fill_(float(rank))
+    if kw.get("sharding_strategy", "").startswith("HYBRID"):
+        kw["hybrid_shard_size"] = 2
+    model = FSDP(net, **kw)
+    losses = _train(model, [_batch(s, rank) for s in range(3)])
+    return {"losses": losses, "full": full_state_dict(model, rank0_only=False),
+            "running_mean": model.module.bn.running_mean.clone()}
+
+
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "NO_SHARD"])
+def test_ranks_that_built_different_parameters_stop_with_the_fix(strategy):
+    """Before: no error; each rank trained its own model (NO_SHARD: the replicas differed for good)."""
+    results = run_ranks(functools.partial(_built_per_rank, sharding_strategy=strategy), 2)
+    for result in results:
+        assert isinstance(result, str), "a rank trained although the ranks built different models"
+        assert "ranks built different values for parameter 'fc1.weight'" in result
+        assert "sync_module_states=True" in result and "torch.manual_seed" in result
+
+
+@pytest.mark.parametrize("world_size,strategy", [(2, "FULL_SHARD"), (2, "NO_SHARD"), (4, "HYBRID_SHARD")])
+def test_sync_module_states_takes_rank_0s_parameters_and_buffers(world_size, strategy):
+    results = run_ranks(functools.partial(_built_per_rank, sharding_strategy=strategy, sync_module_states=True),
+                        world_size)
+    reference = _rank_0_reference(world_size, 3)
+    for rank, result in enumerate(results):
+        assert not isinstance(result, str), result
+        for name, value in reference.state_dict().items():
+            if "running" in name or "num_batches" in name:
+                continue
+            assert torch.allclose(result["full"][name], value, atol=1e-6), (rank, name)
+    # rank 0's running_mean (0) was every rank's starting value: after 3 steps with momentum 0.1 each
+    # rank holds 0.271 of its own batches' means, nothing of the other ranks' starting values
+    for result in results:
+        assert result["running_mean"].abs().max() < 1.0, result["running_mean"]
+
+
+def _rank_0_reference(world_size: int, steps: int) -> nn.Module:
+    """Rank 0's model (seed 0) trained unsharded on the global batch."""
+    torch.manual_seed(0)
+    reference = Net()
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    for s in range(steps):
+        # BatchNorm normalises each rank's batch in the sharded run: the reference does the same
+        out = torch.cat([reference(_batch(s, r)) for r in range(world_size)])
+        out.square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return reference
+
+
+def _freed_parameter_and_hooks(rank: int, world_size: int) -> Dict[str, Any]:
+    torch.manual_seed(0)
+    net = Net()
+    net.fc2 = FSDP(net.fc2)
+    model = FSDP(net)
+    _train(model, [_batch(0, rank)])
+    seen = {}
+    weight = model.module.fc1.weight
+    seen["shape"] = tuple(weight.shape)
+    for what, op in [("zeros_", lambda: nn.init.zeros_(weight)), ("copy_", lambda: weight.copy_(torch.ones(8, 6))),
+                     ("print", lambda: str(weight + 1))]:
+        try:
+            with torch.no_grad():
+                op()
+            seen[what] = "no error"
+        except RuntimeError as e:
+            seen[what] = str(e)
+    with FSDP.summon_full_params(model):
+        seen["summoned"] = model.module.fc1.weight.clone()
+        with torch.no_grad():
+            model.module.fc1.weight[0].fill_(7.0)
+    seen["after"] = full_state_dict(model, rank0_only=False)["fc1.weight"]
+    # a hook on a shard (after wrapping) runs on the reduced block; a post-accumulate hook after it
+    calls = []
+    shard = next(model.fc2.parameters())
+    shard.register_hook(lambda g: calls.append(("hook", g.shape)) or g * 0)
+    shard.register_post_accumulate_grad_hook(lambda p: calls.append(("post", float(p.grad.abs().sum()))))
+    _train(model, [_batch(1, rank)])
+    seen["calls"] = calls
+    # a post-accumulate hook on an original parameter cannot work once it is sharded: refused
+    late = nn.Linear(2, 2)
+    late.weight.register_post_accumulate_grad_hook(lambda p: None)
+    try:
+        FSDP(late)
+        seen["post_before_wrap"] = "no error"
+    except RuntimeError as e:
+        seen["post_before_wrap"] = str(e)
+    return seen
+
+
+def test_a_parameter_between_steps_refuses_its_data_and_summon_full_params_gives_it():
+    """Before: nn.init.zeros_ on model.module.fc1.weight between steps killed the rank (SIGSEGV)."""
+    for seen in run_ranks(_freed_parameter_and_hooks, 2):
+        assert not isinstance(seen, str), seen
+        assert seen["shape"] == (8, 6)
+        for what in ("zeros_", "copy_", "print"):
+            assert "'fc1.weight' is sharded between forward passes" in seen[what], seen[what]
+            assert "summon_full_params" in seen[what]
+        assert seen["summoned"].shape == (8, 6)
+        assert torch.equal(seen["after"][0], torch.full((6,), 7.0))
+        assert torch.equal(seen["after"][1:], seen["summoned"][1:])
+        assert [c[0] for c in seen["calls"]] == ["hook", "post"] and seen["calls"][1][1] == 0.0
+        assert "'weight' has a post-accumulate-grad hook registered before wrapping" in seen["post_before_wrap"]
+
+
+def _xla_built_per_rank(sync: bool) -> Any:
+    import torch_xla
+    import torch_xla.runtime as xr
+    device, rank = torch_xla.device(), xr.global_ordinal()
+    torch.manual_seed(rank)  # as if the device threads had drawn from the CPU generator they share in turn
+    net = Net()
+    try:
+        model = FSDP(net.to(device), sync_module_states=sync)
+        losses = _train(model, [_batch(s, rank).to(device) for s in range(2)])
+        return {"losses": losses, "full": {k: v.cpu() for k, v in full_state_dict(model, rank0_only=False).items()}}
+    except RuntimeError as e:
+        return str(e)
+
+
+def test_xla_device_threads_that_built_different_models_stop_or_sync():
+    """Before: 1 of 6 runs of an unchanged torch_xla program under python -m xla_fsdp.compat trained a
+    different model per device thread, silently. Now the first forward stops both threads with the
+    fix, and sync_module_states=True trains rank 0's model."""
+    from torch_xla._internal import pjrt
+    saved = {k: os.environ.get(k) for k in ("PJRT_DEVICE", "CPU_NUM_DEVICES")}
+    os.environ.update(PJRT_DEVICE="CPU", CPU_NUM_DEVICES="2")
+    try:
+        refused = pjrt.run_multiprocess(_xla_built_per_rank, False)
+        synced = pjrt.run_multiprocess(_xla_built_per_rank, True)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    for text in refused.values():
+        assert isinstance(text, str) and "ranks built different values for parameter 'fc1.weight'" in text, text
+    reference = _rank_0_reference(2, 2)
+    for result in synced.values():
+        for name, value in reference.state_dict().items():
+            if "running" not in name and "num_batches" not in name:
+                assert torch.allclose(result["full"][name], value, atol=1e-5), name
