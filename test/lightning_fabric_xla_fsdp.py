@@ -66,9 +66,10 @@ def run(fabric: Fabric, folder: str) -> None:
     rest = fabric.load(folder, state)
     after_load = train(fabric, resumed_model, resumed_optimizer, data[2:])
     continued = train(fabric, model, optimizer, data[2:])
-    print("RESULT " + json.dumps({"rank": fabric.global_rank, "world_size": fabric.world_size, "losses": losses,
-                                  "step": rest.get("step"), "after_load": after_load, "continued": continued}),
-          flush=True)
+    line = json.dumps({"rank": fabric.global_rank, "world_size": fabric.world_size, "losses": losses,
+                       "step": rest.get("step"), "after_load": after_load, "continued": continued})
+    sys.stdout.write(f"RESULT {line}\n")  # one write: the ranks are threads of one process
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ raises one error that names the parameter and the way to reach the full data.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Dict, Sequence
 
 import torch
 from torch.utils._pytree import tree_flatten
@@ -32,6 +32,11 @@ class FreedParameter(torch.Tensor):
         freed._xla_fsdp_name = name
         freed._xla_fsdp_shard = shard
         return freed
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "FreedParameter":
+        """A deep copy of the module (an EMA teacher made from it) gets a stand-in too: copy the
+        model inside ``summon_full_params`` to get its values."""
+        return FreedParameter(self.shape, self.dtype, self.device, self._xla_fsdp_name, self._xla_fsdp_shard)
 
     def __repr__(self) -> str:  # type: ignore[override]
         return (f"FreedParameter('{self._xla_fsdp_name}', shape={tuple(self.shape)}, dtype={self.dtype}: "

@@ -31,6 +31,18 @@ class ShardGrad(torch.Tensor):
 
     _xla_fsdp_sharding: Tuple[Collectives, int]
 
+    def _plain(self) -> torch.Tensor:
+        with torch._C.DisableTorchFunctionSubclass():
+            return self.as_subclass(torch.Tensor)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Saved (``torch.save``, pickling) as the plain tensor it is: readable with ``weights_only=True``."""
+        return self._plain().__reduce_ex__(protocol)
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> torch.Tensor:
+        """A copy is a plain tensor: it is no longer this parameter's gradient."""
+        return self._plain().clone()
+
     @classmethod
     def __torch_function__(cls, func: Callable, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
