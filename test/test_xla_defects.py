@@ -144,3 +144,53 @@ def test_a_failing_rank_stops_its_peers_with_its_error(tmp_path):
     assert "rank 1 failed before the construction check (FileNotFoundError: rank file missing" in proc.stderr, \
         proc.stderr[-3000:]
     assert elapsed < 120, elapsed  # not the 600 s host timeout
+
+
+def _train_with_and_without_profiler_annotations():
+    import torch_xla
+    import torch_xla.debug.profiler as xp
+    import torch_xla.runtime as xr
+    import xla_fsdp
+    from xla_fsdp import XlaFullyShardedDataParallel as FSDP
+    dev, rank = torch_xla.device(), xr.global_ordinal()
+    runs = {}
+    for annotate in (False, True):
+        with _BUILD_LOCK:
+            torch.manual_seed(0)
+            # sync_on_finalization: a graph cut of the package's in backward too, inside the user's StepTrace
+            model = FSDP(models.MLP(), sync_on_finalization=True)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        for step in range(3):
+            x, y = (t.to(dev) for t in models.batch("mlp", step, rank))
+            if annotate:  # as torch_xla's train_imagenet.py
+                with xp.StepTrace("train_imagenet", step_num=step):
+                    with xp.Trace("build_graph"):
+                        opt.zero_grad()
+                        loss = models.loss_fn("mlp", model(x), y)
+                    loss.backward()
+                    opt.step()
+            else:
+                opt.zero_grad()
+                loss = models.loss_fn("mlp", model(x), y)
+                loss.backward()
+                opt.step()
+                xla_fsdp.sync()
+            losses.append(loss.item())
+        runs[annotate] = (losses, [p.detach().cpu() for p in model.parameters()])
+    return runs
+
+
+def test_profiler_scopes_around_a_step_on_several_xla_cpu_devices(monkeypatch):
+    """A forward inside xp.StepTrace/xp.Trace at 2 devices failed at once ("Expecting scope to be empty
+    but it is train_imagenet.1/build_graph.1"): the first forward's construction check cut the graph
+    with torch_xla's scope reset inside the user's open scopes. It trains as without the annotations."""
+    from torch_xla._internal import pjrt
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")
+    monkeypatch.setenv("CPU_NUM_DEVICES", "2")
+    results = pjrt.run_multiprocess(_train_with_and_without_profiler_annotations)
+    assert sorted(results) == [0, 1]
+    for runs in results.values():
+        (plain_losses, plain_params), (losses, params) = runs[False], runs[True]
+        assert losses == plain_losses
+        assert all(torch.equal(a, b) for a, b in zip(params, plain_params))

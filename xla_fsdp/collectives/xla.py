@@ -59,13 +59,17 @@ _PATCH_LOCK = threading.Lock()
 _COMPILE_LOCK = threading.Lock()
 
 
-def sync(wait: bool = False) -> None:
+def sync(wait: bool = False, reset_scope: bool = True) -> None:
     """Run pending XLA work; safe when several XLA:CPU devices are threads of one process.
 
     ``torch_xla.sync()`` drops the collective token while holding the GIL, which deadlocks when
     another rank thread still needs the GIL to reach its own collective. Here the launch and the wait
     for this device's execution happen with the GIL released, and the token is dropped only after.
-    On TPU it behaves like ``torch_xla.sync(wait)``.
+    On TPU it behaves like ``torch_xla.sync(wait, reset_scope)``.
+
+    ``reset_scope``: also clear the thread's profiler scopes (``xp.Trace``), as at the end of a
+    user's step; torch_xla refuses that while a scope is open. A graph cut xla_fsdp makes inside a
+    user's forward or backward (:meth:`XlaCollectives.sync`) passes False: the user's scopes stay.
     """
     import torch_xla
     import torch_xla.core.xla_model as xm
@@ -79,9 +83,9 @@ def sync(wait: bool = False) -> None:
         # 10 s). With the synchronous client the launch returns before execution, so the lock is
         # never held across a collective.
         with _COMPILE_LOCK:
-            xlac._xla_step_marker(dev, [], wait=False, reset_scope=True)
+            xlac._xla_step_marker(dev, [], wait=False, reset_scope=reset_scope)
     else:
-        xlac._xla_step_marker(dev, [], wait=wait, reset_scope=True)
+        xlac._xla_step_marker(dev, [], wait=wait, reset_scope=reset_scope)
     if threaded:
         xlac._xla_wait_device_ops(xlac._xla_real_devices([dev]))
     xm._run_step_closures()
@@ -101,8 +105,8 @@ def install_safe_sync() -> None:
     with _PATCH_LOCK:
         if _patched:
             return
-        torch_xla.sync = lambda wait=False, reset_scope=True: sync(wait)
-        xm.mark_step = lambda wait=False, reset_scope=True: sync(wait)
+        torch_xla.sync = lambda wait=False, reset_scope=True: sync(wait, reset_scope)
+        xm.mark_step = lambda wait=False, reset_scope=True: sync(wait, reset_scope)
         _patched = True
 
 
@@ -190,7 +194,7 @@ class XlaCollectives(Collectives):
             self._meet_before_check(everyone)
         mine = torch.tensor([CHANNELS.peek()], dtype=torch.int32).to(self._device)
         counters = self._gather(mine, CHECK_CHANNEL, [everyone])
-        sync()
+        sync(reset_scope=False)
         values = counters.cpu().tolist()
         if len(set(values)) > 1:
             raise RuntimeError(
@@ -206,7 +210,7 @@ class XlaCollectives(Collectives):
         on the host, where waiting is free; the check's graph is then tiny and the same on every rank."""
         import torch_xla.runtime as xr
 
-        sync()
+        sync(reset_scope=False)
         if everyone != list(range(xr.world_size())):
             return  # a subset of the process's devices: the meeting would wait for ranks not in it
         thread_exchange("construction check", len(everyone)).gather(self.global_rank, None)
@@ -324,7 +328,7 @@ class XlaCollectives(Collectives):
             xm.optimization_barrier_(floats)
 
     def sync(self) -> None:
-        sync()
+        sync(reset_scope=False)
 
 
 def _refresh_metadata(tensor: torch.Tensor) -> None:
