@@ -194,3 +194,89 @@ def test_profiler_scopes_around_a_step_on_several_xla_cpu_devices(monkeypatch):
         (plain_losses, plain_params), (losses, params) = runs[False], runs[True]
         assert losses == plain_losses
         assert all(torch.equal(a, b) for a, b in zip(params, plain_params))
+
+
+class _BranchOnRankZero(torch.nn.Module):
+    """``b`` is used on rank 0 only (a data-dependent branch), in the root unit itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(12, 12)
+        self.b = torch.nn.Linear(12, 12)
+        self.head = torch.nn.Linear(12, 5)
+
+    def forward(self, x, use_b):
+        x = torch.tanh(self.a(x))
+        if use_b:
+            x = x + torch.tanh(self.b(x))
+        return self.head(x)
+
+
+BRANCH_STEPS = 3
+
+
+def _train_with_a_branch_on_rank_zero():
+    import torch_xla
+    import torch_xla.runtime as xr
+    import xla_fsdp
+    from xla_fsdp import XlaFullyShardedDataParallel as FSDP
+    dev, rank = torch_xla.device(), xr.global_ordinal()
+    with _BUILD_LOCK:
+        torch.manual_seed(0)
+        model = FSDP(_BranchOnRankZero(), flatten_parameters=False, reshard_after_forward=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step in range(BRANCH_STEPS):
+        x, y = (t.to(dev) for t in models.batch("mlp", step, rank))
+        opt.zero_grad()
+        loss = models.loss_fn("mlp", model(x, rank == 0), y)
+        loss.backward()
+        opt.step()
+        xla_fsdp.sync()
+        losses.append(loss.item())
+    return losses, {k: v.detach().cpu() for k, v in model.state_dict().items()}, model.get_shard_metadata()
+
+
+def test_a_branch_used_on_one_rank_only_in_a_root_unit(monkeypatch):
+    """Rank 0 raised KeyError in the gradient plan's host exchange and XLA aborted rank 1: backward runs
+    in autograd's thread for the device, whose exchange rounds were counted apart from the rank's own
+    thread. Training equals the unsharded model on the global batch (the branch's gradient is rank 0's
+    alone, averaged over the 2 ranks)."""
+    from torch_xla._internal import pjrt
+    from xla_fsdp.checkpoints.shard_merge import consolidate_sharded_state_dicts
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")
+    monkeypatch.setenv("CPU_NUM_DEVICES", "2")
+    results = pjrt.run_multiprocess(_train_with_a_branch_on_rank_zero)
+    assert sorted(results) == [0, 1]
+    torch.manual_seed(0)
+    ref = _BranchOnRankZero()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(BRANCH_STEPS):
+        opt.zero_grad()
+        per_rank = [models.loss_fn("mlp", ref(x, r == 0), y)
+                    for r, (x, y) in enumerate(models.batch("mlp", step, r) for r in range(2))]
+        torch.stack(per_rank).mean().backward()
+        opt.step()
+        for r in range(2):
+            assert abs(results[r][0][step] - per_rank[r].item()) < 1e-5, (step, r)
+    trained = consolidate_sharded_state_dicts([results[r][1] for r in range(2)], results[0][2])
+    for name, value in ref.state_dict().items():
+        assert torch.allclose(trained[name], value, atol=1e-6), name
+
+
+def test_host_exchange_rounds_follow_the_rank_not_the_thread():
+    """A rank's exchanges come from its own thread (forward) and from autograd's thread for its device
+    (backward): the n-th call of a rank belongs to round n whichever thread makes it."""
+    from xla_fsdp.collectives.host_exchange import ThreadExchange
+    exchange = ThreadExchange("test rounds", 2)
+    waits = {}
+
+    def call(rank, value):  # every call from a thread of its own
+        waits[value] = exchange.start_gather(rank, value)
+
+    for rank, value in [(0, "fwd0"), (0, "bwd0"), (1, "fwd1"), (1, "bwd1")]:
+        thread = threading.Thread(target=call, args=(rank, value))
+        thread.start()
+        thread.join()
+    assert waits["fwd0"]() == waits["fwd1"]() == ["fwd0", "fwd1"]
+    assert waits["bwd0"]() == waits["bwd1"]() == ["bwd0", "bwd1"]
