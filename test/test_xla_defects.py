@@ -280,3 +280,62 @@ def test_host_exchange_rounds_follow_the_rank_not_the_thread():
         thread.join()
     assert waits["fwd0"]() == waits["fwd1"]() == ["fwd0", "fwd1"]
     assert waits["bwd0"]() == waits["bwd1"]() == ["bwd0", "bwd1"]
+
+
+class _ScaleThenMLP(torch.nn.Module):
+    """``scale``'s gradient is the input ``z`` (an inf where ``z`` has one); the MLP's do not depend on it."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(3))
+        self.mlp = models.MLP()
+
+    def forward(self, x, z):
+        return self.mlp(x), (self.scale * z).sum()
+
+
+def _gradients_with_and_without_an_inf():
+    import torch_xla
+    import torch_xla.runtime as xr
+    import xla_fsdp
+    from xla_fsdp import XlaFullyShardedDataParallel as FSDP
+    dev, rank = torch_xla.device(), xr.global_ordinal()
+    grads = {}
+    for strategy in ("FULL_SHARD", "NO_SHARD"):  # both with the default per-parameter layout
+        for first in (float("inf"), 3.0):
+            with _BUILD_LOCK:
+                torch.manual_seed(0)
+                model = FSDP(_ScaleThenMLP(), sharding_strategy=strategy)
+            x, y = (t.to(dev) for t in models.batch("mlp", 0, rank))
+            # rank 0's gradient of scale[0] overflows: the first element of rank 0's reduced shard
+            z = torch.tensor([first if rank == 0 else 1.0, 2.0, 3.0]).to(dev)
+            out, extra = model(x, z)
+            (models.loss_fn("mlp", out, y) + extra).backward()
+            xla_fsdp.sync()
+            grads[strategy, first] = {n: p.grad.cpu() for n, p in model.named_parameters()}
+    return grads
+
+
+def test_an_inf_gradient_stays_in_its_own_parameter(monkeypatch):
+    """An inf in one parameter's gradient turned the other parameters' reduced gradients into NaN
+    (per-parameter layout and NO_SHARD): torch_xla chains the collectives of a graph with a numeric
+    token, ``token * result[0]``, added to the next collective's input, and 0 * inf = NaN. The other
+    gradients equal those of the same program without the inf; the inf arrives where it belongs."""
+    from torch_xla._internal import pjrt
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")
+    monkeypatch.setenv("CPU_NUM_DEVICES", "2")
+    results = pjrt.run_multiprocess(_gradients_with_and_without_an_inf)
+    assert sorted(results) == [0, 1]
+    for rank, grads in results.items():
+        for strategy in ("FULL_SHARD", "NO_SHARD"):
+            with_inf, finite = grads[strategy, float("inf")], grads[strategy, 3.0]
+            for name, grad in with_inf.items():
+                if not name.endswith("scale"):
+                    assert torch.equal(grad, finite[name]), (rank, strategy, name, grad)
+                    continue
+                # scale's full gradient is [inf, 1.5, 2.5] + padding: only the first element is inf
+                holds_first = rank == 0 or strategy == "NO_SHARD"
+                expected = torch.zeros_like(grad, dtype=torch.bool)
+                expected[0] = holds_first
+                assert torch.equal(torch.isinf(grad), expected), (rank, strategy, grad)
+                assert torch.equal(grad[~expected], finite[name][~expected]), (rank, strategy, grad)

@@ -76,6 +76,7 @@ def sync(wait: bool = False, reset_scope: bool = True) -> None:
 
     xlac = torch_xla._XLAC
     dev = xlac._xla_get_default_device()
+    _LINKS.pop(str(dev), None)  # a new graph starts a new order (and the link is no output of this one)
     threaded = is_threaded_cpu()
     if threaded and os.environ.get("PJRT_CPU_ASYNC_CLIENT", "").lower() in ("false", "0"):
         # One rank thread compiles, the others find the executable in the shared cache: no rank
@@ -220,12 +221,16 @@ class XlaCollectives(Collectives):
             return {}
         return {"channel_id": int(channel), "use_global_device_ids": True}
 
-    def _gather(self, tensor: torch.Tensor, channel: int, groups: List[List[int]]) -> torch.Tensor:
+    def _gather(self, tensor: torch.Tensor, channel: int, groups: List[List[int]],
+                gradients: bool = False) -> torch.Tensor:
+        """``gradients``: values that may hold an inf, kept out of torch_xla's token (see _outside_token)."""
         import torch_xla.core.xla_model as xm
 
         groups = groups if (self.use_channel_ids or len(groups) > 1) else None
-        return xm.all_gather(tensor, 0, groups=groups, pin_layout=self.pin_layout,
-                             **self._channel_kwargs(channel))
+        kwargs = dict(groups=groups, pin_layout=self.pin_layout, **self._channel_kwargs(channel))
+        if gradients:
+            return _outside_token(tensor, lambda t: xm.all_gather(t, 0, **kwargs))
+        return xm.all_gather(_linked(tensor), 0, **kwargs)
 
     def all_gather(self, shard: torch.Tensor, channel: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         if self.world_size == 1:  # NO_SHARD, or the SPMD mode's one logical rank: nothing to exchange
@@ -245,8 +250,8 @@ class XlaCollectives(Collectives):
         if self.world_size == 1:
             return full
         groups = self.groups if (self.use_channel_ids or len(self.groups) > 1) else None
-        return xm.reduce_scatter(xm.REDUCE_SUM, full, 1.0, 0, self.world_size, groups=groups,
-                                 pin_layout=self.pin_layout, **self._channel_kwargs(channel))
+        kwargs = dict(groups=groups, pin_layout=self.pin_layout, **self._channel_kwargs(channel))
+        return _outside_token(full, lambda t: xm.reduce_scatter(xm.REDUCE_SUM, t, 1.0, 0, self.world_size, **kwargs))
 
     def all_reduce_sum(self, tensor: torch.Tensor, channel: int) -> torch.Tensor:
         flat = tensor.reshape(1, -1)
@@ -259,8 +264,9 @@ class XlaCollectives(Collectives):
         if not self.replica_groups:
             return tensor
         if not self.use_channel_ids:
-            return xm.all_reduce(xm.REDUCE_SUM, tensor, groups=self.replica_groups, pin_layout=self.pin_layout)
-        gathered = self._gather(tensor.reshape(1, -1), channel, self.replica_groups)
+            return _outside_token(tensor, lambda t: xm.all_reduce(xm.REDUCE_SUM, t, groups=self.replica_groups,
+                                                                  pin_layout=self.pin_layout))
+        gathered = self._gather(tensor.reshape(1, -1), channel, self.replica_groups, gradients=True)
         return gathered.sum(dim=0).view(tensor.shape)
 
     def start_sum_over_ranks(self, values: Sequence[int]) -> Callable[[], Optional[List[int]]]:
@@ -329,6 +335,49 @@ class XlaCollectives(Collectives):
 
     def sync(self) -> None:
         sync(reset_scope=False)
+
+
+# --- gradient collectives outside torch_xla's collective token --------------------------------------
+#: per XLA device: a finite scalar computed from the result of the last gradient collective of the
+#: graph being traced; the next collective's input adds 0 times it, so it runs after that one
+_LINKS: Dict[str, torch.Tensor] = {}
+
+
+def _linked(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, made to depend on the device's last gradient collective if the graph being
+    traced has one that no collective follows yet (see :func:`_outside_token`)."""
+    import torch_xla
+
+    link = _LINKS.pop(str(tensor.device), None)
+    if link is None or not torch_xla._XLAC._check_tensor_need_materialization([link])[0]:
+        return tensor  # none, or from a graph that has run since
+    # + 0 * link: XLA keeps a float multiplication by 0 (it would turn an inf into NaN)
+    return tensor.add(link if tensor.is_floating_point() else link.to(tensor.dtype), alpha=0)
+
+
+def _outside_token(tensor: torch.Tensor, collective: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``collective(tensor)`` for a collective of gradients, whose result may hold an inf.
+
+    torch_xla orders the collectives of a graph with a numeric token (``TokenHandler`` in its
+    ``token_handler.cpp``; all-gather, reduce-scatter and all-reduce alike): a collective's input
+    gets ``+ token`` and the token becomes ``token * result[0]``. A reduced gradient whose first
+    element is inf makes the token ``0 * inf = NaN``, and every later collective of the graph adds
+    that NaN to its input: the other parameters' gradients arrive as NaN. So the token is put back
+    as it was before this collective, and the order goes on through a link of our own: the next
+    collective's input adds ``0 * nan_to_num(result[0])``, the same dependency, always a finite 0.
+    The order matters: XLA:CPU ranks that ran independent collectives in different orders waited
+    for each other in two rendezvous until XLA aborted them. Keyed by the tensor's device, not the
+    thread: backward hooks run in autograd's thread for the device."""
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    token, devctx = xm._get_all_reduce_token()
+    try:
+        result = collective(_linked(tensor))
+    finally:
+        torch_xla._XLAC._set_all_reduce_token(devctx.device, token)
+    _LINKS[str(tensor.device)] = torch.nan_to_num(result.detach().view(-1)[0], 0.0, 0.0, 0.0)
+    return result
 
 
 def _refresh_metadata(tensor: torch.Tensor) -> None:
