@@ -144,3 +144,198 @@ def test_a_failing_rank_stops_its_peers_with_its_error(tmp_path):
     assert "rank 1 failed before the construction check (FileNotFoundError: rank file missing" in proc.stderr, \
         proc.stderr[-3000:]
     assert elapsed < 120, elapsed  # not the 600 s host timeout
+
+
+def _train_with_and_without_profiler_annotations():
+    import torch_xla
+    import torch_xla.debug.profiler as xp
+    import torch_xla.runtime as xr
+    import xla_fsdp
+    from xla_fsdp import XlaFullyShardedDataParallel as FSDP
+    dev, rank = torch_xla.device(), xr.global_ordinal()
+    runs = {}
+    for annotate in (False, True):
+        with _BUILD_LOCK:
+            torch.manual_seed(0)
+            # sync_on_finalization: a graph cut of the package's in backward too, inside the user's StepTrace
+            model = FSDP(models.MLP(), sync_on_finalization=True)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        for step in range(3):
+            x, y = (t.to(dev) for t in models.batch("mlp", step, rank))
+            if annotate:  # as torch_xla's train_imagenet.py
+                with xp.StepTrace("train_imagenet", step_num=step):
+                    with xp.Trace("build_graph"):
+                        opt.zero_grad()
+                        loss = models.loss_fn("mlp", model(x), y)
+                    loss.backward()
+                    opt.step()
+            else:
+                opt.zero_grad()
+                loss = models.loss_fn("mlp", model(x), y)
+                loss.backward()
+                opt.step()
+                xla_fsdp.sync()
+            losses.append(loss.item())
+        runs[annotate] = (losses, [p.detach().cpu() for p in model.parameters()])
+    return runs
+
+
+def test_profiler_scopes_around_a_step_on_several_xla_cpu_devices(monkeypatch):
+    """A forward inside xp.StepTrace/xp.Trace at 2 devices failed at once ("Expecting scope to be empty
+    but it is train_imagenet.1/build_graph.1"): the first forward's construction check cut the graph
+    with torch_xla's scope reset inside the user's open scopes. It trains as without the annotations."""
+    from torch_xla._internal import pjrt
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")
+    monkeypatch.setenv("CPU_NUM_DEVICES", "2")
+    results = pjrt.run_multiprocess(_train_with_and_without_profiler_annotations)
+    assert sorted(results) == [0, 1]
+    for runs in results.values():
+        (plain_losses, plain_params), (losses, params) = runs[False], runs[True]
+        assert losses == plain_losses
+        assert all(torch.equal(a, b) for a, b in zip(params, plain_params))
+
+
+class _BranchOnRankZero(torch.nn.Module):
+    """``b`` is used on rank 0 only (a data-dependent branch), in the root unit itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(12, 12)
+        self.b = torch.nn.Linear(12, 12)
+        self.head = torch.nn.Linear(12, 5)
+
+    def forward(self, x, use_b):
+        x = torch.tanh(self.a(x))
+        if use_b:
+            x = x + torch.tanh(self.b(x))
+        return self.head(x)
+
+
+BRANCH_STEPS = 3
+
+
+def _train_with_a_branch_on_rank_zero():
+    import torch_xla
+    import torch_xla.runtime as xr
+    import xla_fsdp
+    from xla_fsdp import XlaFullyShardedDataParallel as FSDP
+    dev, rank = torch_xla.device(), xr.global_ordinal()
+    with _BUILD_LOCK:
+        torch.manual_seed(0)
+        model = FSDP(_BranchOnRankZero(), flatten_parameters=False, reshard_after_forward=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step in range(BRANCH_STEPS):
+        x, y = (t.to(dev) for t in models.batch("mlp", step, rank))
+        opt.zero_grad()
+        loss = models.loss_fn("mlp", model(x, rank == 0), y)
+        loss.backward()
+        opt.step()
+        xla_fsdp.sync()
+        losses.append(loss.item())
+    return losses, {k: v.detach().cpu() for k, v in model.state_dict().items()}, model.get_shard_metadata()
+
+
+def test_a_branch_used_on_one_rank_only_in_a_root_unit(monkeypatch):
+    """Rank 0 raised KeyError in the gradient plan's host exchange and XLA aborted rank 1: backward runs
+    in autograd's thread for the device, whose exchange rounds were counted apart from the rank's own
+    thread. Training equals the unsharded model on the global batch (the branch's gradient is rank 0's
+    alone, averaged over the 2 ranks)."""
+    from torch_xla._internal import pjrt
+    from xla_fsdp.checkpoints.shard_merge import consolidate_sharded_state_dicts
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")
+    monkeypatch.setenv("CPU_NUM_DEVICES", "2")
+    results = pjrt.run_multiprocess(_train_with_a_branch_on_rank_zero)
+    assert sorted(results) == [0, 1]
+    torch.manual_seed(0)
+    ref = _BranchOnRankZero()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(BRANCH_STEPS):
+        opt.zero_grad()
+        per_rank = [models.loss_fn("mlp", ref(x, r == 0), y)
+                    for r, (x, y) in enumerate(models.batch("mlp", step, r) for r in range(2))]
+        torch.stack(per_rank).mean().backward()
+        opt.step()
+        for r in range(2):
+            assert abs(results[r][0][step] - per_rank[r].item()) < 1e-5, (step, r)
+    trained = consolidate_sharded_state_dicts([results[r][1] for r in range(2)], results[0][2])
+    for name, value in ref.state_dict().items():
+        assert torch.allclose(trained[name], value, atol=1e-6), name
+
+
+def test_host_exchange_rounds_follow_the_rank_not_the_thread():
+    """A rank's exchanges come from its own thread (forward) and from autograd's thread for its device
+    (backward): the n-th call of a rank belongs to round n whichever thread makes it."""
+    from xla_fsdp.collectives.host_exchange import ThreadExchange
+    exchange = ThreadExchange("test rounds", 2)
+    waits = {}
+
+    def call(rank, value):  # every call from a thread of its own
+        waits[value] = exchange.start_gather(rank, value)
+
+    for rank, value in [(0, "fwd0"), (0, "bwd0"), (1, "fwd1"), (1, "bwd1")]:
+        thread = threading.Thread(target=call, args=(rank, value))
+        thread.start()
+        thread.join()
+    assert waits["fwd0"]() == waits["fwd1"]() == ["fwd0", "fwd1"]
+    assert waits["bwd0"]() == waits["bwd1"]() == ["bwd0", "bwd1"]
+
+
+class _ScaleThenMLP(torch.nn.Module):
+    """``scale``'s gradient is the input ``z`` (an inf where ``z`` has one); the MLP's do not depend on it."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(3))
+        self.mlp = models.MLP()
+
+    def forward(self, x, z):
+        return self.mlp(x), (self.scale * z).sum()
+
+
+def _gradients_with_and_without_an_inf():
+    import torch_xla
+    import torch_xla.runtime as xr
+    import xla_fsdp
+    from xla_fsdp import XlaFullyShardedDataParallel as FSDP
+    dev, rank = torch_xla.device(), xr.global_ordinal()
+    grads = {}
+    for strategy in ("FULL_SHARD", "NO_SHARD"):  # both with the default per-parameter layout
+        for first in (float("inf"), 3.0):
+            with _BUILD_LOCK:
+                torch.manual_seed(0)
+                model = FSDP(_ScaleThenMLP(), sharding_strategy=strategy)
+            x, y = (t.to(dev) for t in models.batch("mlp", 0, rank))
+            # rank 0's gradient of scale[0] overflows: the first element of rank 0's reduced shard
+            z = torch.tensor([first if rank == 0 else 1.0, 2.0, 3.0]).to(dev)
+            out, extra = model(x, z)
+            (models.loss_fn("mlp", out, y) + extra).backward()
+            xla_fsdp.sync()
+            grads[strategy, first] = {n: p.grad.cpu() for n, p in model.named_parameters()}
+    return grads
+
+
+def test_an_inf_gradient_stays_in_its_own_parameter(monkeypatch):
+    """An inf in one parameter's gradient turned the other parameters' reduced gradients into NaN
+    (per-parameter layout and NO_SHARD): torch_xla chains the collectives of a graph with a numeric
+    token, ``token * result[0]``, added to the next collective's input, and 0 * inf = NaN. The other
+    gradients equal those of the same program without the inf; the inf arrives where it belongs."""
+    from torch_xla._internal import pjrt
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")
+    monkeypatch.setenv("CPU_NUM_DEVICES", "2")
+    results = pjrt.run_multiprocess(_gradients_with_and_without_an_inf)
+    assert sorted(results) == [0, 1]
+    for rank, grads in results.items():
+        for strategy in ("FULL_SHARD", "NO_SHARD"):
+            with_inf, finite = grads[strategy, float("inf")], grads[strategy, 3.0]
+            for name, grad in with_inf.items():
+                if not name.endswith("scale"):
+                    assert torch.equal(grad, finite[name]), (rank, strategy, name, grad)
+                    continue
+                # scale's full gradient is [inf, 1.5, 2.5] + padding: only the first element is inf
+                holds_first = rank == 0 or strategy == "NO_SHARD"
+                expected = torch.zeros_like(grad, dtype=torch.bool)
+                expected[0] = holds_first
+                assert torch.equal(torch.isinf(grad), expected), (rank, strategy, grad)
+                assert torch.equal(grad[~expected], finite[name][~expected]), (rank, strategy, grad)

@@ -10,7 +10,11 @@ TIMEOUT_S = 600.0
 
 class ThreadExchange:
     """Gathers one value per rank thread. A rank leaves its value and goes on; it waits only when
-    it asks for the values. The n-th call of every rank thread belongs to the same round."""
+    it asks for the values. The n-th call of every rank belongs to the same round.
+
+    Rounds are counted per rank, not per thread: a rank calls from its own thread (forward) and
+    from autograd's thread for its device (backward hooks, the end-of-backward callback), and
+    both calls belong to the rank's one sequence of rounds."""
 
     def __init__(self, purpose: str, world_size: int):
         self.purpose = purpose
@@ -18,12 +22,12 @@ class ThreadExchange:
         self._cond = threading.Condition()
         self._rounds: Dict[int, Dict[int, Any]] = {}
         self._readers: Dict[int, int] = {}
-        self._local = threading.local()
+        self._next: Dict[int, int] = {}  # rank -> its next round
 
     def start_gather(self, rank: int, value: Any) -> Callable[[], List[Any]]:
-        round_ = getattr(self._local, "next", 0)
-        self._local.next = round_ + 1
         with self._cond:
+            round_ = self._next.get(rank, 0)
+            self._next[rank] = round_ + 1
             self._rounds.setdefault(round_, {})[rank] = value
             self._cond.notify_all()
         return lambda: self._gather(round_)

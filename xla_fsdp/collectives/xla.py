@@ -59,19 +59,24 @@ _PATCH_LOCK = threading.Lock()
 _COMPILE_LOCK = threading.Lock()
 
 
-def sync(wait: bool = False) -> None:
+def sync(wait: bool = False, reset_scope: bool = True) -> None:
     """Run pending XLA work; safe when several XLA:CPU devices are threads of one process.
 
     ``torch_xla.sync()`` drops the collective token while holding the GIL, which deadlocks when
     another rank thread still needs the GIL to reach its own collective. Here the launch and the wait
     for this device's execution happen with the GIL released, and the token is dropped only after.
-    On TPU it behaves like ``torch_xla.sync(wait)``.
+    On TPU it behaves like ``torch_xla.sync(wait, reset_scope)``.
+
+    ``reset_scope``: also clear the thread's profiler scopes (``xp.Trace``), as at the end of a
+    user's step; torch_xla refuses that while a scope is open. A graph cut xla_fsdp makes inside a
+    user's forward or backward (:meth:`XlaCollectives.sync`) passes False: the user's scopes stay.
     """
     import torch_xla
     import torch_xla.core.xla_model as xm
 
     xlac = torch_xla._XLAC
     dev = xlac._xla_get_default_device()
+    _LINKS.pop(str(dev), None)  # a new graph starts a new order (and the link is no output of this one)
     threaded = is_threaded_cpu()
     if threaded and os.environ.get("PJRT_CPU_ASYNC_CLIENT", "").lower() in ("false", "0"):
         # One rank thread compiles, the others find the executable in the shared cache: no rank
@@ -79,9 +84,9 @@ def sync(wait: bool = False) -> None:
         # 10 s). With the synchronous client the launch returns before execution, so the lock is
         # never held across a collective.
         with _COMPILE_LOCK:
-            xlac._xla_step_marker(dev, [], wait=False, reset_scope=True)
+            xlac._xla_step_marker(dev, [], wait=False, reset_scope=reset_scope)
     else:
-        xlac._xla_step_marker(dev, [], wait=wait, reset_scope=True)
+        xlac._xla_step_marker(dev, [], wait=wait, reset_scope=reset_scope)
     if threaded:
         xlac._xla_wait_device_ops(xlac._xla_real_devices([dev]))
     xm._run_step_closures()
@@ -101,8 +106,8 @@ def install_safe_sync() -> None:
     with _PATCH_LOCK:
         if _patched:
             return
-        torch_xla.sync = lambda wait=False, reset_scope=True: sync(wait)
-        xm.mark_step = lambda wait=False, reset_scope=True: sync(wait)
+        torch_xla.sync = lambda wait=False, reset_scope=True: sync(wait, reset_scope)
+        xm.mark_step = lambda wait=False, reset_scope=True: sync(wait, reset_scope)
         _patched = True
 
 
@@ -190,7 +195,7 @@ class XlaCollectives(Collectives):
             self._meet_before_check(everyone)
         mine = torch.tensor([CHANNELS.peek()], dtype=torch.int32).to(self._device)
         counters = self._gather(mine, CHECK_CHANNEL, [everyone])
-        sync()
+        sync(reset_scope=False)
         values = counters.cpu().tolist()
         if len(set(values)) > 1:
             raise RuntimeError(
@@ -206,7 +211,7 @@ class XlaCollectives(Collectives):
         on the host, where waiting is free; the check's graph is then tiny and the same on every rank."""
         import torch_xla.runtime as xr
 
-        sync()
+        sync(reset_scope=False)
         if everyone != list(range(xr.world_size())):
             return  # a subset of the process's devices: the meeting would wait for ranks not in it
         thread_exchange("construction check", len(everyone)).gather(self.global_rank, None)
@@ -216,12 +221,16 @@ class XlaCollectives(Collectives):
             return {}
         return {"channel_id": int(channel), "use_global_device_ids": True}
 
-    def _gather(self, tensor: torch.Tensor, channel: int, groups: List[List[int]]) -> torch.Tensor:
+    def _gather(self, tensor: torch.Tensor, channel: int, groups: List[List[int]],
+                gradients: bool = False) -> torch.Tensor:
+        """``gradients``: values that may hold an inf, kept out of torch_xla's token (see _outside_token)."""
         import torch_xla.core.xla_model as xm
 
         groups = groups if (self.use_channel_ids or len(groups) > 1) else None
-        return xm.all_gather(tensor, 0, groups=groups, pin_layout=self.pin_layout,
-                             **self._channel_kwargs(channel))
+        kwargs = dict(groups=groups, pin_layout=self.pin_layout, **self._channel_kwargs(channel))
+        if gradients:
+            return _outside_token(tensor, lambda t: xm.all_gather(t, 0, **kwargs))
+        return xm.all_gather(_linked(tensor), 0, **kwargs)
 
     def all_gather(self, shard: torch.Tensor, channel: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         if self.world_size == 1:  # NO_SHARD, or the SPMD mode's one logical rank: nothing to exchange
@@ -241,8 +250,8 @@ class XlaCollectives(Collectives):
         if self.world_size == 1:
             return full
         groups = self.groups if (self.use_channel_ids or len(self.groups) > 1) else None
-        return xm.reduce_scatter(xm.REDUCE_SUM, full, 1.0, 0, self.world_size, groups=groups,
-                                 pin_layout=self.pin_layout, **self._channel_kwargs(channel))
+        kwargs = dict(groups=groups, pin_layout=self.pin_layout, **self._channel_kwargs(channel))
+        return _outside_token(full, lambda t: xm.reduce_scatter(xm.REDUCE_SUM, t, 1.0, 0, self.world_size, **kwargs))
 
     def all_reduce_sum(self, tensor: torch.Tensor, channel: int) -> torch.Tensor:
         flat = tensor.reshape(1, -1)
@@ -255,8 +264,9 @@ class XlaCollectives(Collectives):
         if not self.replica_groups:
             return tensor
         if not self.use_channel_ids:
-            return xm.all_reduce(xm.REDUCE_SUM, tensor, groups=self.replica_groups, pin_layout=self.pin_layout)
-        gathered = self._gather(tensor.reshape(1, -1), channel, self.replica_groups)
+            return _outside_token(tensor, lambda t: xm.all_reduce(xm.REDUCE_SUM, t, groups=self.replica_groups,
+                                                                  pin_layout=self.pin_layout))
+        gathered = self._gather(tensor.reshape(1, -1), channel, self.replica_groups, gradients=True)
         return gathered.sum(dim=0).view(tensor.shape)
 
     def start_sum_over_ranks(self, values: Sequence[int]) -> Callable[[], Optional[List[int]]]:
@@ -324,7 +334,50 @@ class XlaCollectives(Collectives):
             xm.optimization_barrier_(floats)
 
     def sync(self) -> None:
-        sync()
+        sync(reset_scope=False)
+
+
+# --- gradient collectives outside torch_xla's collective token --------------------------------------
+#: per XLA device: a finite scalar computed from the result of the last gradient collective of the
+#: graph being traced; the next collective's input adds 0 times it, so it runs after that one
+_LINKS: Dict[str, torch.Tensor] = {}
+
+
+def _linked(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, made to depend on the device's last gradient collective if the graph being
+    traced has one that no collective follows yet (see :func:`_outside_token`)."""
+    import torch_xla
+
+    link = _LINKS.pop(str(tensor.device), None)
+    if link is None or not torch_xla._XLAC._check_tensor_need_materialization([link])[0]:
+        return tensor  # none, or from a graph that has run since
+    # + 0 * link: XLA keeps a float multiplication by 0 (it would turn an inf into NaN)
+    return tensor.add(link if tensor.is_floating_point() else link.to(tensor.dtype), alpha=0)
+
+
+def _outside_token(tensor: torch.Tensor, collective: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``collective(tensor)`` for a collective of gradients, whose result may hold an inf.
+
+    torch_xla orders the collectives of a graph with a numeric token (``TokenHandler`` in its
+    ``token_handler.cpp``; all-gather, reduce-scatter and all-reduce alike): a collective's input
+    gets ``+ token`` and the token becomes ``token * result[0]``. A reduced gradient whose first
+    element is inf makes the token ``0 * inf = NaN``, and every later collective of the graph adds
+    that NaN to its input: the other parameters' gradients arrive as NaN. So the token is put back
+    as it was before this collective, and the order goes on through a link of our own: the next
+    collective's input adds ``0 * nan_to_num(result[0])``, the same dependency, always a finite 0.
+    The order matters: XLA:CPU ranks that ran independent collectives in different orders waited
+    for each other in two rendezvous until XLA aborted them. Keyed by the tensor's device, not the
+    thread: backward hooks run in autograd's thread for the device."""
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    token, devctx = xm._get_all_reduce_token()
+    try:
+        result = collective(_linked(tensor))
+    finally:
+        torch_xla._XLAC._set_all_reduce_token(devctx.device, token)
+    _LINKS[str(tensor.device)] = torch.nan_to_num(result.detach().view(-1)[0], 0.0, 0.0, 0.0)
+    return result
 
 
 def _refresh_metadata(tensor: torch.Tensor) -> None:
