@@ -338,10 +338,10 @@ class XlaFullyShardedDataParallel(UnitSetup, GradientReduction, ShardedUnit):
             if getattr(unit._fsdp_wrapped_module, "_xla_fsdp_checkpointed", False):
                 unit._find_shared_groups(self._units_in_tree)
         self._find_trainable_groups()
-        self._check_same_parameters_on_every_rank()
         if self.disable_reshard_on_root:
             self.reshard_after_forward = False
         self.comms.check_construction()
+        self._check_same_parameters_on_every_rank()
 
     def _check_same_parameters_on_every_rank(self) -> None:
         """Ranks that built different parameters (a model made before seeding, or from a random
