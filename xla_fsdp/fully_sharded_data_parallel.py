@@ -23,7 +23,7 @@ from .unit.backward import GradientReduction
 from .unit.base import ShardedUnit
 from .unit.module_view import torch_xla_view
 from .unit.offload import HostOffload, barrier_sources, offload_requested, shards_held_back
-from .unit.options import UnitOptions
+from .unit.options import UnitOptions, defaults as option_defaults
 from .unit.setup import UnitSetup
 from .unit.param_group import SOLO_NUMEL, start_unshard
 from .unit.param_names import WRAPPED
@@ -145,9 +145,10 @@ class XlaFullyShardedDataParallel(UnitSetup, GradientReduction, ShardedUnit):
             collective of each kind.
         sync_module_states: take global rank 0's parameters and floating buffers at construction
             (PyTorch FSDP's keyword), for ranks that build their model from different random
-            states. Without it, the first forward checks that every rank built the same parameters
-            (a fingerprint of each) and otherwise stops every rank with an error naming the first
-            that differs.
+            states. Default off; under ``python -m xla_fsdp.compat`` on where the ranks are threads
+            of one process sharing one CPU random generator (XLA:CPU devices). When off, the first
+            forward checks that every rank built the same parameters (a fingerprint of each) and
+            otherwise stops every rank with an error naming the first that differs.
         auto_wrap_policy: ``policy(module, recurse, unwrapped_params) -> bool`` deciding which
             children become their own units (see :mod:`xla_fsdp.wrap`); every keyword of this
             constructor is passed on to them.
@@ -211,7 +212,7 @@ class XlaFullyShardedDataParallel(UnitSetup, GradientReduction, ShardedUnit):
         device_mesh: Optional[Any] = None,
         cpu_offload: Any = False,
         param_storage_dtype: Optional[torch.dtype] = None,
-        sync_module_states: bool = False,
+        sync_module_states: Optional[bool] = None,
     ):
         keywords = {k: v for k, v in locals().items() if k not in ("self", "module", "__class__")}
         resolve_torch_group_keywords(keywords)
@@ -256,6 +257,8 @@ class XlaFullyShardedDataParallel(UnitSetup, GradientReduction, ShardedUnit):
         self._offload = HostOffload(self.comms.device, pin_memory) if self.cpu_offload else None
         self.fp32_reduce_scatter = options.fp32_reduce_scatter
         self.prefetch = options.prefetch and self.comms.overlaps
+        self._sync_module_states = (options.sync_module_states if options.sync_module_states is not None
+                                    else option_defaults.threads_take_rank_0 and self.comms.ranks_share_a_process)
         self.sharding_groups = options.sharding_groups
         self._shard_param_on_dim_0 = options.shard_param_on_dim_0 and not options.flatten_parameters
         self.reduce_scatter_bucket_size_mb = options.reduce_scatter_bucket_size_mb
@@ -352,8 +355,11 @@ class XlaFullyShardedDataParallel(UnitSetup, GradientReduction, ShardedUnit):
                  for group in unit._groups]
         if not named:
             return
-        bits = torch.stack([group.init_fingerprint.to(self.comms.device) for _, group in named]).cpu()
-        own = [b & 0xFFFFF for b in bits.view(torch.int32).tolist()]  # small: sums over ranks stay in int32
+        prints = [group.current_fingerprint() for _, group in named]
+        zero = torch.zeros((), dtype=torch.float32)
+        bits = torch.stack([(p if p is not None else zero).to(self.comms.device) for p in prints]).cpu()
+        # small numbers (sums over ranks stay in int32); 0 for a group loaded since it was built
+        own = [b & 0xFFFFF if p is not None else 0 for b, p in zip(bits.view(torch.int32).tolist(), prints)]
         totals = self.comms.start_sum_over_ranks(own)()
         if totals is None:  # no cheap host channel (XLA across processes): ranks are assumed alike
             return

@@ -137,6 +137,15 @@ class Collectives(abc.ABC):
         result = list(values)
         return lambda: result
 
+    #: whether the ranks are threads of one process, drawing from one CPU random generator (XLA:CPU,
+    #: one-process TPU hosts): their models agree only if they take rank 0's (``sync_module_states``)
+    ranks_share_a_process: bool = False
+
+    def broadcast_from_rank_0(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Global rank 0's value of ``tensor`` (same shape on every rank), on every rank of the job
+        (``sync_module_states``). Default: one rank, its own value."""
+        return tensor
+
     def check_construction(self) -> None:
         """Raise if ranks built different units (transports whose pairing depends on it)."""
 

@@ -105,6 +105,13 @@ class TorchDistCollectives(Collectives):
         dist.all_reduce(tensor, group=self.replica_group)
         return tensor
 
+    def broadcast_from_rank_0(self, tensor: torch.Tensor) -> torch.Tensor:
+        if dist.get_world_size() == 1:
+            return tensor
+        value = tensor.detach().to(self._device).contiguous().clone()
+        dist.broadcast(value, src=0)  # the default group: every rank of the job
+        return value.to(tensor.device)
+
     def start_sum_over_ranks(self, values: Sequence[int]) -> Callable[[], Optional[List[int]]]:
         if dist.get_world_size() == 1:
             return super().start_sum_over_ranks(values)

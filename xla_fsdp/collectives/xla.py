@@ -269,6 +269,26 @@ class XlaCollectives(Collectives):
         gathered = self._gather(tensor.reshape(1, -1), channel, self.replica_groups, gradients=True)
         return gathered.sum(dim=0).view(tensor.shape)
 
+    @property
+    def ranks_share_a_process(self) -> bool:  # type: ignore[override]
+        import torch_xla.runtime as xr
+        return xr.world_size() > xr.process_count()
+
+    def broadcast_from_rank_0(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Rank threads of one process take rank 0's host copy (no device collective, so no XLA
+        rendezvous at construction); across processes one all-reduce of rank 0's value and zeros."""
+        import torch_xla.core.xla_model as xm
+        import torch_xla.runtime as xr
+
+        if xr.world_size() == 1:
+            return tensor
+        if xr.process_count() == 1:
+            host = tensor.detach().cpu()
+            return thread_exchange("rank 0 values", xr.world_size()).gather(xr.global_ordinal(), host)[0].clone()
+        value = tensor.detach().to(self.device)
+        value = value if xr.global_ordinal() == 0 else torch.zeros_like(value)
+        return xm.all_reduce(xm.REDUCE_SUM, value).to(tensor.device)
+
     def start_sum_over_ranks(self, values: Sequence[int]) -> Callable[[], Optional[List[int]]]:
         """Summed on the host, without a device round trip in the middle of tracing a step: where
         the ranks are threads of this process (XLA:CPU, one-process TPU hosts). Across processes

@@ -74,3 +74,7 @@ def replace_torch_xla_fsdp() -> None:
     torch_xla.experimental.spmd_fully_sharded_data_parallel = sys.modules[
         "torch_xla.experimental.spmd_fully_sharded_data_parallel"]
     patch_accelerate_clipping()
+    # Such programs build their model in every device thread from the CPU generator the threads of
+    # one process share (XLA:CPU), so their models differ at random: the threads take rank 0's.
+    from ..unit import options
+    options.defaults.threads_take_rank_0 = True

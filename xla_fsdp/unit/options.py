@@ -14,6 +14,19 @@ from .param_group import SOLO_NUMEL
 _FLOAT_DTYPES = (None, torch.float32, torch.float16, torch.bfloat16)
 
 
+@dataclasses.dataclass
+class ProcessDefaults:
+    """Defaults a launcher may set for its process. ``threads_take_rank_0``: with
+    ``sync_module_states`` unset, ranks that are threads of one process take rank 0's parameters
+    (set by ``python -m xla_fsdp.compat``, whose unchanged torch_xla programs build their model
+    in every device thread from the one CPU generator the threads share)."""
+
+    threads_take_rank_0: bool = False
+
+
+defaults = ProcessDefaults()
+
+
 @dataclasses.dataclass(frozen=True)
 class UnitOptions:
     """The constructor's keywords (see :class:`~xla_fsdp.XlaFullyShardedDataParallel` for each),
@@ -50,7 +63,7 @@ class UnitOptions:
     prefetch: bool = True
     cpu_offload: Any = False
     param_storage_dtype: Optional[torch.dtype] = None
-    sync_module_states: bool = False
+    sync_module_states: Optional[bool] = None
 
     def __post_init__(self) -> None:
         if self.compute_dtype not in _FLOAT_DTYPES:

@@ -8,6 +8,7 @@ module sees ``full`` (or views of it) through plain attributes that replace its 
 from __future__ import annotations
 
 import enum
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Set, Tuple, Union
 
@@ -63,6 +64,8 @@ class ParamGroup:
         requires_grad = refs[0].param.requires_grad
         ws, rank = comms.world_size, comms.rank
         sources = [r.param.detach() for r in refs]
+        if sync_from_rank_0:
+            sources = [comms.broadcast_from_rank_0(s) for s in sources]
 
         self.layout: Union[FlatLayout, Dim0Layout]
         if dim0:
@@ -75,14 +78,9 @@ class ParamGroup:
             padded = flatten_and_pad(sources, self.layout)
             self.padded_shape = (self.layout.padded_numel,)
             self.full_shape = self.padded_shape if flat else tuple(sources[0].shape)
-        if sync_from_rank_0:
-            shard = self._rank_0_block(padded.to(comms.device))
-            #: every rank holds rank 0's values now: nothing left to compare (see the wrapper's check)
-            self.init_fingerprint = torch.zeros((), dtype=torch.float32)
-        else:
-            shard = shard_of(padded, rank, ws).detach()
-            #: a fingerprint of the full values this rank built, compared across ranks at the first forward
-            self.init_fingerprint = fingerprint(sources)
+        shard = shard_of(padded, rank, ws).detach()
+        #: a fingerprint of the full values this rank built, compared across ranks at the first forward
+        self.init_fingerprint = fingerprint(sources)
         if offload is not None:
             shard = offload.host_shard(shard, storage_dtype)
         else:
@@ -91,6 +89,7 @@ class ParamGroup:
         # Its gradient is reduced here: torch_xla's all-reduce of every gradient (xm.optimizer_step,
         # Accelerate's XLA path) must leave it out (see collectives/xla_gradients.py).
         self.shard._xla_fsdp_reduced = True
+        self._fingerprint_version = self.shard._version  # a load before the first forward makes it stale
         # torch_xla's attributes, read by its clients (Lightning's XLAFSDPStrategy finds the optimizer's
         # shards by ``_is_sharded``): the size and name of what the shard is part of; ``_name`` is set
         # by the unit, which names the shard.
@@ -155,16 +154,6 @@ class ParamGroup:
             else:
                 self.reshard()
         return True
-
-    def _rank_0_block(self, padded: torch.Tensor) -> torch.Tensor:
-        """This rank's block of global rank 0's ``padded`` full values (``sync_module_states``):
-        a reduce-scatter in which only rank 0 of the first replica adds its values, then a sum
-        over the replicas, in which only the first replica has any."""
-        source = self.comms.rank == 0 and self.comms.replica_rank == 0
-        block = self.comms.reduce_scatter(padded if source else torch.zeros_like(padded), self.channel_reduce)
-        if self.comms.replica_rank != 0:
-            block = torch.zeros_like(block)
-        return self.comms.all_reduce_replicas(block, self.channel_replicas).detach()
 
     # --- layout helpers -------------------------------------------------------------------
     def _unpad(self, padded: torch.Tensor) -> torch.Tensor:
@@ -395,6 +384,11 @@ class ParamGroup:
         new tensor or Parameter there)."""
         return [module_tensor(*ref.slots[0]) for ref in self.refs]
 
+    def current_fingerprint(self) -> Optional[torch.Tensor]:
+        """The construction fingerprint, or None if the shard was written since (a checkpoint loaded
+        before the first forward: the values the ranks built no longer matter)."""
+        return self.init_fingerprint if self.shard._version == self._fingerprint_version else None
+
     # --- introspection --------------------------------------------------------------------
     @property
     def names(self) -> List[str]:
@@ -590,6 +584,24 @@ def _hooks_kept_from(ref: ParamRef) -> List[Callable]:
     return list((ref.param._backward_hooks or {}).values())
 
 
+#: optimizers whose update of a parameter depends on its shape or on its values as a whole, not element by element
+_SHAPE_DEPENDENT = ("Adafactor", "LBFGS", "Lamb", "LAMB", "Lars", "LARS", "Shampoo", "Muon")
+
+
+def _warn_if_shape_dependent(optimizer: torch.optim.Optimizer) -> None:
+    """An optimizer that factors a matrix by its rows and columns (Adafactor), scales a whole
+    parameter by its norm (LAMB, LARS) or works on whole matrices (Shampoo, Muon) sees 1-D (or dim-0)
+    shards here, so its steps differ from unsharded training: said once, at its first step."""
+    name = type(optimizer).__name__
+    holds_shards = any(getattr(p, "_xla_fsdp_reduced", False) for g in optimizer.param_groups for p in g["params"])
+    if holds_shards and any(n in name for n in _SHAPE_DEPENDENT):
+        warnings.warn(
+            f"xla_fsdp: {name} updates a parameter from its shape or its values as a whole, but it holds xla_fsdp's "
+            "shards (1-D or dim-0 blocks of each parameter), so its steps differ from unsharded training. Use an "
+            "element-wise optimizer (SGD, Adam, AdamW, RMSprop, Adagrad, ...), which are exact; see docs/usage.md.",
+            stacklevel=3)
+
+
 _optimizer_check_installed = False
 
 
@@ -613,6 +625,7 @@ def _install_optimizer_check() -> None:
                 f"{count} parameters are originals that XlaFullyShardedDataParallel replaced with shards, so step() "
                 "would change nothing. Build the optimizer after wrapping, from the wrapped model: "
                 "optimizer = torch.optim.AdamW(fsdp_model.parameters(), ...)")
+        _warn_if_shape_dependent(optimizer)
         optimizer._xla_fsdp_checked = count
 
     from torch.optim.optimizer import register_optimizer_step_pre_hook

@@ -50,24 +50,12 @@ class UnitSetup:
         self.buffer_info = {k: {"_orig_dtype": v} for k, v in
                             construction.cast_buffers(module, self.buffer_dtype, "").items()}
         module.to(self.comms.device)
-        if options.sync_module_states:
-            self._take_rank_0_buffers(module)
-
-    def _take_rank_0_buffers(self, module: nn.Module) -> None:
-        """``sync_module_states``: the floating buffers this unit owns take global rank 0's values
-        (a sum in which only rank 0 adds anything; integer counters are left as they are)."""
-        comms = self.comms
-        source = comms.rank == 0 and comms.replica_rank == 0
-        channel = comms.allocate_channels(2)
-        with torch.no_grad():
-            for _, m in construction.owned_modules(module):
-                for b in m._buffers.values():
-                    if b is None or not b.is_floating_point():
-                        continue
-                    summed = comms.all_reduce_sum(b if source else torch.zeros_like(b), channel)
-                    if comms.replica_rank != 0:
-                        summed = torch.zeros_like(summed)
-                    b.copy_(comms.all_reduce_replicas(summed, channel + 1).reshape(b.shape))
+        if self._sync_module_states:
+            with torch.no_grad():  # the floating buffers this unit owns (integer counters are alike anyway)
+                for _, m in construction.owned_modules(module):
+                    for b in m._buffers.values():
+                        if b is not None and b.is_floating_point():
+                            b.copy_(self.comms.broadcast_from_rank_0(b))
 
     def _follow_requires_grad(self) -> bool:
         """Take up ``requires_grad`` changes the program made since the last forward (freezing or
@@ -116,7 +104,7 @@ class UnitSetup:
                                dim0=self._shard_param_on_dim_0, pad_multiple=self._shard_size_multiple,
                                compute_dtype=self.compute_dtype, channel=channel + ParamGroup.CHANNELS * i,
                                offload=self._offload, storage_dtype=self.param_storage_dtype,
-                               sync_from_rank_0=self._options.sync_module_states)
+                               sync_from_rank_0=self._sync_module_states)
             group.flat_name = flat_name
             groups.append(group)
         return groups

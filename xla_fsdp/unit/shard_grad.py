@@ -33,7 +33,7 @@ class ShardGrad(torch.Tensor):
 
     def _plain(self) -> torch.Tensor:
         with torch._C.DisableTorchFunctionSubclass():
-            return self.as_subclass(torch.Tensor)
+            return self.detach()
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         """Saved (``torch.save``, pickling) as the plain tensor it is: readable with ``weights_only=True``."""
@@ -51,19 +51,23 @@ class ShardGrad(torch.Tensor):
             handler = _GLOBAL.get(func)
             if handler is not None:
                 result = handler(result, args, kwargs)
-            elif func in _SAME_GRADIENT and isinstance(args[0], ShardGrad) and isinstance(result, torch.Tensor):
+            elif (func in _SAME_GRADIENT and isinstance(args[0], ShardGrad) and isinstance(result, torch.Tensor)
+                  and result is not args[0]):
                 result = as_shard_grad(result, *args[0]._xla_fsdp_sharding)
         return result
 
 
 def as_shard_grad(grad: torch.Tensor, comms: Collectives, channel: int) -> torch.Tensor:
-    """``grad`` as a :class:`ShardGrad` of a group sharded over ``comms`` (the same storage).
-    Without sharding (one rank: NO_SHARD, the SPMD mode's logical rank) it stays plain."""
+    """``grad`` itself, a tensor the unit just made, retyped as a :class:`ShardGrad` of a group
+    sharded over ``comms``. Not ``as_subclass``: that makes an alias, and on XLA an alias is a view
+    whose graph still holds the reduce-scatter, so reading it on one rank ran the collective again
+    (an XLA rendezvous abort). Without sharding (one rank: NO_SHARD, the SPMD mode's logical rank)
+    it stays plain."""
     if comms.world_size == 1 or isinstance(grad, ShardGrad):
         return grad
-    sharded = grad.as_subclass(ShardGrad)
-    sharded._xla_fsdp_sharding = (comms, channel)
-    return sharded
+    grad.__class__ = ShardGrad
+    grad._xla_fsdp_sharding = (comms, channel)
+    return grad
 
 
 def run_shard_hooks(shard: torch.Tensor, reduced: torch.Tensor) -> torch.Tensor:
