@@ -322,8 +322,14 @@ def test_an_inf_gradient_stays_in_its_own_parameter(monkeypatch):
     token, ``token * result[0]``, added to the next collective's input, and 0 * inf = NaN. The other
     gradients equal those of the same program without the inf; the inf arrives where it belongs."""
     from torch_xla._internal import pjrt
+    from xla_fsdp.collectives.xla import ENV_DEFAULTS_CPU
     monkeypatch.setenv("PJRT_DEVICE", "CPU")
     monkeypatch.setenv("CPU_NUM_DEVICES", "2")
+    # The device process starts its runtime before the function imports xla_fsdp, which sets these
+    # only where PJRT_DEVICE=CPU at import: without them (the async client) a rank waiting in a
+    # collective starved its peer on a loaded machine, and XLA aborted the rendezvous.
+    for key, value in ENV_DEFAULTS_CPU.items():
+        monkeypatch.setenv(key, value)
     results = pjrt.run_multiprocess(_gradients_with_and_without_an_inf)
     assert sorted(results) == [0, 1]
     for rank, grads in results.items():
