@@ -68,7 +68,7 @@ def _mp_fn(index, flags):
     test_loader = torch.utils.data.DataLoader(test, batch_size=64, sampler=test_sampler)
     with BUILD:
         torch.manual_seed(1)
-        model = FSDP(Net())
+        model = FSDP(Net(), sync_module_states=True)  # device threads share one CPU generator: rank 0's values
     optimizer = torch.optim.SGD(model.parameters(), lr=flags.lr, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=flags.num_epochs)
     accuracies = []
