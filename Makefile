@@ -9,10 +9,10 @@ STAMP := $(VENV)/.installed-stamp
 
 .PHONY: demo test install clean
 
-$(STAMP): setup.py
+$(STAMP): setup.py test/constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -e '.[test]' -c test/constraints.txt
 	touch $(STAMP)
 
 install: $(STAMP)
