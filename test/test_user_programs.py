@@ -185,17 +185,24 @@ def test_a_parameter_between_steps_refuses_its_data_and_summon_full_params_gives
 _BUILD_LOCK = threading.Lock()  # XLA:CPU device threads share one CPU random generator
 
 
-def _xla_built_per_rank(sync: Any) -> Any:
+def _xla_built_per_rank(sync: Any, wrap_under_lock: bool = False) -> Any:
     import torch_xla
     import torch_xla.runtime as xr
     device, rank = torch_xla.device(), xr.global_ordinal()
-    with _BUILD_LOCK:  # each thread's seed and draws together: rank 0's model is seed 0's
-        torch.manual_seed(rank)
-        net = Net()
+    before = None
     try:
-        model = FSDP(net.to(device), sync_module_states=sync)
+        with _BUILD_LOCK:  # each thread's seed and draws together: rank 0's model is seed 0's
+            torch.manual_seed(rank)
+            net = Net()
+            if wrap_under_lock:  # construction must not wait for a peer that waits for this lock
+                model = FSDP(net.to(device), sync_module_states=sync)
+        if wrap_under_lock:  # what a save before the first forward holds
+            before = {k: v.cpu() for k, v in full_state_dict(model, rank0_only=False).items()}
+        else:
+            model = FSDP(net.to(device), sync_module_states=sync)
         losses = _train(model, [_batch(s, rank).to(device) for s in range(2)])
-        return {"losses": losses, "full": {k: v.cpu() for k, v in full_state_dict(model, rank0_only=False).items()}}
+        return {"losses": losses, "before": before,
+                "full": {k: v.cpu() for k, v in full_state_dict(model, rank0_only=False).items()}}
     except RuntimeError as e:
         return str(e)
 
@@ -204,13 +211,15 @@ def test_xla_device_threads_that_built_different_models_stop_or_sync():
     """Before: 1 of 6 runs of an unchanged torch_xla program under python -m xla_fsdp.compat trained a
     different model per device thread, silently. Now the first forward stops both threads with the fix,
     and sync_module_states=True (the default under python -m xla_fsdp.compat, test_compat) trains rank
-    0's model."""
+    0's model, also when the threads wrap under their build lock (before: that hung until the 600 s
+    exchange timeout, CI's test_torch_xla_style_training_script_on_digits[4])."""
     from torch_xla._internal import pjrt
     saved = {k: os.environ.get(k) for k in ("PJRT_DEVICE", "CPU_NUM_DEVICES")}
     os.environ.update(PJRT_DEVICE="CPU", CPU_NUM_DEVICES="2")
     try:
         refused = pjrt.run_multiprocess(_xla_built_per_rank, False)
         synced = pjrt.run_multiprocess(_xla_built_per_rank, True)
+        locked = pjrt.run_multiprocess(_xla_built_per_rank, True, True)
     finally:
         for k, v in saved.items():
             if v is None:
@@ -219,12 +228,20 @@ def test_xla_device_threads_that_built_different_models_stop_or_sync():
                 os.environ[k] = v
     for text in refused.values():
         assert isinstance(text, str) and "ranks built different values for parameter 'fc1.weight'" in text, text
+    torch.manual_seed(0)
+    initial = Net().state_dict()
     reference = _rank_0_reference(2, 2)
-    for result in synced.values():
+    for result in list(synced.values()) + list(locked.values()):
+        assert not isinstance(result, str), result
         for name, value in reference.state_dict().items():
             if "running" not in name and "num_batches" not in name:
                 deviation = (result["full"][name] - value).abs().max().item()
                 assert deviation <= 1e-5, (name, deviation)
+    # wrapped under the build lock (the threads take rank 0's values at the first forward or save,
+    # not at construction, where a peer may still wait for the lock): saved before training, rank 0's
+    for result in locked.values():
+        for name, value in initial.items():
+            assert torch.equal(result["before"][name], value), name
 
 
 def test_an_optimizer_that_needs_whole_parameters_is_warned_at_its_first_step(gloo):

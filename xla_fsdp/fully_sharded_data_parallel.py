@@ -344,6 +344,8 @@ class XlaFullyShardedDataParallel(UnitSetup, GradientReduction, ShardedUnit):
         if self.disable_reshard_on_root:
             self.reshard_after_forward = False
         self.comms.check_construction()
+        for unit in self._units_in_tree:
+            unit._take_rank_0_values()
         self._check_same_parameters_on_every_rank()
 
     def _check_same_parameters_on_every_rank(self) -> None:
@@ -567,6 +569,8 @@ class XlaFullyShardedDataParallel(UnitSetup, GradientReduction, ShardedUnit):
         ``world_size``, ``rank``) plus the layout of every group.
         """
         from .checkpoints.metadata import shard_metadata
+        for _, unit in param_names.named_units(self):  # a save before the first forward: rank 0's values
+            unit._take_rank_0_values()
         return shard_metadata(self)
 
 

@@ -146,6 +146,12 @@ class Collectives(abc.ABC):
         (``sync_module_states``). Default: one rank, its own value."""
         return tensor
 
+    def start_broadcast_from_rank_0(self, tensor: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """:meth:`broadcast_from_rank_0` begun now and taken by the returned call. Every rank starts
+        in the same order; where ranks are threads of one process (``ranks_share_a_process``) no rank
+        waits until it takes. Default: the whole broadcast when taken."""
+        return lambda: self.broadcast_from_rank_0(tensor)
+
     def check_construction(self) -> None:
         """Raise if ranks built different units (transports whose pairing depends on it)."""
 

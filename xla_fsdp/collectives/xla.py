@@ -275,19 +275,28 @@ class XlaCollectives(Collectives):
         return xr.world_size() > xr.process_count()
 
     def broadcast_from_rank_0(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Rank threads of one process take rank 0's host copy (no device collective, so no XLA
-        rendezvous at construction); across processes one all-reduce of rank 0's value and zeros."""
+        return self.start_broadcast_from_rank_0(tensor)()
+
+    def start_broadcast_from_rank_0(self, tensor: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """Rank threads of one process: rank 0 leaves its host copy now and every rank takes it later
+        (no device collective, no rank waiting while it builds). Across processes: one all-reduce
+        of rank 0's value and zeros, when taken."""
         import torch_xla.core.xla_model as xm
         import torch_xla.runtime as xr
 
         if xr.world_size() == 1:
-            return tensor
+            return lambda: tensor
+        rank = xr.global_ordinal()
         if xr.process_count() == 1:
-            host = tensor.detach().cpu()
-            return thread_exchange("rank 0 values", xr.world_size()).gather(xr.global_ordinal(), host)[0].clone()
-        value = tensor.detach().to(self.device)
-        value = value if xr.global_ordinal() == 0 else torch.zeros_like(value)
-        return xm.all_reduce(xm.REDUCE_SUM, value).to(tensor.device)
+            host = tensor.detach().cpu().clone() if rank == 0 else None
+            gather = thread_exchange("rank 0 values", xr.world_size()).start_gather(rank, host)
+            return lambda: gather()[0]
+
+        def take() -> torch.Tensor:
+            value = tensor.detach().to(self.device)
+            value = value if rank == 0 else torch.zeros_like(value)
+            return xm.all_reduce(xm.REDUCE_SUM, value).to(tensor.device)
+        return take
 
     def start_sum_over_ranks(self, values: Sequence[int]) -> Callable[[], Optional[List[int]]]:
         """Summed on the host, without a device round trip in the middle of tracing a step: where

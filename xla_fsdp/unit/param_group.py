@@ -64,8 +64,16 @@ class ParamGroup:
         requires_grad = refs[0].param.requires_grad
         ws, rank = comms.world_size, comms.rank
         sources = [r.param.detach() for r in refs]
+        # Rank 0's values (``sync_module_states``): where the ranks are threads of one process they are
+        # taken at the root's first forward (take_rank_0_values), since a rank building under the
+        # program's lock cannot wait here for a peer still waiting for that lock.
+        self._rank_0_takes: Optional[List[Callable[[], torch.Tensor]]] = None
         if sync_from_rank_0:
-            sources = [comms.broadcast_from_rank_0(s) for s in sources]
+            takes = [comms.start_broadcast_from_rank_0(s) for s in sources]
+            if comms.ranks_share_a_process:
+                self._rank_0_takes = takes
+            else:
+                sources = [take() for take in takes]
 
         self.layout: Union[FlatLayout, Dim0Layout]
         if dim0:
@@ -383,6 +391,19 @@ class ParamGroup:
         """What the module's first place of each member holds now (a program may have assigned a
         new tensor or Parameter there)."""
         return [module_tensor(*ref.slots[0]) for ref in self.refs]
+
+    def take_rank_0_values(self) -> None:
+        """Make the shard rank 0's block where construction deferred it (see ``__init__``); a shard
+        written since (a checkpoint loaded) keeps what was written."""
+        if self._rank_0_takes is None:
+            return
+        takes, self._rank_0_takes = self._rank_0_takes, None
+        values = [take() for take in takes]  # every rank reads its round, whatever it keeps
+        if self.shard._version != self._fingerprint_version:
+            return
+        self.write_back(values)
+        self.init_fingerprint = fingerprint(values)
+        self._fingerprint_version = self.shard._version
 
     def current_fingerprint(self) -> Optional[torch.Tensor]:
         """The construction fingerprint, or None if the shard was written since (a checkpoint loaded

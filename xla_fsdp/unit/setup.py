@@ -50,12 +50,31 @@ class UnitSetup:
         self.buffer_info = {k: {"_orig_dtype": v} for k, v in
                             construction.cast_buffers(module, self.buffer_dtype, "").items()}
         module.to(self.comms.device)
+        # (module, name, buffer, its version now, rank 0's value to take) for the floating buffers this unit owns
+        # (integer counters are alike anyway); taken now, or at the first forward where the ranks
+        # are threads of one process, as the groups' parameters are (see ParamGroup)
+        self._rank_0_buffers: List[Tuple[nn.Module, str, torch.Tensor, int, Callable[[], torch.Tensor]]] = []
         if self._sync_module_states:
-            with torch.no_grad():  # the floating buffers this unit owns (integer counters are alike anyway)
-                for _, m in construction.owned_modules(module):
-                    for b in m._buffers.values():
-                        if b is not None and b.is_floating_point():
-                            b.copy_(self.comms.broadcast_from_rank_0(b))
+            for _, m in construction.owned_modules(module):
+                for name, b in m._buffers.items():
+                    if b is not None and b.is_floating_point():
+                        self._rank_0_buffers.append((m, name, b, b._version, self.comms.start_broadcast_from_rank_0(b)))
+            if not self.comms.ranks_share_a_process:
+                self._take_rank_0_values()
+            else:  # a state_dict before the first forward holds rank 0's values too
+                self.register_state_dict_pre_hook(_take_before_state_dict)
+
+    def _take_rank_0_values(self) -> None:
+        """Rank 0's parameters and buffers where construction left them to take (``sync_module_states``
+        with rank threads); what was written since (a checkpoint loaded) is kept."""
+        for group in self._groups:
+            group.take_rank_0_values()
+        buffers, self._rank_0_buffers = self._rank_0_buffers, []
+        with torch.no_grad():
+            for m, name, built, version, take in buffers:
+                value, now = take(), m._buffers.get(name)
+                if now is not None and not (now is built and now._version != version):
+                    now.copy_(value)
 
     def _follow_requires_grad(self) -> bool:
         """Take up ``requires_grad`` changes the program made since the last forward (freezing or
@@ -112,3 +131,7 @@ class UnitSetup:
     def _shard_param_name(self, group: ParamGroup) -> str:
         path = f"{WRAPPED}.{group.flat_name if group.flat else group.refs[0].fqn}"
         return SHARD_PREFIX + path.replace(".", SHARD_SEPARATOR)
+
+
+def _take_before_state_dict(unit: nn.Module, prefix: str, keep_vars: bool) -> None:
+    unit._take_rank_0_values()

@@ -39,6 +39,7 @@ def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool 
                                f"{unit.training_state.value}); call it between steps")
     groups = [g for unit in units for g in unit._groups]
     for unit in units:
+        unit._take_rank_0_values()  # before the first forward (sync_module_states, rank threads)
         unit._finish_unshard()  # a prefetch left in flight
     gathered = [g.gather_values() for g in groups]  # the same order on every rank
     for group, values in zip(groups, gathered):
