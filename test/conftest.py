@@ -15,6 +15,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # faster (docs/testing.md has the figures). It changes machine-code generation only, not the graphs
 # xla_fsdp builds or their HLO passes; an XLA_FLAGS of your own takes precedence.
 os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=1")
+# Every process the suite starts (ranks, launchers, example scripts) prints its Python threads' stacks
+# if it dies by a signal (SIGABRT, SIGSEGV): a rare abort at exit (issue 42) is then diagnosable from
+# the one run where it happens.
+os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 
 
 # What tests, their subprocesses and the libraries they drive leave in a temp folder: tempfile's

@@ -26,6 +26,12 @@ def _my_group(groups: Optional[Sequence[Sequence[int]]], what: str):
     return mine, [list(g) for g in groups]
 
 
+# torch 2.13 renamed the tensor collectives (the old names warn FutureWarning at every call); torch
+# 2.9 to 2.12 have only the old ones.
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def _waiter(work, result: torch.Tensor, source: torch.Tensor) -> Callable[[], torch.Tensor]:
     """The wait function of an async collective; it keeps ``source`` alive until the data has left."""
     def wait() -> torch.Tensor:
@@ -81,7 +87,7 @@ class TorchDistCollectives(Collectives):
         if out is None:
             out = shard.new_empty((shard.shape[0] * self.world_size,) + tuple(shard.shape[1:]))
         source = shard.contiguous()
-        return _waiter(dist.all_gather_into_tensor(out, source, group=self.group, async_op=True), out, source)
+        return _waiter(_ALL_GATHER(out, source, group=self.group, async_op=True), out, source)
 
     def reduce_scatter(self, full: torch.Tensor, channel: int) -> torch.Tensor:
         return self.start_reduce_scatter(full, channel)()
@@ -91,7 +97,7 @@ class TorchDistCollectives(Collectives):
             return lambda: full
         out = full.new_empty((full.shape[0] // self.world_size,) + tuple(full.shape[1:]))
         source = full.contiguous()
-        return _waiter(dist.reduce_scatter_tensor(out, source, group=self.group, async_op=True), out, source)
+        return _waiter(_REDUCE_SCATTER(out, source, group=self.group, async_op=True), out, source)
 
     def all_reduce_sum(self, tensor: torch.Tensor, channel: int) -> torch.Tensor:
         tensor = tensor.clone()
