@@ -1,27 +1,47 @@
 # Two entry points for a fresh clone: `make demo` (the main example) and `make test` (the suite).
+# The suite runs in two environments: torch 2.9 with torch_xla (.venv, `make test-xla`) and the newest
+# torch these machines install, without torch_xla (.venv-newest, `make test-newest`: tests that need
+# torch_xla are skipped there with the reason).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
+NEWEST_VENV := .venv-newest
+PY_NEWEST := $(NEWEST_VENV)/bin/python
+# The newest release pip installs here (capped at 2.14.1 by /etc/xdg/pip), with its torchvision.
+NEWEST_TORCH ?= torch==2.14.1 torchvision==0.29.1
 # Test files run on this many pytest-xdist workers, a whole file per worker (its module fixtures run
 # once). 2 on this 2-core machine: each test file also starts its own ranks.
 TEST_WORKERS ?= 2
+PYTEST_ARGS := -q -n $(TEST_WORKERS) --dist loadfile --durations=25 test
 STAMP := $(VENV)/.installed-stamp
+NEWEST_STAMP := $(NEWEST_VENV)/.installed-stamp
 
-.PHONY: demo test install clean
+.PHONY: demo test test-xla test-newest install clean
 
 $(STAMP): setup.py test/constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test]' -c test/constraints.txt
+	$(PY) -m pip install --quiet -e '.[xla,test]' -c test/constraints.txt
 	touch $(STAMP)
+
+$(NEWEST_STAMP): setup.py test/constraints-newest.txt
+	test -x $(PY_NEWEST) || $(PYTHON) -m venv $(NEWEST_VENV)
+	$(PY_NEWEST) -m pip install --quiet --upgrade pip
+	$(PY_NEWEST) -m pip install --quiet -e '.[test]' $(NEWEST_TORCH) -c test/constraints-newest.txt
+	touch $(NEWEST_STAMP)
 
 install: $(STAMP)
 
 demo: $(STAMP)
 	$(PY) examples/train_resnet_fsdp_auto_wrap.py
 
-test: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25 test
+test: test-xla test-newest
+
+test-xla: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-newest: $(NEWEST_STAMP)
+	$(PY_NEWEST) -m pytest $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) *.egg-info
+	rm -rf $(VENV) $(NEWEST_VENV) *.egg-info

@@ -1,4 +1,5 @@
 import fnmatch
+import importlib.util
 import json
 import os
 import shutil
@@ -70,9 +71,27 @@ SLOWEST_FILES = ["test_checkpoints.py", "test_equivalence.py", "test_hf_trainer.
                  "test_dcp.py", "test_docs.py", "test_user_collectives.py", "test_offload.py"]
 
 
+#: whether this environment has torch_xla (make test's first environment; the second runs the newest
+#: torch without it, as a user who installs plain ``xla_fsdp``)
+HAS_TORCH_XLA = importlib.util.find_spec("torch_xla") is not None
+NO_XLA = pytest.mark.skip(reason="needs torch_xla, which this environment does not have (the xla extra; "
+                                 "make test runs it in its first environment)")
+
+
+def _needs_xla(item) -> bool:
+    """Marked ``xla``, or a parametrized case whose value is ``"xla"`` (a transport)."""
+    callspec = getattr(item, "callspec", None)
+    return item.get_closest_marker("xla") is not None or (
+        callspec is not None and "xla" in [v for v in callspec.params.values() if isinstance(v, str)])
+
+
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(SLOWEST_FILES)}
     items.sort(key=lambda item: rank.get(os.path.basename(str(item.fspath)), len(rank)))  # stable: file order kept
+    if not HAS_TORCH_XLA:
+        for item in items:
+            if _needs_xla(item):
+                item.add_marker(NO_XLA)
 
 
 # The equivalence figures printed at the end: test_equivalence's own when it ran in this process,

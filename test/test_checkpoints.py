@@ -218,6 +218,7 @@ def test_reshard_then_resume(sources, n, m, tmp_path):
             assert (full[k] - v).abs().max().item() <= 1e-5, k
 
 
+@pytest.mark.xla
 @pytest.mark.parametrize("m,sizes", [(4, (2, 1)), (2, (4,)), (1, (4,))])
 def test_xla_loads_any_world_size_like_offline_reshard(sources, m, sizes, tmp_path):
     """On m XLA:CPU devices, resuming from the N-rank files (gloo-written) resharded while loading
@@ -411,6 +412,7 @@ def _torch_xla_fsdp_checkpoint(prefix):
     return {k: v.cpu().clone() for k, v in full.items()}
 
 
+@pytest.mark.xla
 def test_torch_xla_checkpoint_consolidates_and_reshards(tmp_path, monkeypatch):
     """A checkpoint written by torch_xla's XlaFSDP (PJRT_DEVICE=CPU, 1 device) goes through our CLIs."""
     from torch_xla._internal import pjrt

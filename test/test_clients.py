@@ -238,6 +238,7 @@ def test_torch_xlas_parameter_attributes_are_kept_current(gloo):
     assert group.full._has_full_param == group.is_unsharded()  # at one rank the shard itself stays installed
 
 
+@pytest.mark.xla
 def test_lightning_fabrics_xla_fsdp_strategy_trains_saves_and_loads(tmp_path):
     """Lightning Fabric's ``XLAFSDPStrategy``, unchanged, on 2 XLA:CPU devices under
     ``python -m xla_fsdp.compat``: it trains, saves a sharded checkpoint, loads it into a new model and

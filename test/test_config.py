@@ -162,6 +162,7 @@ def test_bad_configs_name_the_problem(cfg, message):
         from_accelerate(cfg, BertModel())
 
 
+@pytest.mark.xla
 def test_xla_fsdp_v2_selects_the_spmd_mode_which_needs_the_spmd_runtime():
     settings = from_accelerate({"xla_fsdp_v2": True, "fsdp_sharding_strategy": "SHARD_GRAD_OP"}, BertModel())
     assert settings.spmd and not from_accelerate({}, BertModel()).spmd

@@ -178,6 +178,7 @@ def xla_results():
                     zip(listed, run_xla(listed, 2))))
 
 
+@pytest.mark.xla
 @pytest.mark.parametrize("name", sorted(REGRESSIONS) + [f"drawn{i}" for i in range(XLA_EXAMPLES)])
 def test_on_xla_cpu(xla_results, name):
     program, sharded = xla_results[name]

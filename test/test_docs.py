@@ -90,7 +90,13 @@ def test_relative_links_point_at_files():
     assert not missing, missing
 
 
-@pytest.mark.parametrize("page", [p for p in PAGES if any(b[1] == "run" for b in blocks(p))])
+def _page_param(page):
+    """A page with a block run on XLA devices needs torch_xla (its later blocks may read what that wrote)."""
+    xla = any(b[1] == "run" and b[2].startswith("xla") for b in blocks(page))
+    return pytest.param(page, marks=[pytest.mark.xla] if xla else [])
+
+
+@pytest.mark.parametrize("page", [_page_param(p) for p in PAGES if any(b[1] == "run" for b in blocks(p))])
 def test_the_page_runs_as_written(page, tmp_path):
     env = dict(os.environ, PYTHONPATH=ROOT, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
     for number, (lang, marker, runner, code, line) in enumerate(blocks(page)):

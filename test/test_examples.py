@@ -24,6 +24,7 @@ def summary(out):
     return dict(kv.split("=", 1) for kv in line.split()[1:])
 
 
+@pytest.mark.xla
 def test_resnet_auto_wrap_on_xla_cpu_writes_and_consolidates_a_checkpoint(tmp_path):
     prefix = str(tmp_path / "ck")
     s = summary(run(["examples/train_resnet_fsdp_auto_wrap.py", "--num_steps", "3", "--ckpt_prefix", prefix]))
@@ -46,6 +47,7 @@ def test_resnet_under_torchrun_uses_gloo():
     assert s["transport"] == "torch" and s["world_size"] == "2"
 
 
+@pytest.mark.xla
 @pytest.mark.slow
 def test_mnist_default_run_reaches_95_percent_and_consolidates(tmp_path):
     """The default CPU run: real digits (scikit-learn), 2 XLA:CPU devices, then the consolidated
@@ -55,6 +57,7 @@ def test_mnist_default_run_reaches_95_percent_and_consolidates(tmp_path):
     assert s["reloaded_accuracy"] == s["final_accuracy"]
 
 
+@pytest.mark.xla
 def test_mnist_nested_checkpointed_flattened(tmp_path):
     s = summary(run(["examples/train_mnist_fsdp_with_ckpt.py", "--use_nested_fsdp", "--use_gradient_checkpointing",
                      "--flatten_parameters", "--num_epochs", "3", "--target_accuracy", "0",
@@ -62,6 +65,7 @@ def test_mnist_nested_checkpointed_flattened(tmp_path):
     assert s["reloaded_accuracy"] == s["final_accuracy"]
 
 
+@pytest.mark.xla
 def test_imagenet_nested_fake_data(tmp_path):
     prefix = str(tmp_path / "inet")
     s = summary(run(["examples/train_imagenet_fsdp.py", "--use_nested_fsdp", "--num_epochs", "1",
@@ -70,6 +74,7 @@ def test_imagenet_nested_fake_data(tmp_path):
     assert os.path.exists(f"{prefix}_rank-00000001-of-00000002.pth")
 
 
+@pytest.mark.xla
 def test_large_model_built_on_meta_fits_only_sharded_and_runs_reproduce():
     """Two runs with the same flags at 2 XLA:CPU devices give the same losses (the rank threads drew
     their initial weights from torch's shared CPU generator at once: they differed run to run)."""
@@ -90,6 +95,7 @@ def test_dockerfiles_lint_clean():
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+@pytest.mark.xla
 @pytest.mark.parametrize("to", ["process group", "launcher only"])
 def test_ctrl_c_stops_xla_cpu_training_at_once(tmp_path, to):
     """Ctrl-C (SIGINT to the terminal's process group, or to the launching process alone) used to

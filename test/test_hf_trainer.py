@@ -29,6 +29,8 @@ RUNS = {  # name: (devices, wrap, grad checkpointing)
 }  # every device count, both wrap policies, checkpointing on and off
 LOSS_TOL, EVAL_TOL = 2e-4, 1e-4
 
+pytestmark = pytest.mark.xla  # every test here runs on XLA:CPU devices
+
 
 def _launch(out, devices, wrap, grad_ckpt, resume=None, model="gpt2", v2=False):
     cmd = [sys.executable, "-m", "xla_fsdp.compat", os.path.join(HERE, "hf_trainer_xla_fsdp.py"), str(out),

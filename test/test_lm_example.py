@@ -143,6 +143,7 @@ def test_a_job_that_lost_its_last_checkpoint_resumes_to_the_same_loss(workdir, u
     assert sorted(os.listdir(ckpt))[-1] == "step-000000060_rank-00000001-of-00000002.pth"  # the 4-rank set replaced
 
 
+@pytest.mark.xla
 def test_xla_devices_stop_and_resume_at_another_device_count_with_host_offload(workdir):
     cwd, env = workdir
     out_dir = os.path.join(cwd, "xla")

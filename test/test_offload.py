@@ -118,6 +118,7 @@ def test_bf16_storage_offload_tracks_fp32(transport):
     _assert_on_host(ranks, dtype="torch.bfloat16")
 
 
+@pytest.mark.xla
 def test_checkpoints_move_between_offload_and_device(tmp_path):
     """A sharded checkpoint saved by an offloading model (host shards, gloo) loads into a device-resident
     one (XLA:CPU, device shards) and the reverse, and training continues as the uninterrupted unsharded

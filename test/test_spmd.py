@@ -26,6 +26,8 @@ TOL = 1e-5
 # one (9e-4 apart after 5 steps here, the same without SPMD): buffers get their own bound.
 BUFFER_TOL = 2e-3
 
+pytestmark = pytest.mark.xla  # every test here runs on XLA:CPU devices
+
 
 def spmd(devices, names, out_dir, *extra):
     out = os.path.join(out_dir, f"spmd{devices}.json")

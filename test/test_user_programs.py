@@ -207,6 +207,7 @@ def _xla_built_per_rank(sync: Any, wrap_under_lock: bool = False) -> Any:
         return str(e)
 
 
+@pytest.mark.xla
 def test_xla_device_threads_that_built_different_models_stop_or_sync():
     """Before: 1 of 6 runs of an unchanged torch_xla program under python -m xla_fsdp.compat trained a
     different model per device thread, silently. Now the first forward stops both threads with the fix,

@@ -8,6 +8,11 @@ from .base import Collectives
 from .torch_dist import TorchDistCollectives
 
 
+#: how to get torch_xla, for every error that needs it
+NEEDS_XLA = ("pip install 'xla_fsdp[xla]' (XLA:CPU, with torch 2.9.0) or 'xla_fsdp[tpu]' (TPU VM); "
+             "torch_xla's wheels are for Linux x86_64 only")
+
+
 def _xla_available() -> bool:
     try:
         import torch_xla  # noqa: F401
@@ -26,6 +31,10 @@ def resolve_transport(transport: Optional[str] = None) -> str:
             transport = "torch"
         elif os.environ.get("PJRT_DEVICE") and _xla_available():
             transport = "xla"
+        elif os.environ.get("PJRT_DEVICE"):
+            raise RuntimeError(f"xla_fsdp: PJRT_DEVICE={os.environ['PJRT_DEVICE']} asks for XLA devices, but torch_xla "
+                               f"is not installed: {NEEDS_XLA}; or unset PJRT_DEVICE and call "
+                               "torch.distributed.init_process_group first for the torch transport.")
         else:
             raise RuntimeError(
                 "xla_fsdp: no collective backend is initialized. Either run under torch_xla.launch "
@@ -34,7 +43,7 @@ def resolve_transport(transport: Optional[str] = None) -> str:
     if transport not in ("torch", "xla"):
         raise ValueError(f"xla_fsdp: unknown transport {transport!r}; use 'xla' or 'torch'")
     if transport == "xla" and not _xla_available():
-        raise RuntimeError("xla_fsdp: transport 'xla' needs torch_xla (pip install torch_xla==2.9.0)")
+        raise RuntimeError(f"xla_fsdp: transport 'xla' needs torch_xla, which is not installed: {NEEDS_XLA}")
     return transport
 
 

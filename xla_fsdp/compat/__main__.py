@@ -21,6 +21,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         print("usage: python -m xla_fsdp.compat SCRIPT [ARGS]  (runs SCRIPT with torch_xla.distributed.fsdp "
               "served by xla_fsdp)", file=sys.stderr)
         return 2
+    import importlib.util
+    if importlib.util.find_spec("torch_xla") is None:
+        from ..collectives import NEEDS_XLA
+        print(f"xla_fsdp.compat runs programs written for torch_xla, which is not installed: {NEEDS_XLA}",
+              file=sys.stderr)
+        return 2
     env = dict(os.environ, **{ENV: "1"})
     env["PYTHONPATH"] = os.pathsep.join(p for p in (STARTUP_DIR, PACKAGE_PARENT,
                                                    env.get("PYTHONPATH")) if p)
