@@ -436,3 +436,25 @@ def test_a_new_process_group_gets_new_collectives(tmp_path):
         first, second = (torch.load(tmp_path / f"rank{rank}-attempt{a}.pt", weights_only=True) for a in range(2))
         for a, b in zip(first, second):
             torch.testing.assert_close(b, a, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("config,accelerator,expected", [
+    ("cpu:gloo,cuda:gloo", None, "cpu"),                    # gloo on a machine without a GPU
+    ("cpu:gloo,cuda:gloo", "cuda:1", "cpu"),                # gloo asked for host collectives, GPU or not
+    ("cuda:nccl", "cuda:1", "cuda:1"),                      # NCCL: the GPU torch.cuda.set_device chose
+    ("cpu:gloo,cuda:nccl", "cuda:0", "cuda:0"),             # one group, both backends
+    ("cpu:gloo,xpu:xccl", "xpu:3", "xpu:3"),                # Intel XPU
+    # a PrivateUse1 device with its own backend (TorchTPU renames PrivateUse1 'tpu'; renaming is for good, so
+    # not done in the test process)
+    ("cpu:gloo,privateuseone:tpu_dist", "privateuseone:2", "privateuseone:2"),
+    ("cpu:gloo,privateuseone:tpu_dist", "cuda:0", "cpu"),   # a backend for a device this process lacks
+])
+def test_the_torch_transport_moves_tensors_on_the_device_its_group_serves(config, accelerator, expected):
+    from xla_fsdp.collectives.torch_dist import transport_device
+    assert transport_device(config, torch.device(accelerator) if accelerator else None) == torch.device(expected)
+
+
+def test_a_group_that_serves_no_device_of_this_process_is_a_clear_error():
+    from xla_fsdp.collectives.torch_dist import transport_device
+    with pytest.raises(RuntimeError, match=r"serves 'cuda:nccl', with no CPU backend.*none available"):
+        transport_device("cuda:nccl", None)

@@ -83,11 +83,11 @@ def _rng_state(device: torch.device) -> Dict[str, Any]:
         state["numpy"] = (name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached))
     except ImportError:
         pass
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    elif device.type == "xla":
+    if device.type == "xla":
         import torch_xla.core.xla_model as xm
         state["xla"] = int(xm.get_rng_state(device))
+    elif device.type != "cpu":  # CUDA, XPU, a PrivateUse1 device: its module's generator
+        state[device.type] = torch.get_device_module(device).get_rng_state(device)
     return state
 
 
@@ -99,11 +99,11 @@ def _set_rng_state(state: Mapping[str, Any], device: torch.device, host_generato
             import numpy as np
             name, keys, pos, has_gauss, cached = state["numpy"]
             np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
-    if device.type == "cuda" and "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"], device)
-    elif device.type == "xla" and "xla" in state:
+    if device.type == "xla" and "xla" in state:
         import torch_xla.core.xla_model as xm
         xm.set_rng_state(int(state["xla"]), device)
+    elif device.type != "cpu" and device.type in state:
+        torch.get_device_module(device).set_rng_state(state[device.type], device)
 
 
 def _threaded_ranks(model) -> bool:
@@ -209,7 +209,8 @@ def resume_training(model, optimizer: Optional[torch.optim.Optimizer], ckpt_dir:
         if device.type == "xla":
             import torch_xla.core.xla_model as xm
             xm.set_rng_state(seed, device)
-        elif device.type == "cuda":
-            torch.cuda.manual_seed(seed)
+        elif device.type != "cpu":
+            with torch.accelerator.device_index(device.index):
+                torch.get_device_module(device).manual_seed(seed)
     return ResumedState(training["step"], training["data_state"], training["user"], training["world_size"],
                         latest.prefix)

@@ -1,4 +1,5 @@
-"""Collectives over ``torch.distributed`` (gloo on CPU, NCCL on GPU): the eager transport."""
+"""Collectives over ``torch.distributed`` (gloo on CPU, NCCL on GPU, any backend a device registers,
+e.g. through PrivateUse1): the eager transport."""
 from __future__ import annotations
 
 import math
@@ -30,6 +31,34 @@ def _my_group(groups: Optional[Sequence[Sequence[int]]], what: str):
 # 2.9 to 2.12 have only the old ones.
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def transport_device(backend_config: str, accelerator: Optional[torch.device]) -> torch.device:
+    """The device the process group moves tensors on: this process's accelerator where the group
+    has a backend for it other than gloo (NCCL for CUDA, XCCL for XPU, a PrivateUse1 device's own),
+    else the CPU. ``backend_config`` is ``dist.get_backend_config()`` (``"cpu:gloo,cuda:nccl"``);
+    gloo also registers for CUDA, but a job that asked for gloo asked for host collectives."""
+    served = {}
+    for entry in backend_config.split(","):
+        device_type, _, backend = entry.strip().partition(":")
+        served[device_type] = backend
+    if accelerator is not None and accelerator.type != "cpu" and served.get(accelerator.type, "gloo") != "gloo":
+        return accelerator
+    if "cpu" in served:
+        return torch.device("cpu")
+    raise RuntimeError(
+        f"xla_fsdp: the default process group serves {backend_config!r}, with no CPU backend, but this process's "
+        f"accelerator is {accelerator if accelerator is not None else 'none (none available)'}: run where "
+        "that device is available, or give the group a backend for this process's device or the CPU, e.g. "
+        "init_process_group('cpu:gloo,<device>:<backend>').")
+
+
+def _current_accelerator() -> Optional[torch.device]:
+    """This process's accelerator and its current index (None without one)."""
+    accelerator = torch.accelerator.current_accelerator(check_available=True)
+    if accelerator is None:  # none built in, or none on this machine (a CUDA wheel with no GPU)
+        return None
+    return torch.device(accelerator.type, torch.accelerator.current_device_index())
 
 
 def _waiter(work, result: torch.Tensor, source: torch.Tensor) -> Callable[[], torch.Tensor]:
@@ -64,11 +93,7 @@ class TorchDistCollectives(Collectives):
         self.global_rank = dist.get_rank()
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
-        backend = dist.get_backend()
-        if backend == "nccl":
-            self._device = torch.device("cuda", torch.cuda.current_device())
-        else:
-            self._device = torch.device("cpu")
+        self._device = transport_device(dist.get_backend_config(), _current_accelerator())
 
     @property
     def device(self) -> torch.device:

@@ -59,7 +59,8 @@ class HostOffload:
 
     def __init__(self, device: torch.device, pin_memory: bool = True):
         self.device = device
-        self.pin = pin_memory and device.type == "cuda"  # pinned pages only help copies to a GPU
+        # pinned pages only help copies to an accelerator (CUDA, XPU, a PrivateUse1 device)
+        self.pin = pin_memory and device.type not in ("cpu", "xla", "meta") and torch.accelerator.is_available()
         #: XLA: gradients wait on the device for the end of backward (see the module docstring)
         self.lazy = device.type == "xla"
         self._waiting: List[Tuple[torch.Tensor, torch.Tensor, Callable]] = []  # (host shard, device gradient, as_grad)
@@ -67,7 +68,7 @@ class HostOffload:
 
     # --- parameters ---------------------------------------------------------------------------
     def host_shard(self, shard: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """A host tensor of its own holding ``shard`` in ``dtype`` (pinned for GPUs)."""
+        """A host tensor of its own holding ``shard`` in ``dtype`` (pinned for accelerators)."""
         host = torch.empty(shard.shape, dtype=dtype, device="cpu", pin_memory=self.pin)
         host.copy_(shard.detach())
         return host
@@ -123,7 +124,7 @@ class HostOffload:
 
     def _wait_for_copies(self) -> None:
         if self._copies_in_flight:
-            torch.cuda.current_stream(self.device).synchronize()
+            torch.accelerator.current_stream(self.device).synchronize()
             self._copies_in_flight = False
 
 
