@@ -40,7 +40,8 @@ test: test-xla test-newest
 test-xla: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-test-newest: $(NEWEST_STAMP)
+# also needs .venv: test_cross_version.py trains legs of one run in both environments
+test-newest: $(NEWEST_STAMP) $(STAMP)
 	$(PY_NEWEST) -m pytest $(PYTEST_ARGS)
 
 clean:

@@ -74,6 +74,11 @@ SLOWEST_FILES = ["test_checkpoints.py", "test_equivalence.py", "test_hf_trainer.
 #: whether this environment has torch_xla (make test's first environment; the second runs the newest
 #: torch without it, as a user who installs plain ``xla_fsdp``)
 HAS_TORCH_XLA = importlib.util.find_spec("torch_xla") is not None
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: the interpreters of the two environments make test builds (tests that move a run between them)
+ENVIRONMENTS = {"xla-env": os.environ.get("XLA_FSDP_XLA_PYTHON") or os.path.join(_ROOT, ".venv", "bin", "python"),
+                "newest-env": os.environ.get("XLA_FSDP_NEWEST_PYTHON")
+                or os.path.join(_ROOT, ".venv-newest", "bin", "python")}
 NO_XLA = pytest.mark.skip(reason="needs torch_xla, which this environment does not have (the xla extra; "
                                  "make test runs it in its first environment)")
 
