@@ -7,6 +7,7 @@ PJRT_DEVICE=TPU, else ``args.num_devices`` XLA:CPU devices so sharding is real o
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import resource
 import sys
@@ -107,7 +108,11 @@ def launch(fn: Callable[[RankContext, object], None], args) -> None:
             print(f"error: {e}", file=sys.stderr)
             raise SystemExit(2) from None
         finally:
+            # and free what still holds a group: gloo's threads stop only when the group object goes,
+            # and one still releasing a collective's tensors as Python exits aborts the process
+            # (pytorch/pytorch#190489); fn's model is out of scope by now
             dist.destroy_process_group()
+            gc.collect()
         return
     if not ON_TPU:
         os.environ.setdefault("PJRT_DEVICE", "CPU")

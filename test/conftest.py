@@ -155,4 +155,5 @@ def gloo(tmp_path_factory):
         store = tmp_path_factory.mktemp("gloo") / "store"
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     yield
-    dist.destroy_process_group()
+    import harness
+    harness.end_process_group()

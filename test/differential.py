@@ -548,7 +548,9 @@ def _gloo_rank(rank: int, world_size: int, port: int, inbox, outbox) -> None:
             outbox.put((rank, train_sharded(program, rank, world_size, torch.device("cpu"), lambda: None)))
         except Exception as e:  # noqa: BLE001 - reported to the parent, which fails the example
             outbox.put((rank, f"{type(e).__name__}: {e}"))
+    import gc
     dist.destroy_process_group()
+    gc.collect()  # the programs' models and groups gone while Python runs (see harness.end_process_group)
 
 
 class GlooRanks:

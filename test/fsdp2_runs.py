@@ -3,6 +3,7 @@ with ``torch.distributed.checkpoint`` the way the FSDP2 tutorials do (``get_stat
 ``set_state_dict``, ``dcp.save`` / ``dcp.load`` of ``{"model": ..., "optim": ...}``): the other
 side of the DCP interop tests."""
 import os
+import sys
 import tempfile
 from typing import Any, Dict, List, Optional
 
@@ -27,44 +28,55 @@ def _torchtitan_state(model, opt, step: int) -> Dict[str, Any]:
 
 def _worker(rank: int, world_size: int, port: int, name: str, steps: int, start: int, per_rank: int,
             load_dir: Optional[str], save_dir: Optional[str], out_dir: str, layout: str = "tutorial") -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        _train(rank, world_size, name, steps, start, per_rank, load_dir, save_dir, out_dir, layout)
+    finally:  # with the model gone (FSDP2's mesh holds the groups): see harness.end_process_group
+        harness.end_process_group()
+    # FSDP2 hands gloo its own tensors, and gloo's thread may free them as Python exits, aborting this
+    # rank after its results are written (pytorch/pytorch#190489; xla_fsdp's collectives keep theirs
+    # until gloo lets go: collectives/torch_dist.py). This helper leaves without Python's teardown.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _train(rank: int, world_size: int, name: str, steps: int, start: int, per_rank: int,
+           load_dir: Optional[str], save_dir: Optional[str], out_dir: str, layout: str) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                          set_state_dict)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-    try:
-        cfg = harness.CONFIGS[name]
-        model = models.make_model(cfg["model"])
-        mesh = init_device_mesh("cpu", (world_size,))
-        for child in model.children():  # a unit per layer, as the tutorial wraps each block
-            if any(p.requires_grad for p in child.parameters()):
-                fully_shard(child, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        opt = harness.make_optimizer(cfg["opt"], model)
-        if load_dir:
-            model_sd, optim_sd = get_state_dict(model, opt)
-            state = {"model": model_sd, "optim": optim_sd}
-            dcp.load(state, checkpoint_id=load_dir)
-            set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        losses = []
-        for step in range(start, start + steps):
-            opt.zero_grad()
-            x, y = models.batch(cfg["model"], step, rank, per_rank)
-            loss = models.loss_fn(cfg["model"], model(x), y)
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-        if save_dir and layout == "torchtitan":
-            dcp.save(_torchtitan_state(model, opt, start + steps), checkpoint_id=save_dir)
-        elif save_dir:
-            model_sd, optim_sd = get_state_dict(model, opt)
-            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=save_dir)
-        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        torch.save({"losses": losses, "full": full}, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    cfg = harness.CONFIGS[name]
+    model = models.make_model(cfg["model"])
+    mesh = init_device_mesh("cpu", (world_size,))
+    for child in model.children():  # a unit per layer, as the tutorial wraps each block
+        if any(p.requires_grad for p in child.parameters()):
+            fully_shard(child, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = harness.make_optimizer(cfg["opt"], model)
+    if load_dir:
+        model_sd, optim_sd = get_state_dict(model, opt)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=load_dir)
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    losses = []
+    for step in range(start, start + steps):
+        opt.zero_grad()
+        x, y = models.batch(cfg["model"], step, rank, per_rank)
+        loss = models.loss_fn(cfg["model"], model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    if save_dir and layout == "torchtitan":
+        dcp.save(_torchtitan_state(model, opt, start + steps), checkpoint_id=save_dir)
+    elif save_dir:
+        model_sd, optim_sd = get_state_dict(model, opt)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=save_dir)
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    torch.save({"losses": losses, "full": full}, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
 def run(name: str, world_size: int, steps: int, start: int = 0, per_rank: int = 4, load_dir: Optional[str] = None,

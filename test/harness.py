@@ -495,6 +495,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def end_process_group() -> None:
+    """``destroy_process_group``, then collect what still holds a group (an FSDP2 mesh, a unit's
+    sharding groups, a model in a reference cycle): gloo's worker threads stop only when the group
+    object goes, and one that releases a finished collective's tensors while Python is exiting
+    aborts the process ("terminate called without an active exception": the thread takes the GIL
+    during finalization and is unwound through a noexcept destructor; pytorch/pytorch#190489). Call
+    it after the model is out of scope, as the workers here do."""
+    import gc
+
+    import torch.distributed as dist
+    dist.destroy_process_group()
+    gc.collect()
+
+
 def _gloo_worker(rank: int, world_size: int, port: int, names: List[str], out_dir: str, kwargs: dict) -> None:
     import torch.distributed as dist
     torch.set_num_threads(1)
@@ -505,7 +519,7 @@ def _gloo_worker(rank: int, world_size: int, port: int, names: List[str], out_di
             results[name] = train_sharded(name, rank, torch.device("cpu"), lambda: None, dist.barrier, **kwargs)
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
-        dist.destroy_process_group()
+        end_process_group()
 
 
 def run_gloo(names: List[str], world_size: int, **kwargs: Any) -> Dict[str, List[Dict[str, Any]]]:

@@ -48,7 +48,7 @@ def main() -> None:
                                                            "GROUP_RANK")}
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
-        dist.destroy_process_group()
+        harness.end_process_group()
 
 
 if __name__ == "__main__":

@@ -410,7 +410,8 @@ def _reinit_rank(rank: int, attempts: range, store_dir: str, out_dir: str) -> No
             model(torch.full((3, 4), float(rank + 1))).sum().backward()
             torch.save([p.grad for p in model.parameters()], f"{out_dir}/rank{rank}-attempt{attempt}.pt")
         finally:
-            dist.destroy_process_group()
+            model = None  # its units hold the sharding group: gone first (see harness.end_process_group)
+            harness.end_process_group()
 
 
 def test_a_new_process_group_gets_new_collectives(tmp_path):
@@ -458,3 +459,29 @@ def test_a_group_that_serves_no_device_of_this_process_is_a_clear_error():
     from xla_fsdp.collectives.torch_dist import transport_device
     with pytest.raises(RuntimeError, match=r"serves 'cuda:nccl', with no CPU backend.*none available"):
         transport_device("cuda:nccl", None)
+
+
+def test_tensors_handed_to_a_collective_outlive_the_backends_hold_on_them():
+    """The torch transport gives collectives aliases of its own and keeps each until the backend has
+    let go of it, so a gloo/NCCL thread never frees a Python object (at exit that aborts the process:
+    pytorch/pytorch#190489). A backend's hold on the alias (a C++ reference to it) is played by a view,
+    whose TensorImpl holds its base's."""
+    from xla_fsdp.collectives import torch_dist
+    source = torch.arange(4.0)
+    (alias,) = torch_dist._aliases(source)
+    assert alias.data_ptr() == source.data_ptr() and alias._use_count() == 1 and alias._base is None
+    held_before = len(torch_dist._HELD)
+    backend = alias.view(-1)
+    torch_dist._let_go((alias,))
+    assert any(a[0] is alias for a in torch_dist._HELD)  # kept while the backend holds it
+    del backend
+    torch_dist._let_go(torch_dist._aliases(torch.zeros(1)))  # the next collective purges what was let go
+    assert not any(a[0] is alias for a in torch_dist._HELD) and len(torch_dist._HELD) <= held_before
+    # a collective dropped without its wait parks its aliases, as the exit handler drains them
+    (alias,) = torch_dist._aliases(source)
+    backend = alias.view(-1)
+    torch_dist._Waiter(object(), source, (alias,)).__del__()
+    assert any(a[0] is alias for a in torch_dist._HELD)
+    del backend
+    torch_dist._drain(timeout_s=1.0)
+    assert not any(a[0] is alias for a in torch_dist._HELD)

@@ -294,7 +294,7 @@ def _gloo_load_worker(rank, port, folder, damage_rank, out):
     try:
         torch.save(_save_then_load(rank, torch.device("cpu"), folder, damage_rank), os.path.join(out, f"{rank}.pt"))
     finally:
-        dist.destroy_process_group()
+        harness.end_process_group()
 
 
 def _xla_load_worker(folder, damage_rank):

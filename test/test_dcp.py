@@ -122,43 +122,47 @@ def test_convert_refuses_bad_input_clearly(tmp_path, capsys):
 
 def _state_dict_api_worker(rank, world_size, port, name, phase, dcp_dir, out_dir):
     """The FSDP2 tutorial's checkpoint code, run on an xla_fsdp model with xla_fsdp's functions."""
-    import torch
     import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        _state_dict_api_steps(rank, world_size, name, phase, dcp_dir, out_dir)
+    finally:  # the model gone first: see harness.end_process_group
+        harness.end_process_group()
+
+
+def _state_dict_api_steps(rank, world_size, name, phase, dcp_dir, out_dir):
+    import torch
     import torch.distributed.checkpoint as dcp
 
     from xla_fsdp.checkpoints.files import CheckpointError
     from xla_fsdp.checkpoints.state_dict_api import StateDictOptions, get_state_dict, set_state_dict
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-    try:
-        cfg = harness.CONFIGS[name]
-        model = cfg["wrap"](models.make_model(cfg["model"]))
-        opt = harness.make_optimizer(cfg["opt"], model)
-        full = StateDictOptions(full_state_dict=True)
-        start = 0
-        if phase == "load":
-            model_sd, optim_sd = get_state_dict(model, opt, options=full)
-            state = {"model": model_sd, "optim": optim_sd}
-            dcp.load(state, checkpoint_id=dcp_dir)
-            set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"], options=full)
-            start = K
-        losses = []
-        for step in range(start, start + K):
-            opt.zero_grad()
-            x, y = models.batch(cfg["model"], step, rank, GLOBAL_BATCH // world_size)
-            loss = models.loss_fn(cfg["model"], model(x), y)
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-        if phase == "save":  # the tutorial's options: full tensors, on rank 0's host
-            offload = StateDictOptions(full_state_dict=True, cpu_offload=True)
-            model_sd, optim_sd = get_state_dict(model, opt, options=offload)
-            assert (len(model_sd) > 0) == (rank == 0) and (len(optim_sd) > 0) == (rank == 0)
-            with pytest.raises(CheckpointError, match="save_sharded_checkpoint"):
-                get_state_dict(model, opt, options=StateDictOptions(full_state_dict=False))
-            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=dcp_dir)
-        torch.save({"losses": losses}, os.path.join(out_dir, f"{phase}{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    cfg = harness.CONFIGS[name]
+    model = cfg["wrap"](models.make_model(cfg["model"]))
+    opt = harness.make_optimizer(cfg["opt"], model)
+    full = StateDictOptions(full_state_dict=True)
+    start = 0
+    if phase == "load":
+        model_sd, optim_sd = get_state_dict(model, opt, options=full)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=dcp_dir)
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"], options=full)
+        start = K
+    losses = []
+    for step in range(start, start + K):
+        opt.zero_grad()
+        x, y = models.batch(cfg["model"], step, rank, GLOBAL_BATCH // world_size)
+        loss = models.loss_fn(cfg["model"], model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    if phase == "save":  # the tutorial's options: full tensors, on rank 0's host
+        offload = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model_sd, optim_sd = get_state_dict(model, opt, options=offload)
+        assert (len(model_sd) > 0) == (rank == 0) and (len(optim_sd) > 0) == (rank == 0)
+        with pytest.raises(CheckpointError, match="save_sharded_checkpoint"):
+            get_state_dict(model, opt, options=StateDictOptions(full_state_dict=False))
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=dcp_dir)
+    torch.save({"losses": losses}, os.path.join(out_dir, f"{phase}{rank}.pt"))
 
 
 def test_the_fsdp2_tutorials_state_dict_code_runs_on_xla_fsdp_across_world_sizes(tmp_path):

@@ -51,7 +51,8 @@ def _worker(rank, world_size, port, out_dir, flatten):
         if rank == 0:
             torch.save(logits, os.path.join(out_dir, "logits.pt"))
     finally:
-        dist.destroy_process_group()
+        model = wrapped = opt = None  # noqa: F841 (gone before the group: see harness.end_process_group)
+        harness.end_process_group()
 
 
 @pytest.mark.parametrize("flatten", [False, True])
@@ -100,3 +101,20 @@ def test_consolidated_folder_loads_with_from_pretrained(tmp_path, flatten):
     for name, value in loaded_bf16.state_dict().items():
         assert value.dtype == torch.bfloat16 and torch.equal(value, full[name].to(torch.bfloat16)), name
     assert sum(f.stat().st_size for f in bf16.glob("*.safetensors")) < 0.6 * sum(f.stat().st_size for f in files)
+
+
+def test_a_tie_broken_before_wrapping_is_said_with_the_fix(gloo):
+    """model.to(xla_device) leaves GPT-2's head and embedding as two parameters (each module gets its own
+    new one); wrapped so, they would train apart. Simulated here on the CPU the way .to() breaks it."""
+    import warnings
+
+    from xla_fsdp import XlaFullyShardedDataParallel as FSDP
+    torch.manual_seed(0)
+    tied = transformers.GPT2LMHeadModel(_config())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a tied model: not a word
+        FSDP(tied)
+    untied = transformers.GPT2LMHeadModel(_config())
+    untied.lm_head.weight = torch.nn.Parameter(untied.lm_head.weight.detach().clone())
+    with pytest.warns(UserWarning, match=r"'lm_head.weight' is not 'transformer.wte.weight'.*tie_weights\(\)"):
+        FSDP(untied)

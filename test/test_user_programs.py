@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from harness import _free_port
+from harness import _free_port, end_process_group
 from xla_fsdp import XlaFullyShardedDataParallel as FSDP
 from xla_fsdp.checkpoints import full_state_dict
 
@@ -29,7 +29,7 @@ def _rank(rank: int, world_size: int, port: int, fn: Callable[[int, int], Any], 
     except Exception as e:  # noqa: BLE001 - the test reads every rank's error
         result = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
     finally:
-        dist.destroy_process_group()
+        end_process_group()
     torch.save(result, os.path.join(out_dir, f"{rank}.pt"))
 
 

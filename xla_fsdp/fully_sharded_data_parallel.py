@@ -218,6 +218,7 @@ class XlaFullyShardedDataParallel(UnitSetup, GradientReduction, ShardedUnit):
         resolve_torch_group_keywords(keywords)
         super().__init__()
         construction.validate_module(module)
+        construction.warn_untied_embeddings(module)
         options = _options_from_keywords(keywords)
         self._plan(options)
         if auto_wrap_policy is not None:

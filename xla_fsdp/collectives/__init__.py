@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import weakref
 from typing import Dict, Optional, Sequence, Tuple
 
 from .base import Collectives
@@ -82,16 +83,27 @@ __all__ = ["Collectives", "TorchDistCollectives", "global_rank_and_size", "ranks
            "resolve_transport", "select_collectives"]
 
 
-#: (thread, transport, grouping) -> (the torch.distributed default group it was built in, collectives)
-_SHARED: Dict[Tuple, Tuple[object, Collectives]] = {}
+#: the torch.distributed default group (a stand-in on XLA) -> {(thread, transport, grouping): collectives}.
+#: Weak: the cache must not keep a destroyed group alive. A gloo group that outlives
+#: ``destroy_process_group`` keeps its worker threads, and one of them still releasing a finished
+#: collective's tensors while Python exits aborts the process ("terminate called without an active
+#: exception": it needs the GIL during finalization; pytorch/pytorch#190489).
+_SHARED: "weakref.WeakKeyDictionary[object, Dict[Tuple, Collectives]]" = weakref.WeakKeyDictionary()
+
+
+class _NoDefaultGroup:
+    """The key of collectives built outside torch.distributed (XLA), kept for the process."""
+
+
+_XLA_KEY = _NoDefaultGroup()
 
 
 def _default_group(transport: str) -> object:
-    """The torch.distributed default group (None on XLA): after ``destroy_process_group`` and a new
+    """The torch.distributed default group: after ``destroy_process_group`` and a new
     ``init_process_group`` it is another object, and collectives built in the old one must not be
     reused, since they hold its destroyed subgroups, whose connections lead to peers that may be gone."""
     if transport != "torch":
-        return None
+        return _XLA_KEY
     import torch.distributed as dist
     return dist.group.WORLD
 
@@ -102,9 +114,7 @@ def shared_collectives(transport: str, groups, rank, world_size, pin_layout: boo
     import threading
     key = (threading.get_ident(), transport, tuple(map(tuple, groups or [])), rank, world_size, pin_layout,
            tuple(map(tuple, replica_groups or [])))
-    world = _default_group(transport)
-    cached = _SHARED.get(key)
-    if cached is None or cached[0] is not world:
-        cached = _SHARED[key] = (world, select_collectives(transport, groups, rank, world_size, pin_layout,
-                                                           replica_groups))
-    return cached[1]
+    built = _SHARED.setdefault(_default_group(transport), {})
+    if key not in built:
+        built[key] = select_collectives(transport, groups, rank, world_size, pin_layout, replica_groups)
+    return built[key]

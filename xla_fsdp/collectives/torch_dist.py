@@ -2,7 +2,9 @@
 e.g. through PrivateUse1): the eager transport."""
 from __future__ import annotations
 
+import atexit
 import math
+import time
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
@@ -61,13 +63,62 @@ def _current_accelerator() -> Optional[torch.device]:
     return torch.device(accelerator.type, torch.accelerator.current_device_index())
 
 
-def _waiter(work, result: torch.Tensor, source: torch.Tensor) -> Callable[[], torch.Tensor]:
-    """The wait function of an async collective; it keeps ``source`` alive until the data has left."""
-    def wait() -> torch.Tensor:
-        work.wait()
-        return result
-    wait.source = source  # type: ignore[attr-defined]
-    return wait
+# --- handing tensors to the backend's threads -------------------------------------------------------
+# A gloo (or NCCL) Work holds the tensors of its collective, and the backend's worker thread drops its
+# reference to the Work a moment after the collective completes. If the Python objects of those tensors
+# are gone by then, that thread frees them, taking the GIL, and if the interpreter is exiting by then,
+# Python ends the thread inside a noexcept destructor: "terminate called without an active exception",
+# exit -6 after the program finished (pytorch/pytorch#190489). So a collective gets aliases of our own
+# (``detach``: the same storage, a TensorImpl no one else holds), and they are kept until the backend
+# has let go of them (use count back to 1), at the latest until the program's exit handlers run.
+_HELD: List[Tuple[torch.Tensor, ...]] = []
+_DRAIN_AT_EXIT = [False]
+
+
+def _aliases(*tensors: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+    return tuple(t.detach() for t in tensors)
+
+
+def _in_use(aliases: Tuple[torch.Tensor, ...]) -> bool:
+    return any(t._use_count() > 1 for t in aliases)
+
+
+def _let_go(aliases: Tuple[torch.Tensor, ...]) -> None:
+    """After the collective's wait: keep ``aliases`` while the backend still holds them."""
+    _HELD[:] = [a for a in _HELD if _in_use(a)]
+    if _in_use(aliases):
+        _HELD.append(aliases)
+
+
+def _drain(timeout_s: float = 10.0) -> None:
+    """At exit, while the interpreter still runs: give the backend's threads the GIL to let go."""
+    deadline = time.monotonic() + timeout_s
+    while _HELD and time.monotonic() < deadline:
+        time.sleep(0.001)
+        _HELD[:] = [a for a in _HELD if _in_use(a)]
+
+
+class _Waiter:
+    """The wait function of an async collective over ``aliases`` (see :func:`_aliases`). One dropped
+    without a wait (a plan started in a forward that no backward followed) parks its aliases: the
+    collective may still be running."""
+
+    def __init__(self, work, result: torch.Tensor, aliases: Tuple[torch.Tensor, ...]):
+        self._work, self._result, self._aliases = work, result, aliases
+
+    def __call__(self) -> torch.Tensor:
+        if self._work is not None:
+            work, self._work = self._work, None
+            work.wait()
+            del work  # our reference to the Work goes before the count is read
+            _let_go(self._aliases)
+        return self._result
+
+    def __del__(self) -> None:
+        if self._work is not None:
+            self._work = None
+            _HELD.append(self._aliases)
+
 
 
 def _done() -> None:
@@ -94,6 +145,9 @@ class TorchDistCollectives(Collectives):
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
         self._device = transport_device(dist.get_backend_config(), _current_accelerator())
+        if not _DRAIN_AT_EXIT[0]:
+            _DRAIN_AT_EXIT[0] = True
+            atexit.register(_drain)
 
     @property
     def device(self) -> torch.device:
@@ -111,8 +165,8 @@ class TorchDistCollectives(Collectives):
             return lambda: result
         if out is None:
             out = shard.new_empty((shard.shape[0] * self.world_size,) + tuple(shard.shape[1:]))
-        source = shard.contiguous()
-        return _waiter(_ALL_GATHER(out, source, group=self.group, async_op=True), out, source)
+        handed = _aliases(out, shard.contiguous())
+        return _Waiter(_ALL_GATHER(*handed, group=self.group, async_op=True), out, handed)
 
     def reduce_scatter(self, full: torch.Tensor, channel: int) -> torch.Tensor:
         return self.start_reduce_scatter(full, channel)()
@@ -121,34 +175,41 @@ class TorchDistCollectives(Collectives):
         if self.world_size == 1:
             return lambda: full
         out = full.new_empty((full.shape[0] // self.world_size,) + tuple(full.shape[1:]))
-        source = full.contiguous()
-        return _waiter(_REDUCE_SCATTER(out, source, group=self.group, async_op=True), out, source)
+        handed = _aliases(out, full.contiguous())
+        return _Waiter(_REDUCE_SCATTER(*handed, group=self.group, async_op=True), out, handed)
 
     def all_reduce_sum(self, tensor: torch.Tensor, channel: int) -> torch.Tensor:
         tensor = tensor.clone()
-        dist.all_reduce(tensor, group=self.group)
+        handed = _aliases(tensor)
+        dist.all_reduce(handed[0], group=self.group)
+        _let_go(handed)
         return tensor
 
     def all_reduce_replicas(self, tensor: torch.Tensor, channel: int) -> torch.Tensor:
         if not self.replica_groups:
             return tensor
         tensor = tensor.contiguous()
-        dist.all_reduce(tensor, group=self.replica_group)
+        handed = _aliases(tensor)
+        dist.all_reduce(handed[0], group=self.replica_group)
+        _let_go(handed)
         return tensor
 
     def broadcast_from_rank_0(self, tensor: torch.Tensor) -> torch.Tensor:
         if dist.get_world_size() == 1:
             return tensor
         value = tensor.detach().to(self._device).contiguous().clone()
-        dist.broadcast(value, src=0)  # the default group: every rank of the job
+        handed = _aliases(value)
+        dist.broadcast(handed[0], src=0)  # the default group: every rank of the job
+        _let_go(handed)
         return value.to(tensor.device)
 
     def start_sum_over_ranks(self, values: Sequence[int]) -> Callable[[], Optional[List[int]]]:
         if dist.get_world_size() == 1:
             return super().start_sum_over_ranks(values)
         counts = torch.tensor(list(values), dtype=torch.int32, device=self._device)
-        work = dist.all_reduce(counts, async_op=True)  # every rank of the job trains this model
-        wait = _waiter(work, counts, counts)
+        handed = _aliases(counts)
+        work = dist.all_reduce(handed[0], async_op=True)  # every rank of the job trains this model
+        wait = _Waiter(work, counts, handed)
         return lambda: wait().tolist()
 
     def new_full(self, shape: Tuple[int, ...], padded_numel: int, dtype: torch.dtype) -> torch.Tensor:

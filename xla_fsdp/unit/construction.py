@@ -2,6 +2,7 @@
 find the parameters it owns (tied ones once), and record buffer dtypes."""
 from __future__ import annotations
 
+import warnings
 from collections import OrderedDict
 from typing import Callable, Dict, List, Optional, Set, Tuple
 
@@ -23,6 +24,31 @@ def validate_module(module: nn.Module) -> None:
         raise RuntimeError(
             f"xla_fsdp: {type(module).__name__} has no forward() and cannot be an FSDP unit; wrap "
             "its elements, or the module that calls them, instead.")
+
+
+def warn_untied_embeddings(module: nn.Module) -> None:
+    """A Hugging Face model whose config ties the output embedding to the input embedding, but whose
+    two weights are separate parameters: ``model.to(xla_device)`` gives each module a new parameter
+    (torch cannot keep a shared one across that move), and the wrapped model would then train two
+    matrices where the model before the move had one. Said once, at wrap time, with the fix."""
+    config = getattr(module, "config", None)
+    if getattr(config, "tie_word_embeddings", False) is not True:
+        return
+    try:
+        inputs, outputs = module.get_input_embeddings(), module.get_output_embeddings()
+    except (AttributeError, NotImplementedError):
+        return
+    weight_in, weight_out = getattr(inputs, "weight", None), getattr(outputs, "weight", None)
+    if not isinstance(weight_in, nn.Parameter) or not isinstance(weight_out, nn.Parameter) or weight_in is weight_out:
+        return
+    names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
+    name_out = names.get(id(weight_out), "the output embedding")
+    name_in = names.get(id(weight_in), "the input embedding")
+    warnings.warn(
+        f"xla_fsdp: {type(module).__name__}.config.tie_word_embeddings is True, but '{name_out}' is not '{name_in}' "
+        "(model.to(xla_device) gives each module its own new parameter): they would train as two matrices. "
+        "Call model.tie_weights() after moving it, or wrap the model on the CPU (xla_fsdp moves it and keeps "
+        "the tie).", stacklevel=3)
 
 
 def owned_modules(root: nn.Module):
