@@ -433,3 +433,28 @@ def test_torch_xla_checkpoint_consolidates_and_reshards(tmp_path, monkeypatch):
     assert set(a["optimizer"]["state"]) == {n for n, _ in models.ConvBN().named_parameters()}
     for name, st in a["optimizer"]["state"].items():
         assert_bit_exact(b["optimizer"]["state"][name], st)
+
+
+def test_the_clis_print_no_warning(sources, tmp_path):
+    """Every CLI, run as a user runs it on a real checkpoint, writes nothing to stderr that warns: no
+    warning of ours and none that our calls cause in torch (both environments run this: torch 2.9 and
+    the newest release, where torch deprecated collectives and load defaults)."""
+    prefix = sources[2].format(name="zero3_nested_adamw")
+    out = str(tmp_path)
+    commands = [
+        ["xla_fsdp.consolidate_sharded_ckpts", "--ckpt_prefix", prefix, "--optimizer", "--save_path", f"{out}/a.pth"],
+        ["xla_fsdp.consolidate_sharded_ckpts", "--ckpt_prefix", prefix, "--verify"],
+        ["xla_fsdp.consolidate_sharded_ckpts", "--ckpt_prefix", prefix, "--format", "safetensors",
+         "--max_shard_size", "1KB", "--save_path", f"{out}/hf"],
+        ["xla_fsdp.reshard", "--ckpt_prefix", prefix, "--world_size", "3", "--out_prefix", f"{out}/ws3"],
+        ["xla_fsdp.cli.inspect", "--ckpt_prefix", prefix],
+        ["xla_fsdp.convert", "--to", "dcp", "--ckpt_prefix", prefix, "--out", f"{out}/dcp"],
+        ["xla_fsdp.convert", "--from", "dcp", "--ckpt_dir", f"{out}/dcp", "--world_size", "2", "--out_prefix",
+         f"{out}/back"],
+    ]
+    env = {k: v for k, v in os.environ.items() if k not in ("PJRT_DEVICE", "CPU_NUM_DEVICES", "PYTHONWARNINGS")}
+    for cmd in commands:
+        proc = subprocess.run([sys.executable, "-m", *cmd], capture_output=True, text=True,
+                              env=dict(env, PYTHONPATH=ROOT))
+        assert proc.returncode == 0, (cmd, proc.stderr[-2000:])
+        assert "warn" not in proc.stderr.lower(), (cmd, proc.stderr[-2000:])

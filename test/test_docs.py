@@ -2,7 +2,9 @@
 CONTRIBUTING.md and docs/ is either marked ``<!-- run: RUNNER -->`` (on the line before it, or the
 line after) and run as written (a page's blocks in order, in one temporary folder, so a later block
 reads what an earlier one wrote), or marked ``<!-- not run: why -->``. Runners: ``python``, ``bash``
-(``python`` is this interpreter), ``torchrun N`` (N gloo processes), ``xla N`` (N XLA:CPU devices).
+(``python`` is this interpreter), ``torchrun N`` (N gloo processes), ``xla N`` (N XLA:CPU devices);
+``RUNNER in xla-env`` / ``RUNNER in newest-env`` run with the interpreter of that environment first
+on PATH (a page moving a run between them: such a page runs in the newest environment's suite).
 Relative links must point at files that exist."""
 import glob
 import os
@@ -11,6 +13,8 @@ import subprocess
 import sys
 
 import pytest
+
+from conftest import ENVIRONMENTS, HAS_TORCH_XLA
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGES = ["README.md", "CONTRIBUTING.md"] + sorted(os.path.relpath(p, ROOT) for p in glob.glob(f"{ROOT}/docs/*.md"))
@@ -44,16 +48,25 @@ def blocks(page):
 
 
 def command(runner, path):
+    """(argv, extra environment) of a block; ``runner`` may end in ``in ENVIRONMENT``."""
+    runner, _, environment = runner.partition(" in ")
+    python = sys.executable
+    extra = {}
+    if environment:
+        if environment not in ENVIRONMENTS:
+            raise ValueError(f"unknown environment {environment!r}: one of {sorted(ENVIRONMENTS)}")
+        python = ENVIRONMENTS[environment]
+        extra["PATH"] = os.path.dirname(python) + os.pathsep + os.environ["PATH"]
     kind, _, count = runner.partition(" ")
     if kind == "python":
-        return [sys.executable, path], {}
+        return [python, path], extra
     if kind == "bash":
-        return ["bash", "-euo", "pipefail", path], {}
+        return ["bash", "-euo", "pipefail", path], extra
     if kind == "torchrun":
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={int(count)}",
-                path], {}
+        return [python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={int(count)}",
+                path], extra
     if kind == "xla":
-        return [sys.executable, path], {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(int(count))}
+        return [python, path], {**extra, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(int(count))}
     raise ValueError(f"unknown runner {runner!r}")
 
 
@@ -91,8 +104,16 @@ def test_relative_links_point_at_files():
 
 
 def _page_param(page):
-    """A page with a block run on XLA devices needs torch_xla (its later blocks may read what that wrote)."""
-    xla = any(b[1] == "run" and b[2].startswith("xla") for b in blocks(page))
+    """A page with a block run on XLA devices needs torch_xla (its later blocks may read what that wrote);
+    one that names environments runs once, in the newest environment's suite, and needs both."""
+    runners = [b[2] for b in blocks(page) if b[1] == "run"]
+    if any(" in " in r for r in runners):
+        missing = [p for p in ENVIRONMENTS.values() if not os.path.exists(p)]
+        return pytest.param(page, marks=[
+            pytest.mark.skipif(HAS_TORCH_XLA, reason="moves a run between environments: runs once, in the newest "
+                                                     "environment's suite (make test-newest)"),
+            pytest.mark.skipif(bool(missing), reason=f"needs both environments (make install; missing {missing})")])
+    xla = any(r.startswith("xla") for r in runners)
     return pytest.param(page, marks=[pytest.mark.xla] if xla else [])
 
 
@@ -106,7 +127,12 @@ def test_the_page_runs_as_written(page, tmp_path):
         with open(path, "w") as f:
             f.write(code)
         argv, extra_env = command(runner, path)
-        proc = subprocess.run(argv, cwd=tmp_path, env={**env, **extra_env}, capture_output=True, text=True,
-                              timeout=300)
+        block_env = {**env, **extra_env}
+        if " in " in runner:  # another interpreter: only what it needs of ours
+            block_env = {k: v for k, v in block_env.items() if k not in ("PJRT_DEVICE", "CPU_NUM_DEVICES")}
+            block_env.update(extra_env)
+        proc = subprocess.run(argv, cwd=tmp_path, env=block_env, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, f"{page}:{line} ({runner}) exit {proc.returncode}\n" + (
             proc.stdout[-2000:] + proc.stderr[-4000:])
+        if page == "README.md":  # a user's first run: no warning of ours or caused by our calls
+            assert "warn" not in proc.stderr.lower(), f"{page}:{line} ({runner}) warned:\n{proc.stderr[-3000:]}"
