@@ -120,7 +120,6 @@ class _Waiter:
             _HELD.append(self._aliases)
 
 
-
 def _done() -> None:
     return None
 
