@@ -362,8 +362,16 @@ def train_sharded(name: str, rank: int, device: torch.device, sync: Callable[[],
         "residency": residency,
         "grad_state_dict": _grad_state_dict(wrapped) if cfg.get("check_host") else None,
         "collective_split": _collective_split(wrapped),
+        "devices": sorted({str(p.device) for p in wrapped.parameters()} | {str(b.device) for b in wrapped.buffers()}),
+        "host_shards_pinned": _host_shards_pinned(wrapped),
     })
     return result
+
+
+def _host_shards_pinned(root: FSDP) -> Optional[bool]:
+    """Whether every host-offloaded shard is in pinned memory (None: nothing is offloaded)."""
+    host = [p for p in root.parameters() if p.device.type == "cpu"]
+    return all(p.is_pinned() for p in host) if host else None
 
 
 def _grad_state_dict(root: FSDP) -> Dict[str, torch.Tensor]:
@@ -457,12 +465,13 @@ def _inner_units_kept(root: FSDP) -> bool:
 
 
 def train_reference(name: str, world_size: int, init_state: Optional[dict] = None, steps: int = STEPS,
-                    per_rank: int = 4) -> Dict[str, Any]:
+                    per_rank: int = 4, device: Union[str, torch.device] = "cpu") -> Dict[str, Any]:
     """The same training, unsharded, in this process: each step averages the per-rank losses."""
     cfg = CONFIGS[name]
     model = models.make_model(cfg["model"])
     if init_state is not None:
         model.load_state_dict(init_state)
+    model.to(device)
     opt = make_optimizer(cfg["opt"], model)
     losses, norms = [], []
     for step in range(steps):
@@ -474,7 +483,7 @@ def train_reference(name: str, world_size: int, init_state: Optional[dict] = Non
         for k in range(micro):
             rank_losses = []
             for r in range(world_size):
-                x, y = models.batch(cfg["model"], step * micro + k, r, per_rank)
+                x, y = (t.to(device) for t in models.batch(cfg["model"], step * micro + k, r, per_rank))
                 rank_losses.append(models.loss_fn(cfg["model"], model(x), y))
             loss = torch.stack(rank_losses).mean()
             loss.backward()
