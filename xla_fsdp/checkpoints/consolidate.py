@@ -7,6 +7,7 @@ Peak memory stays near the largest tensor plus the reopen window, not the model 
 from __future__ import annotations
 
 import gc
+import math
 import os
 import warnings
 from collections import OrderedDict
@@ -14,7 +15,7 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 
-from .files import (DEFAULT_SUFFIX, CheckpointError, atomic_write, check_consistent, find_rank_files,
+from .files import (DEFAULT_SUFFIX, CheckpointError, FileSet, check_consistent, find_rank_files,
                     load_rank_file, refuse_overwriting_inputs, tensor_checksum, verify_archive)
 from .layout_ops import unshard_entry
 from .metadata import full_optimizer_state_dict, param_order
@@ -264,13 +265,14 @@ def write_consolidated(ckpt: ShardedCheckpoint, save_path: str, fmt: str = "pth"
             with SafetensorsStreamWriter(tmp, specs, {"format": "pt"}) as w:
                 for name, tensor in ckpt.iter_model():
                     w.add(name, tensor)
-        if include_optimizer:
-            optimizer = ckpt.full_optimizer_state()
-            from .files import atomic_torch_save
-            atomic_torch_save({"optimizer": optimizer}, opt_path)
     else:
         raise ValueError(f"unknown format {fmt!r}: use 'pth' or 'safetensors'")
-    atomic_write(save_path, write)
+    model_bytes = sum(math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+                      for _, dtype, shape in ckpt.model_specs())
+    with FileSet() as outputs:  # the model file and the optimizer's beside it: both or neither
+        outputs.write(save_path, write, model_bytes)
+        if include_optimizer and fmt == "safetensors":
+            outputs.torch_save({"optimizer": ckpt.full_optimizer_state()}, opt_path)
     ckpt.release()
     return save_path
 

@@ -30,7 +30,8 @@ from .._exit_cleanup import UNFINISHED as _UNFINISHED
 from ..shard_names import SHARD_PREFIX, SHARD_SEPARATOR
 from ..sharding import FlatLayout
 from .consolidate import MISSING_OPTIMIZER_KEYS, ShardedCheckpoint
-from .files import DEFAULT_SUFFIX, CheckpointError, rank_path, refuse_overwriting_inputs, tensor_checksum
+from .files import (DEFAULT_SUFFIX, CheckpointError, as_disk_full, rank_path, refuse_overwriting_inputs,
+                    stored_bytes, tensor_checksum)
 from .metadata import METADATA_VERSION, _library_versions, full_optimizer_state_dict, param_order
 from .resharded_load import NameIndex, read_full
 from .stream_save import PthStreamWriter
@@ -117,8 +118,12 @@ def export_dcp(ckpt_prefix: str, out_dir: str, model_key: str = "model", optim_k
         if os.path.isdir(out_dir):
             os.rmdir(out_dir)  # empty (checked above)
         os.rename(tmp, out_dir)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        # DCP wraps its writer's OSError, or reports torch's zip writer's "unexpected pos"
+        full = as_disk_full(e, out_dir, stored_bytes(state_dict))
+        if full is not None:
+            raise full from None
         raise
     finally:
         src.release()
@@ -311,7 +316,13 @@ class _RankFileWriters:
             metadata = dict(metadata_of_rank(r), checksums=self.sums[r])
             obj = {"model": self.model[r], "shard_metadata": metadata, "optimizer": self.optimizer[r]}
             writer.set_structure(lambda refs, obj=obj: obj)
-            writer.close()
+            try:
+                writer.close()
+            except OSError as e:
+                full = as_disk_full(e, self.paths[r], writer.nbytes)
+                if full is not None:
+                    raise full from e
+                raise
         for tmp in self.tmps:
             with open(tmp, "rb+") as f:
                 os.fsync(f.fileno())

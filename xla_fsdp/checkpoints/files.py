@@ -7,9 +7,11 @@ partial file under a final name and never damages the previous checkpoint.
 """
 from __future__ import annotations
 
+import errno
 import glob
 import os
 import re
+import shutil
 import sys
 import uuid
 import zipfile
@@ -34,6 +36,117 @@ class CheckpointError(RuntimeError):
     user_facing = True  # its message says all: reported in one line, without a traceback
 
 
+class DiskFullError(CheckpointError):
+    """A write did not fit: the disk is full, a quota or the file size limit is reached."""
+
+
+_NO_ROOM = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is exceeded",
+            errno.EFBIG: "the file size limit (ulimit -f) is reached"}
+
+
+def _size(n: int) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} bytes" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+def free_bytes(directory: str) -> int:
+    return shutil.disk_usage(directory).free
+
+
+def check_free_space(directory: str, needed: int, what: str) -> None:
+    """Refuse before writing ``needed`` bytes of ``what`` into ``directory`` when they cannot fit."""
+    free = free_bytes(directory)
+    if needed > free:
+        raise DiskFullError(f"not enough space in '{directory}' for {what}: it needs {_size(needed)} ({needed} "
+                            f"bytes), {_size(free)} are free; free space there or choose another folder (nothing "
+                            "was written)")
+
+
+def as_disk_full(error: BaseException, path: str, needed: Optional[int] = None) -> Optional[DiskFullError]:
+    """The clear error for an ``OSError`` that means no room (found in ``error``'s causes too, where
+    a library wrapped it), else None."""
+    seen = _find_no_room(error, set())
+    if seen is None and needed is not None and _short_write(error, set()):
+        seen = _why_short(os.path.dirname(os.path.abspath(path)), needed)
+    if seen is None:
+        return None
+    directory = os.path.dirname(os.path.abspath(path))
+    try:
+        free = f"{_size(free_bytes(directory))} free"
+    except OSError:
+        free = "free space unknown"
+    need = f"it needs {_size(needed)} ({needed} bytes), " if needed is not None else ""
+    return DiskFullError(f"cannot write '{path}': {_NO_ROOM[seen.errno]}: {need}{free} in '{directory}'; nothing "
+                         "was written and earlier files are untouched; free space there or choose another folder")
+
+
+def _find_no_room(error: Any, visited: set) -> Optional[OSError]:
+    """The no-room ``OSError`` behind ``error``: itself, its causes, or what DCP's
+    ``CheckpointException`` collected per rank (``failures``, each wrapping an ``exception``)."""
+    if error is None or id(error) in visited:
+        return None
+    visited.add(id(error))
+    if isinstance(error, OSError) and error.errno in _NO_ROOM:
+        return error
+    inner = [getattr(error, "__cause__", None), getattr(error, "__context__", None), getattr(error, "exception", None)]
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, Mapping):
+        inner += list(failures.values())
+    for e in inner:
+        found = _find_no_room(e, visited)
+        if found is not None:
+            return found
+    return None
+
+
+def _short_write(error: Any, visited: set) -> bool:
+    """torch's zip writer (inside DCP's writer, say) reports a write that came up short as
+    "unexpected pos", not as the OSError behind it."""
+    if error is None or id(error) in visited:
+        return False
+    visited.add(id(error))
+    if "unexpected pos" in str(error):
+        return True
+    failures = getattr(error, "failures", None)
+    inner = [getattr(error, "__cause__", None), getattr(error, "__context__", None), getattr(error, "exception", None)]
+    inner += list(failures.values()) if isinstance(failures, Mapping) else []
+    return any(_short_write(e, visited) for e in inner)
+
+
+def _why_short(directory: str, needed: int) -> Optional[OSError]:
+    """The no-room condition that explains a short write of ``needed`` bytes, if one does."""
+    import resource
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit != resource.RLIM_INFINITY and limit < needed:
+        return OSError(errno.EFBIG, os.strerror(errno.EFBIG))
+    if free_bytes(directory) < needed:
+        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    return None
+
+
+def stored_bytes(obj: Any) -> int:
+    """The bytes ``torch.save`` writes for the tensors in ``obj`` (each storage once): a lower bound
+    of its file size."""
+    seen: Dict[Any, int] = {}
+
+    def visit(o: Any) -> None:
+        if isinstance(o, torch.Tensor):
+            storage = o.untyped_storage()
+            ptr = storage.data_ptr()  # 0 for meta tensors (placeholders): each counts
+            seen[(ptr, o.device) if ptr else id(o)] = storage.nbytes()
+        elif isinstance(o, Mapping):
+            for v in o.values():
+                visit(v)
+        elif isinstance(o, (list, tuple)):
+            for v in o:
+                visit(v)
+    visit(obj)
+    return sum(seen.values())
+
+
 def rank_path(prefix: str, rank: int, world_size: int) -> str:
     return f"{prefix}_rank-{rank:08d}-of-{world_size:08d}.pth"
 
@@ -47,12 +160,15 @@ def tensor_checksum(tensor: torch.Tensor) -> int:
     return zlib.crc32(data, zlib.crc32(header))
 
 
-def atomic_write(path: str, write: Callable[[str], None]) -> None:
-    """Run ``write(tmp_path)`` then move the finished, fsynced file to ``path``. The file gets the
-    mode any new file gets (0666 less the umask), as ``torch.save`` would give it."""
+def write_temporary(path: str, write: Callable[[str], None], size: Optional[int] = None) -> str:
+    """Run ``write(tmp_path)`` for a temporary file beside ``path``, fsync it and return its name
+    (:func:`commit` moves it to ``path``). ``size``, where known, is checked against the free space
+    first. On any error the temporary file is gone; no room becomes a :class:`DiskFullError`."""
     directory = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(directory):
         raise CheckpointError(f"cannot write '{path}': directory '{directory}' does not exist")
+    if size is not None:
+        check_free_space(directory, size, f"'{path}'")
     tmp = os.path.join(directory, f"{os.path.basename(path)}.{uuid.uuid4().hex[:8]}.tmp")
     _UNFINISHED.add(tmp)
     try:
@@ -60,18 +176,72 @@ def atomic_write(path: str, write: Callable[[str], None]) -> None:
         write(tmp)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
+    except BaseException as e:
+        discard(tmp)
+        full = as_disk_full(e, path, size)
+        if full is not None:
+            raise full from e
+        raise
+    return tmp
+
+
+def commit(tmp: str, path: str) -> None:
+    """Move a finished temporary file to its name and make the rename durable."""
+    try:
         os.replace(tmp, path)
     except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        discard(tmp)
         raise
-    finally:
-        _UNFINISHED.discard(tmp)
-    dir_fd = os.open(directory, os.O_RDONLY)
+    _UNFINISHED.discard(tmp)
+    dir_fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
     try:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+def discard(tmp: str) -> None:
+    if os.path.exists(tmp):
+        os.unlink(tmp)
+    _UNFINISHED.discard(tmp)
+
+
+def atomic_write(path: str, write: Callable[[str], None], size: Optional[int] = None) -> None:
+    """Run ``write(tmp_path)`` then move the finished, fsynced file to ``path``. The file gets the
+    mode any new file gets (0666 less the umask), as ``torch.save`` would give it."""
+    commit(write_temporary(path, write, size), path)
+
+
+class FileSet:
+    """Files that appear together or not at all: each is written under a temporary name, and
+    they take their names when the ``with`` block ends without error (else all are removed)."""
+
+    def __init__(self) -> None:
+        self._done: List[tuple] = []
+
+    def write(self, path: str, write: Callable[[str], None], size: Optional[int] = None) -> None:
+        self._done.append((write_temporary(path, write, size), path))
+
+    def torch_save(self, obj: Any, path: str) -> None:
+        self.write(path, lambda tmp: save_with_crc_outside_gil(obj, tmp), stored_bytes(obj))
+
+    def __enter__(self) -> "FileSet":
+        return self
+
+    def __exit__(self, exc_type, *rest) -> bool:
+        done, self._done = self._done, []
+        if exc_type is not None:
+            for tmp, _ in done:
+                discard(tmp)
+            return False
+        for i, (tmp, path) in enumerate(done):
+            try:
+                commit(tmp, path)
+            except BaseException:
+                for later, _ in done[i + 1:]:
+                    discard(later)
+                raise
+        return False
 
 
 def refuse_overwriting_inputs(outputs: Iterable[str], inputs: Iterable[str]) -> None:
@@ -110,7 +280,7 @@ def verify_archive(path: str) -> None:
 def atomic_torch_save(obj: Any, path: str) -> None:
     """``torch.save`` to ``path`` atomically, its zip checksums computed outside the GIL (a save in
     a background thread leaves the training thread its speed)."""
-    atomic_write(path, lambda tmp: save_with_crc_outside_gil(obj, tmp))
+    atomic_write(path, lambda tmp: save_with_crc_outside_gil(obj, tmp), stored_bytes(obj))
 
 
 @dataclass

@@ -20,7 +20,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from .consolidate import ShardedCheckpoint
-from .files import CheckpointError, atomic_write, refuse_overwriting_inputs
+from .files import CheckpointError, FileSet, refuse_overwriting_inputs
 from .stream_save import SafetensorsStreamWriter
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -68,19 +68,20 @@ def write_hf_safetensors(ckpt: ShardedCheckpoint, out_dir: str, max_shard_size: 
     file_of = {n: i for i, members in enumerate(files) for n in members}
     tensors = ((n, t) for n, t in ckpt.iter_model() if n in primary)
     pending: Dict[str, torch.Tensor] = {}
-    for i, members in enumerate(files):
-        def write(tmp: str, i=i, members=members) -> None:
-            with SafetensorsStreamWriter(tmp, [spec_of[n] for n in members], {"format": "pt"}) as w:
-                for name in members:
-                    while name not in pending:  # the stream runs in the same order as the plan
-                        n, t = next(tensors)
-                        pending[n] = t if cast is None or not t.is_floating_point() else t.to(cast)
-                    w.add(name, pending.pop(name))
-        atomic_write(names[i], write)
-    total = sum(math.prod(s) * torch.empty((), dtype=d).element_size() for _, d, s in specs)
-    index = {"metadata": {"total_size": total},
-             "weight_map": {n: os.path.basename(names[file_of[n]]) for n, _, _ in specs}}
-    atomic_write(os.path.join(out_dir, INDEX_NAME), lambda tmp: _write_json(tmp, index))
+    with FileSet() as outputs:  # every file and the index, or none of them
+        for i, members in enumerate(files):
+            def write(tmp: str, i=i, members=members) -> None:
+                with SafetensorsStreamWriter(tmp, [spec_of[n] for n in members], {"format": "pt"}) as w:
+                    for name in members:
+                        while name not in pending:  # the stream runs in the same order as the plan
+                            n, t = next(tensors)
+                            pending[n] = t if cast is None or not t.is_floating_point() else t.to(cast)
+                        w.add(name, pending.pop(name))
+            outputs.write(names[i], write, sum(_nbytes(spec_of[n]) for n in members))
+        total = sum(_nbytes(spec) for spec in specs)
+        index = {"metadata": {"total_size": total},
+                 "weight_map": {n: os.path.basename(names[file_of[n]]) for n, _, _ in specs}}
+        outputs.write(os.path.join(out_dir, INDEX_NAME), lambda tmp: _write_json(tmp, index))
     for stale in glob.glob(os.path.join(glob.escape(out_dir), "model-*-of-*.safetensors")):
         if stale not in names:  # an earlier export with another number of files
             os.unlink(stale)
@@ -91,6 +92,10 @@ def write_hf_safetensors(ckpt: ShardedCheckpoint, out_dir: str, max_shard_size: 
         shutil.copyfile(source, os.path.join(out_dir, "config.json"))
     ckpt.release()
     return names
+
+
+def _nbytes(spec: Tuple[str, torch.dtype, Tuple[int, ...]]) -> int:
+    return math.prod(spec[2]) * torch.empty((), dtype=spec[1]).element_size()
 
 
 def _primary_names(ckpt: ShardedCheckpoint) -> set:

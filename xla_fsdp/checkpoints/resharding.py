@@ -9,8 +9,7 @@ from typing import Any, Dict, List
 import torch
 
 from .consolidate import MISSING_OPTIMIZER_KEYS, ShardedCheckpoint
-from .files import (DEFAULT_SUFFIX, CheckpointError, atomic_torch_save, rank_path, refuse_overwriting_inputs,
-                    tensor_checksum)
+from .files import DEFAULT_SUFFIX, CheckpointError, FileSet, rank_path, refuse_overwriting_inputs, tensor_checksum
 from .layout_ops import reshard_entry, unshard_entry
 from .migrate import pad_multiple_of
 
@@ -38,42 +37,43 @@ def reshard_checkpoint(ckpt_prefix: str, world_size: int, out_prefix: str,
     if has_opt and opt_keys is None:
         raise CheckpointError(MISSING_OPTIMIZER_KEYS)
     paths = []
-    for rank in range(world_size):
-        model: Dict[str, torch.Tensor] = {}
-        layout: Dict[str, Any] = {}
-        for key, entry in src.layout.items():
-            new_entry, shards = reshard_entry(entry, unshard_entry(entry, src.shards(key)), world_size, multiple)
-            model[key] = shards[rank]
-            layout[key] = new_entry
-        for key in src.buffer_keys:
-            model[key] = src.shards(key)[0].clone()
-        optimizer = None
-        if has_opt:
-            osds = [c["optimizer"] for c in src._open()]
-            state = {}
-            for idx, key in enumerate(opt_keys):
-                entry = src.layout[key]
-                per_rank = src.optimizer_states(idx)
-                st = {}
-                for field, value in per_rank[0].items():
-                    if isinstance(value, torch.Tensor) and list(value.shape) == list(entry["shard_shape"]):
-                        full = unshard_entry(entry, [p[field] for p in per_rank])
-                        st[field] = reshard_entry(entry, full, world_size, multiple)[1][rank]
-                    else:
-                        st[field] = value.clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
-                if st:
-                    state[idx] = st
-            optimizer = {"state": state, "param_groups": copy.deepcopy(osds[0]["param_groups"])}
-        metadata = copy.deepcopy(src.metadata)
-        metadata.update(world_size=world_size, rank=rank, layout=layout, run_id=run_id, version=1,
-                        shard_size_multiple=multiple, resharded_from=src.world_size,
-                        optimizer_param_keys=opt_keys)
-        metadata["checksums"] = {
-            "model": {k: tensor_checksum(v) for k, v in model.items()},
-            "optimizer": {f"{i}.{f}": tensor_checksum(v) for i, st in (optimizer or {}).get("state", {}).items()
-                          for f, v in st.items() if isinstance(v, torch.Tensor)}}
-        path = rank_path(out_prefix, rank, world_size)
-        atomic_torch_save({"model": model, "shard_metadata": metadata, "optimizer": optimizer}, path)
-        paths.append(path)
-        src.release()
+    with FileSet() as outputs:  # all files or none: a failed write leaves no partial set
+        for rank in range(world_size):
+            model: Dict[str, torch.Tensor] = {}
+            layout: Dict[str, Any] = {}
+            for key, entry in src.layout.items():
+                new_entry, shards = reshard_entry(entry, unshard_entry(entry, src.shards(key)), world_size, multiple)
+                model[key] = shards[rank]
+                layout[key] = new_entry
+            for key in src.buffer_keys:
+                model[key] = src.shards(key)[0].clone()
+            optimizer = None
+            if has_opt:
+                osds = [c["optimizer"] for c in src._open()]
+                state = {}
+                for idx, key in enumerate(opt_keys):
+                    entry = src.layout[key]
+                    per_rank = src.optimizer_states(idx)
+                    st = {}
+                    for field, value in per_rank[0].items():
+                        if isinstance(value, torch.Tensor) and list(value.shape) == list(entry["shard_shape"]):
+                            full = unshard_entry(entry, [p[field] for p in per_rank])
+                            st[field] = reshard_entry(entry, full, world_size, multiple)[1][rank]
+                        else:
+                            st[field] = value.clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
+                    if st:
+                        state[idx] = st
+                optimizer = {"state": state, "param_groups": copy.deepcopy(osds[0]["param_groups"])}
+            metadata = copy.deepcopy(src.metadata)
+            metadata.update(world_size=world_size, rank=rank, layout=layout, run_id=run_id, version=1,
+                            shard_size_multiple=multiple, resharded_from=src.world_size,
+                            optimizer_param_keys=opt_keys)
+            metadata["checksums"] = {
+                "model": {k: tensor_checksum(v) for k, v in model.items()},
+                "optimizer": {f"{i}.{f}": tensor_checksum(v) for i, st in (optimizer or {}).get("state", {}).items()
+                              for f, v in st.items() if isinstance(v, torch.Tensor)}}
+            path = rank_path(out_prefix, rank, world_size)
+            outputs.torch_save({"model": model, "shard_metadata": metadata, "optimizer": optimizer}, path)
+            paths.append(path)
+            src.release()
     return paths

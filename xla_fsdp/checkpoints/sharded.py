@@ -11,8 +11,9 @@ from typing import Any, Dict, List, Mapping, Optional, Union
 import torch
 
 from .resharded_load import ReshardedLoad, needs_resharding
-from .files import (RANK_FILE, CheckpointError, atomic_torch_save, load_rank_file, rank_path, tensor_checksum,
-                    verify_archive, verify_checksums)
+from .files import (RANK_FILE, CheckpointError, commit, discard, load_rank_file, rank_path, stored_bytes,
+                    tensor_checksum, verify_archive, verify_checksums, write_temporary)
+from .zip_crc import save_with_crc_outside_gil
 
 
 def _to_host(obj: Any, staging: Optional[Dict[tuple, torch.Tensor]] = None, path: tuple = ()) -> Any:
@@ -119,6 +120,7 @@ class PendingSave:
         self._model, self.prefix, self.path = model, ckpt_prefix, path
         self._ckpt: Optional[Dict[str, Any]] = ckpt
         self._error: Optional[BaseException] = None
+        self._tmp: Optional[str] = None  # written, named once every rank's file is
         self._thread: Optional[threading.Thread] = None
         self._finished = False
 
@@ -133,8 +135,14 @@ class PendingSave:
             # Hybrid/NO_SHARD: replicas hold identical shards; only the first copy of each is written.
             if self._model.comms.replica_rank == 0:
                 os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)  # as DCP, make ckpt/
-                atomic_torch_save(ckpt, self.path)
-        except BaseException as e:  # reported on every rank by wait()
+                self._tmp = write_temporary(self.path, lambda tmp: save_with_crc_outside_gil(ckpt, tmp),
+                                            stored_bytes(ckpt))
+        except CheckpointError as e:  # reported on every rank by wait()
+            self._error = e
+        except Exception as e:
+            self._error = CheckpointError(f"could not write '{self.path}': {type(e).__name__}: {e}")
+            self._error.__cause__ = e
+        except BaseException as e:  # KeyboardInterrupt, SystemExit: raised again by wait()
             self._error = e
 
     def start(self) -> None:
@@ -156,18 +164,41 @@ class PendingSave:
         if _PENDING.get(self._model) is self:
             del _PENDING[self._model]
         model = self._model
-        failed = _ranks_that_failed(model, self._error is not None)  # also the barrier: every file is in place
-        _replica_barrier(model)
-        if self._error is not None:
-            if isinstance(self._error, CheckpointError) or not isinstance(self._error, Exception):
-                raise self._error
-            raise CheckpointError(f"could not write '{self.path}': {self._error}") from self._error
+        # Every rank's file is written under a temporary name first; they take their names only
+        # when all are written, so a failed save leaves the checkpoint at this prefix as it was.
+        errors = messages_over_ranks(model, _one_line(self._error) if self._error is not None else None)
+        failed = [r for r, e in enumerate(errors) if e is not None]
         if failed:
-            raise CheckpointError(f"the save to '{self.prefix}' failed on rank {failed[0]} (its error is in that "
-                                  "rank's output); this rank's file was written but the checkpoint is incomplete")
+            if self._tmp is not None:
+                discard(self._tmp)
+            _replica_barrier(model)
+            if self._error is not None and not isinstance(self._error, Exception):
+                raise self._error  # KeyboardInterrupt, SystemExit
+            first = failed[0]
+            where = "this rank" if first == _flat_rank(model) else f"rank {first}"
+            also = f" (ranks {failed} failed)" if len(failed) > 1 else ""
+            raise CheckpointError(f"the save to '{self.prefix}' failed on {where}{also}: {errors[first]}; no rank's "
+                                  "file was replaced") from self._error
+        error = None
+        if self._tmp is not None:
+            try:
+                commit(self._tmp, self.path)
+            except OSError as e:
+                error = e
+            self._tmp = None
+        failed = _ranks_that_failed(model, error is not None)  # also the barrier: every file is in place
+        _replica_barrier(model)
+        if failed:
+            raise CheckpointError(f"the save to '{self.prefix}' failed on rank {failed[0]} while naming its file"
+                                  + (f": {error}" if error is not None else "")) from error
         if model.rank == 0 and model.comms.replica_rank == 0:
             _remove_other_world_sizes(self.prefix, model.world_size)
         return self.path
+
+
+def _one_line(error: BaseException) -> str:
+    text = str(error) if isinstance(error, CheckpointError) else f"{type(error).__name__}: {error}"
+    return " ".join(text.split())
 
 
 def _remove_other_world_sizes(ckpt_prefix: str, world_size: int) -> List[str]:
@@ -234,17 +265,18 @@ def load_sharded_checkpoint(model, optimizer: Optional[torch.optim.Optimizer], c
             ckpt = _read_checked(model, optimizer, rank_path(ckpt_prefix, model.rank, model.world_size), ckpt_prefix)
     except CheckpointError as e:
         error = e
-    failed = _ranks_that_failed(model, error is not None)
+    errors = messages_over_ranks(model, _one_line(error) if error is not None else None)
+    failed = [r for r, e in enumerate(errors) if e is not None]
     if failed:
         if resharded is not None:
             resharded[0].close()
-        others = ", ".join(f"rank {r}" for r in failed if r != _flat_rank(model))
         if error is not None:
-            raise CheckpointError(f"{error}" + (f" (also failed: {others})" if others else "")) from error
-        example = "" if resharded is not None else (
-            f" (e.g. '{rank_path(ckpt_prefix, failed[0] % model.world_size, model.world_size)}')")
-        raise CheckpointError(f"the checkpoint '{ckpt_prefix}' cannot be loaded: {others} could not read its "
-                              f"files{example}; its error is in that rank's output; no rank has loaded anything")
+            others = [r for r in failed if r != _flat_rank(model)]
+            raise CheckpointError(f"{error}" + (f" (ranks {others} failed too)" if others else "")) from error
+        first = failed[0]
+        also = f"; ranks {failed} failed" if len(failed) > 1 else ""
+        raise CheckpointError(f"the checkpoint '{ckpt_prefix}' cannot be loaded: rank {first} failed: {errors[first]}"
+                              f"{also}; no rank has loaded anything")
     if resharded is not None:
         source, plan = resharded
         try:
@@ -307,6 +339,31 @@ def values_over_ranks(model, value: int) -> List[int]:
         comms.sync()
         return [int(v) for v in gathered.cpu().tolist()]
     return [int(v) for v in sums]
+
+
+_MESSAGE_BYTES = 1024
+
+
+def messages_over_ranks(model, message: Optional[str]) -> List[Optional[str]]:
+    """Every rank's ``message`` (None: nothing to say; at most 1 KiB of UTF-8 each), numbered
+    replica-major: a collective every rank joins, so every rank can name another's problem."""
+    raw = (message or "").encode()[:_MESSAGE_BYTES - 2]
+    row = [0 if message is None else 1, len(raw)] + list(raw) + [0] * (_MESSAGE_BYTES - 2 - len(raw))
+    comms = model.comms
+    total = model.world_size * comms.num_replicas
+    if total == 1:
+        rows = [row]
+    else:
+        full = [0] * (total * _MESSAGE_BYTES)
+        at = _flat_rank(model) * _MESSAGE_BYTES
+        full[at:at + _MESSAGE_BYTES] = row
+        sums = comms.start_sum_over_ranks(full)()
+        if sums is None:  # processes without a host channel (TPU hosts): the shard group's rows on device
+            gathered = comms.all_gather(torch.tensor(row, dtype=torch.int32).to(comms.device), model._aux_channel)
+            comms.sync()
+            sums = [int(v) for v in gathered.cpu().tolist()]
+        rows = [sums[i:i + _MESSAGE_BYTES] for i in range(0, len(sums), _MESSAGE_BYTES)]
+    return [bytes(r[2:2 + r[1]]).decode(errors="replace") if r[0] else None for r in rows]
 
 
 def _ranks_that_failed(model, failed: bool) -> list:

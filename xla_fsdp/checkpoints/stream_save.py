@@ -17,6 +17,8 @@ from typing import Dict, List, Mapping, Sequence, Tuple
 
 import torch
 
+from .safe_file import NoAbortFile
+
 
 class _StorageRef:
     def __init__(self, key: str, dtype: torch.dtype, numel: int):
@@ -51,10 +53,12 @@ class PthStreamWriter:
     """
 
     def __init__(self, path: str):
-        self._writer = torch._C.PyTorchFileWriter(path)
+        self._file = NoAbortFile(path)  # a failed write raises at close(), never aborts in torch's writer
+        self._writer = torch._C.PyTorchFileWriter(self._file)
         self._refs: "collections.OrderedDict[str, _TensorRef]" = collections.OrderedDict()
         self._structure = None
         self._count = 0
+        self.nbytes = 0  # tensor bytes added so far
 
     def add(self, key: str, tensor: torch.Tensor) -> "_TensorRef":
         t = tensor.detach().cpu().contiguous()
@@ -62,6 +66,7 @@ class PthStreamWriter:
         self._count += 1
         # Straight from the tensor's storage: no second copy of the bytes.
         self._writer.write_record(f"data/{ref.key}", t.untyped_storage(), t.numel() * t.element_size())
+        self.nbytes += t.numel() * t.element_size()
         tensor_ref = _TensorRef(ref, tuple(t.shape))
         if key is not None:
             self._refs[key] = tensor_ref
@@ -89,6 +94,7 @@ class PthStreamWriter:
         self._writer.write_record(".format_version", "1", 1)
         self._writer.write_record("byteorder", sys.byteorder, len(sys.byteorder))
         self._writer.write_end_of_file()
+        self._file.close()
 
     def __enter__(self):
         return self
@@ -96,6 +102,8 @@ class PthStreamWriter:
     def __exit__(self, exc_type, *rest):
         if exc_type is None:
             self.close()
+        else:
+            self._file.__exit__(exc_type, *rest)
         return False
 
 

@@ -20,6 +20,8 @@ from typing import Any, BinaryIO, List
 
 import torch
 
+from .safe_file import NoAbortFile
+
 _LOCAL_HEADER, _CENTRAL_HEADER, _DESCRIPTOR = b"PK\x03\x04", b"PK\x01\x02", b"PK\x07\x08"
 _CHUNK = 16 << 20  # read and checksummed 16 MiB at a time
 
@@ -96,7 +98,7 @@ def fill_zip_crcs(path: str) -> None:
 
 def save_with_crc_outside_gil(obj: Any, path: str) -> None:
     """Write ``obj`` to ``path`` as ``torch.save`` does, the checksums computed outside the GIL."""
-    with open(path, "wb") as f:
+    with NoAbortFile(path) as f:
         # Through a Python file object: torch's writer hands each record to f.write, which releases
         # the GIL while the bytes go out (given a path, it writes holding the GIL).
         written = _write_archive_without_crc(obj, f)
@@ -106,5 +108,5 @@ def save_with_crc_outside_gil(obj: Any, path: str) -> None:
             return
         except ValueError:
             pass  # an archive form this does not patch: write it again the plain way
-    with open(path, "wb") as f:
+    with NoAbortFile(path) as f:
         torch.save(obj, f)
