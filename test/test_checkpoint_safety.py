@@ -306,7 +306,8 @@ def _xla_load_worker(folder, damage_rank):
 @pytest.mark.parametrize("transport", ["torch", "xla"])
 def test_every_rank_raises_when_one_rank_file_is_damaged(transport, tmp_path, monkeypatch):
     """Before: on gloo rank 1 raised while rank 0 went on with a loaded model; on 2 XLA:CPU devices
-    the error never showed, only XLA's rendezvous abort."""
+    the error never showed, only XLA's rendezvous abort. Later, rank 0 said only that rank 1 failed
+    ("its error is in that rank's output": on a cluster, another host's log)."""
     if transport == "torch":
         import torch.multiprocessing as mp
         mp.spawn(_gloo_load_worker, args=(harness._free_port(), str(tmp_path), 1, str(tmp_path)), nprocs=2)
@@ -320,6 +321,7 @@ def test_every_rank_raises_when_one_rank_file_is_damaged(transport, tmp_path, mo
     (own, own_untouched), (peer, peer_untouched) = results[1], results[0]
     assert "ck_rank-00000001-of-00000002.pth" in own and "CRC-32" in own, own
     assert peer.startswith("CheckpointError") and "rank 1" in peer and "ck_rank-00000001-of-00000002.pth" in peer, peer
+    assert "CRC-32" in peer, peer  # rank 1's own reason, not "its error is in that rank's output"
     assert "no rank has loaded anything" in peer and own_untouched and peer_untouched
 
 

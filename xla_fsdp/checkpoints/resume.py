@@ -106,6 +106,42 @@ def _set_rng_state(state: Mapping[str, Any], device: torch.device, host_generato
         torch.get_device_module(device).set_rng_state(state[device.type], device)
 
 
+def _load_newest_sound(model, optimizer, ckpt_dir: str):
+    """Load the newest complete checkpoint that passes its checks. A damaged one (a flipped byte, a
+    truncated or missing rank file) is skipped with a warning on every rank naming the file and the
+    reason, and kept for inspection as ``damaged-step-N`` (so a later save at its step does not write
+    over it); the ranks agree on every failure, so all fall back together and none has loaded a
+    thing from the damaged one."""
+    skipped = []
+    for candidate in reversed(complete_checkpoints(ckpt_dir)):
+        try:
+            extra = load_sharded_checkpoint(model, optimizer, candidate.prefix) or {}
+        except CheckpointError as e:
+            skipped.append((candidate, str(e)))
+            continue
+        for damaged, reason in skipped:
+            kept = _set_aside(model, damaged)
+            warnings.warn(f"xla_fsdp: resume skipped the checkpoint '{damaged.prefix}' (step {damaged.step}): "
+                          f"{reason}; resuming from step {candidate.step} instead; the damaged files are kept "
+                          f"as '{kept}_rank-*' for inspection", stacklevel=3)
+        return candidate, extra
+    raise CheckpointError(f"no checkpoint in '{ckpt_dir}' can be loaded: " + "; ".join(
+        f"'{c.prefix}': {reason}" for c, reason in skipped))
+
+
+def _set_aside(model, damaged: TrainingCheckpoint) -> str:
+    """Rename a damaged checkpoint's marker and rank files to ``damaged-step-N`` (rank 0 does it):
+    neither resume nor pruning looks at those names."""
+    kept = os.path.join(os.path.dirname(damaged.prefix), "damaged-" + os.path.basename(damaged.prefix))
+    if model.rank == 0 and model.comms.replica_rank == 0:
+        for path in glob.glob(glob.escape(damaged.prefix) + "_rank-*-of-*.pth"):
+            os.replace(path, kept + path[len(damaged.prefix):])
+        marker = damaged.prefix + ".complete"
+        if os.path.exists(marker):
+            os.replace(marker, kept + ".was-complete")
+    return kept
+
+
 def _threaded_ranks(model) -> bool:
     """Whether this process's ranks are threads sharing the host generators (XLA:CPU)."""
     if model.comms.device.type != "xla":
@@ -187,7 +223,7 @@ def resume_training(model, optimizer: Optional[torch.optim.Optimizer], ckpt_dir:
                               f"{[s - 1 for s in seen]}); put it on storage every node shares")
     if latest is None:
         return None
-    extra = load_sharded_checkpoint(model, optimizer, latest.prefix) or {}
+    latest, extra = _load_newest_sound(model, optimizer, ckpt_dir)
     training = extra.get("training_state")
     if training is None:
         raise CheckpointError(f"'{latest.prefix}' holds no training state; write it with save_training_checkpoint")
