@@ -5,6 +5,7 @@ checkpoint, and the job ends with the uninterrupted run's final and eval loss. T
 every wait is bounded (a hang fails the test), and after each the checkpoint folder holds only
 complete, readable checkpoints and no temporary files."""
 import glob
+import json
 import os
 import random
 import subprocess
@@ -114,7 +115,7 @@ def test_resume_picks_the_newest_marked_checkpoint_and_restores_everything(gloo,
     expected_params = [p.detach().clone() for p in model.parameters()]
     expected_draw = torch.rand(3)  # the RNG continues from the saved state
     names = sorted(os.listdir(ckpt))
-    assert names == ["step-000000002.complete", "step-000000002_rank-00000000-of-00000001.pth",
+    assert names == [".xla_fsdp-run.lock", "step-000000002.complete", "step-000000002_rank-00000000-of-00000001.pth",
                      "step-000000003.complete", "step-000000003_rank-00000000-of-00000001.pth"]  # keep=2
     # a later checkpoint whose marker was never written (killed while saving) is never picked
     open(os.path.join(ckpt, "step-000000004_rank-00000000-of-00000001.pth"), "wb").write(b"half written")
@@ -132,7 +133,8 @@ def test_resume_picks_the_newest_marked_checkpoint_and_restores_everything(gloo,
     assert fresh_opt.state_dict()["state"][0]["step"] == 3
     # the next save removes the unmarked leftovers it is newer than, and killed writers' temp files
     xla_fsdp.save_training_checkpoint(fresh, fresh_opt, ckpt, 5, lr_scheduler=fresh_schedule, keep=2)
-    assert sorted(os.listdir(ckpt)) == ["step-000000003.complete", "step-000000003_rank-00000000-of-00000001.pth",
+    assert sorted(os.listdir(ckpt)) == [".xla_fsdp-run.lock", "step-000000003.complete",
+                                        "step-000000003_rank-00000000-of-00000001.pth",
                                         "step-000000005.complete", "step-000000005_rank-00000000-of-00000001.pth"]
     # torchrun restarts sharing its store: warned, with the fix
     monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "1")
@@ -221,9 +223,71 @@ def test_resume_falls_back_from_a_damaged_newest_checkpoint_on_every_rank(tmp_pa
             warning and "truncated" in warning and "resuming from step 1 instead" in warning, warning
         assert f"kept as '{ckpt}/damaged-step-000000002_rank-*'" in warning, warning
         assert seen["files"] == [
-            "damaged-step-000000002.was-complete", "damaged-step-000000002_rank-00000000-of-00000002.pth",
+            ".xla_fsdp-run.lock", "damaged-step-000000002.was-complete",
+            "damaged-step-000000002_rank-00000000-of-00000002.pth",
             "damaged-step-000000002_rank-00000001-of-00000002.pth", "step-000000002.complete",
             "step-000000002_rank-00000000-of-00000002.pth", "step-000000002_rank-00000001-of-00000002.pth"], \
             seen["files"]
         assert seen["none_sound"].startswith(f"no checkpoint in '{ckpt}' can be loaded: '{ckpt}/step-000000002': "), \
             seen["none_sound"]
+
+
+_SECOND_RUN = """
+import os, sys, time, torch, torch.distributed as dist
+sys.path.insert(0, {here!r})
+import xla_fsdp
+from test_preemption import _model_and_optimizer, _train
+dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=0, world_size=1)
+model, optimizer, schedule = _model_and_optimizer()
+try:
+    xla_fsdp.resume_training(model, optimizer, sys.argv[1], lr_scheduler=schedule)
+except xla_fsdp.checkpoints.CheckpointError as e:
+    print("refused:", e, flush=True)
+    os._exit(3)
+_train(model, optimizer, schedule, 1)
+xla_fsdp.save_training_checkpoint(model, optimizer, sys.argv[1], 1, lr_scheduler=schedule)
+print("saved", flush=True)
+while not os.path.exists(sys.argv[3]):  # a live run, until told to end
+    time.sleep(0.05)
+del model, optimizer
+dist.destroy_process_group()
+"""
+
+
+def test_a_second_run_is_refused_a_folder_a_live_run_writes(tmp_path):
+    """Before: two runs given one folder both ran to the end, the second's checkpoints replacing the
+    first's. A live run's folder refuses a second run naming the first (run id, host, pid); once the
+    first has ended (its lock goes with it) or died (its pid no longer runs), the folder is free."""
+    import socket
+    import subprocess
+    import sys as _sys
+    script = tmp_path / "run.py"
+    script.write_text(_SECOND_RUN.format(here=HERE))
+    ckpt, done = tmp_path / "ckpt", tmp_path / "done"
+
+    def start(n):
+        return subprocess.Popen([_sys.executable, str(script), str(ckpt), str(tmp_path / f"store{n}"), str(done)],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    first = start(1)
+    assert first.stdout.readline().strip() == "saved"
+    second = start(2)
+    out, _ = second.communicate(timeout=120)
+    assert second.returncode == 3, out
+    lock = json.load(open(ckpt / ".xla_fsdp-run.lock"))
+    assert lock["pid"] == first.pid and lock["host"] == socket.gethostname()
+    assert f"refused: the checkpoint folder '{ckpt}' is in use by another run (run id {lock['run_id']}, host " \
+        f"{lock['host']}, pid {first.pid}, since " in out, out
+    done.write_text("")
+    first.wait(timeout=120)
+    assert first.returncode == 0 and not (ckpt / ".xla_fsdp-run.lock").exists()  # released at exit
+    done.unlink()
+    third = start(3)
+    assert third.stdout.readline().strip() == "saved"
+    third.kill()  # dies holding the lock
+    third.wait()
+    assert json.load(open(ckpt / ".xla_fsdp-run.lock"))["pid"] == third.pid
+    done.write_text("")
+    fourth = start(4)
+    out, _ = fourth.communicate(timeout=120)
+    assert fourth.returncode == 0 and "saved" in out and "took over" in out and f"pid {third.pid} no longer runs" \
+        in out, out

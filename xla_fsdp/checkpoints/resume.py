@@ -23,6 +23,7 @@ from typing import Any, Dict, List, Mapping, Optional
 import torch
 
 from .files import CheckpointError, atomic_write, load_rank_file, rank_path
+from .folder_lock import claim
 from .sharded import load_sharded_checkpoint, save_sharded_checkpoint, values_over_ranks
 
 _MARKER = re.compile(r"step-(\d{9})\.complete")
@@ -157,6 +158,7 @@ def save_training_checkpoint(model, optimizer: Optional[torch.optim.Optimizer], 
     mark it complete once every rank's file is written; keep the newest ``keep`` complete ones
     (``keep=0`` keeps all). Call on every rank; ``ckpt_dir`` must be one folder every rank (every
     node) sees."""
+    claim(model, ckpt_dir)  # one live run per folder
     prefix = step_prefix(ckpt_dir, step)
     training = {"step": int(step), "world_size": model.world_size * model.comms.num_replicas,
                 "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
@@ -216,6 +218,7 @@ def resume_training(model, optimizer: Optional[torch.optim.Optimizer], ckpt_dir:
     cannot carry over one to one: each rank's generators are seeded from the saved step and its
     rank instead (still deterministic)."""
     _warn_if_restarts_share_the_store(model)
+    claim(model, ckpt_dir)  # one live run per folder
     latest = latest_checkpoint(ckpt_dir)
     seen = values_over_ranks(model, latest.step + 1 if latest is not None else 0)
     if len(set(seen)) > 1:
