@@ -518,6 +518,30 @@ def end_process_group() -> None:
     gc.collect()
 
 
+def small_checkpoint(folder, make_model: Callable[[], nn.Module], input_width: int = 64):
+    """``folder/in/ck``: a one-rank checkpoint of ``make_model()`` after one AdamW step on inputs of
+    ``input_width`` features, and its DCP export ``folder/in/dcp``, for the tools' tests (a gloo
+    group of one in this process)."""
+    import subprocess
+    import sys
+
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"file://{folder / 'store'}", rank=0, world_size=1)
+    try:
+        model = FSDP(make_model())
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model(torch.randn(2, input_width)).sum().backward()
+        opt.step()
+        xla_fsdp.save_sharded_checkpoint(model, opt, str(folder / "in" / "ck"))
+        del model, opt
+    finally:
+        end_process_group()
+    subprocess.run([sys.executable, "-m", "xla_fsdp.convert", "--to", "dcp", "--ckpt_prefix", str(folder / "in" / "ck"),
+                    "--out", str(folder / "in" / "dcp")], check=True, capture_output=True)
+    return folder / "in"
+
+
 def _gloo_worker(rank: int, world_size: int, port: int, names: List[str], out_dir: str, kwargs: dict) -> None:
     import torch.distributed as dist
     torch.set_num_threads(1)

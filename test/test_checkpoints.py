@@ -333,8 +333,9 @@ def test_unwritable_output_and_default_suffix_never_rereads_output(good_ckpt, tm
     for f in os.listdir(good_ckpt):
         shutil.copy(good_ckpt / f, tmp_path / f)
     prefix = str(tmp_path / "a")
-    assert consolidate_cli(["--ckpt_prefix", prefix, "--save_path", str(tmp_path / "no" / "x.pth")]) != 0
-    assert "not a writable directory" in capsys.readouterr().err
+    (tmp_path / "a_file").write_text("")
+    assert consolidate_cli(["--ckpt_prefix", prefix, "--save_path", str(tmp_path / "a_file" / "x.pth")]) != 0
+    assert "'" + str(tmp_path / "a_file") + "' is a file, not a folder" in capsys.readouterr().err
     # torch_xla's default suffix '*.pth' re-read its own output; twice in a row must work here
     from xla_fsdp import consolidate_sharded_model_checkpoints
     first, path = consolidate_sharded_model_checkpoints(prefix)

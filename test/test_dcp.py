@@ -107,8 +107,11 @@ def test_convert_refuses_bad_input_clearly(tmp_path, capsys):
     harness.copy_session_checkpoint("torch", 2, "zero3_nested_adamw", str(tmp_path / "ck"))
     out = tmp_path / "dcp"
     assert convert_cli(["--to", "dcp", "--ckpt_prefix", str(tmp_path / "ck"), "--out", str(out)]) == 0
-    assert convert_cli(["--to", "dcp", "--ckpt_prefix", str(tmp_path / "ck"), "--out", str(out)]) == 2
-    assert "exists and is not an empty folder" in capsys.readouterr().err
+    assert convert_cli(["--to", "dcp", "--ckpt_prefix", str(tmp_path / "ck"), "--out", str(out)]) == 0  # replaced
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("x")
+    assert convert_cli(["--to", "dcp", "--ckpt_prefix", str(tmp_path / "ck"), "--out", str(tmp_path / "mine")]) == 2
+    assert "exists and is not a DCP checkpoint folder" in capsys.readouterr().err
     assert convert_cli(["--from", "dcp", "--ckpt_dir", str(tmp_path), "--world_size", "2",
                         "--out_prefix", str(tmp_path / "x")]) == 2
     assert "not a DCP checkpoint folder" in capsys.readouterr().err

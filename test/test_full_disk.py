@@ -35,25 +35,7 @@ def _listing(folder):
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    """A one-rank checkpoint of ``_model`` with AdamW state, and its DCP export."""
-    import torch.distributed as dist
-
-    import xla_fsdp
-    folder = tmp_path_factory.mktemp("full_disk")
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"file://{folder / 'store'}", rank=0, world_size=1)
-    try:
-        model = xla_fsdp.XlaFullyShardedDataParallel(_model())
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        model(torch.randn(2, 64)).sum().backward()
-        opt.step()
-        xla_fsdp.save_sharded_checkpoint(model, opt, str(folder / "in" / "ck"))
-        del model, opt
-    finally:
-        harness.end_process_group()
-    subprocess.run([sys.executable, "-m", "xla_fsdp.convert", "--to", "dcp", "--ckpt_prefix", str(folder / "in" / "ck"),
-                    "--out", str(folder / "in" / "dcp")], check=True, capture_output=True)
-    return folder / "in"
+    return harness.small_checkpoint(tmp_path_factory.mktemp("full_disk"), _model)
 
 
 TOOLS = {

@@ -15,8 +15,8 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 
-from .files import (DEFAULT_SUFFIX, CheckpointError, FileSet, check_consistent, find_rank_files,
-                    load_rank_file, refuse_overwriting_inputs, tensor_checksum, verify_archive)
+from .files import (DEFAULT_SUFFIX, CheckpointError, FileSet, check_consistent, find_rank_files, load_rank_file,
+                    prepare_output, refuse_overwriting_inputs, tensor_checksum, verify_archive)
 from .layout_ops import unshard_entry
 from .metadata import full_optimizer_state_dict, param_order
 from .migrate import is_torch_xla_metadata, torch_xla_layout
@@ -239,14 +239,17 @@ def default_save_path(ckpt_prefix: str, fmt: str = "pth") -> str:
 
 
 def write_consolidated(ckpt: ShardedCheckpoint, save_path: str, fmt: str = "pth",
-                       include_optimizer: bool = False) -> str:
-    """Stream the full state dict to ``save_path`` (atomically) in ``fmt`` ('pth' or 'safetensors')."""
+                       include_optimizer: bool = False, overwrite: bool = False) -> str:
+    """Stream the full state dict to ``save_path`` (atomically) in ``fmt`` ('pth' or 'safetensors').
+    Its folders are created; an earlier file of that format there is replaced, anything else only
+    with ``overwrite`` (:func:`~xla_fsdp.checkpoints.files.prepare_output`)."""
+    if fmt not in ("pth", "safetensors"):
+        raise ValueError(f"unknown format {fmt!r}: use 'pth' or 'safetensors'")
     opt_path = save_path + ".optimizer.pth"  # safetensors holds no optimizer state: beside it
     outputs = [save_path] + ([opt_path] if include_optimizer and fmt == "safetensors" else [])
     refuse_overwriting_inputs(outputs, [f.path for f in ckpt.files])
-    directory = os.path.dirname(os.path.abspath(save_path))
-    if not os.path.isdir(directory) or not os.access(directory, os.W_OK):
-        raise CheckpointError(f"cannot write '{save_path}': '{directory}' is not a writable directory")
+    for path in outputs:
+        prepare_output(path, "torch" if fmt == "pth" or path == opt_path else "safetensors", overwrite)
     if fmt == "pth":
         optimizer = ckpt.full_optimizer_state() if include_optimizer else None
 
@@ -265,8 +268,6 @@ def write_consolidated(ckpt: ShardedCheckpoint, save_path: str, fmt: str = "pth"
             with SafetensorsStreamWriter(tmp, specs, {"format": "pt"}) as w:
                 for name, tensor in ckpt.iter_model():
                     w.add(name, tensor)
-    else:
-        raise ValueError(f"unknown format {fmt!r}: use 'pth' or 'safetensors'")
     model_bytes = sum(math.prod(shape) * torch.empty((), dtype=dtype).element_size()
                       for _, dtype, shape in ckpt.model_specs())
     with FileSet() as outputs:  # the model file and the optimizer's beside it: both or neither

@@ -30,8 +30,8 @@ from .._exit_cleanup import UNFINISHED as _UNFINISHED
 from ..shard_names import SHARD_PREFIX, SHARD_SEPARATOR
 from ..sharding import FlatLayout
 from .consolidate import MISSING_OPTIMIZER_KEYS, ShardedCheckpoint
-from .files import (DEFAULT_SUFFIX, CheckpointError, as_disk_full, rank_path, refuse_overwriting_inputs,
-                    stored_bytes, tensor_checksum)
+from .files import (DEFAULT_SUFFIX, CheckpointError, as_disk_full, prepare_output, rank_path,
+                    refuse_overwriting_inputs, stored_bytes, tensor_checksum)
 from .metadata import METADATA_VERSION, _library_versions, full_optimizer_state_dict, param_order
 from .resharded_load import NameIndex, read_full
 from .stream_save import PthStreamWriter
@@ -74,21 +74,39 @@ def _merge(a: Dict[str, Any], b: Dict[str, Any]) -> Dict[str, Any]:
     return a
 
 
-def _fresh_output_dir(out_dir: str) -> str:
-    if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
-        raise CheckpointError(f"'{out_dir}' exists and is not an empty folder: choose another output folder "
-                              "(nothing is ever written over)")
+def _fresh_output_dir(out_dir: str, overwrite: bool) -> str:
+    """A temporary folder beside ``out_dir`` (created with its parents), after the overwrite rule:
+    an empty folder or an earlier DCP checkpoint there is replaced, anything else only with
+    ``overwrite``."""
+    if os.path.isfile(out_dir) and not overwrite:
+        raise CheckpointError(f"the output '{out_dir}' is a file: give a folder for the DCP checkpoint, or pass "
+                              "--overwrite (overwrite=True) to replace the file")
+    if not os.path.isfile(out_dir):
+        prepare_output(out_dir, "dcp", overwrite)
     parent = os.path.dirname(os.path.abspath(out_dir))
-    if not os.path.isdir(parent):
-        raise CheckpointError(f"cannot write '{out_dir}': folder '{parent}' does not exist")
     return tempfile.mkdtemp(prefix=os.path.basename(out_dir) + ".tmp-", dir=parent)
 
 
+def _put_in_place(tmp: str, out_dir: str) -> None:
+    """Move the finished folder to ``out_dir``; what was there goes only once it is in place."""
+    old = None
+    if os.path.lexists(out_dir):
+        old = f"{out_dir}.old-{uuid.uuid4().hex[:8]}"
+        os.rename(out_dir, old)
+    os.rename(tmp, out_dir)
+    if old is not None:
+        if os.path.isdir(old) and not os.path.islink(old):
+            shutil.rmtree(old)
+        else:
+            os.unlink(old)
+
+
 def export_dcp(ckpt_prefix: str, out_dir: str, model_key: str = "model", optim_key: Optional[str] = "optim",
-               ckpt_suffix: str = DEFAULT_SUFFIX) -> str:
+               ckpt_suffix: str = DEFAULT_SUFFIX, overwrite: bool = False) -> str:
     """Write the checkpoint at ``ckpt_prefix`` as a DCP directory ``out_dir`` (model state, and
     optimizer state when the rank files hold it and ``optim_key`` is given); returns ``out_dir``.
-    Written to a temporary folder beside it and renamed when complete."""
+    Written to a temporary folder beside it and renamed when complete; an earlier DCP checkpoint
+    at ``out_dir`` is replaced then, a folder holding anything else only with ``overwrite``."""
     src = ShardedCheckpoint(ckpt_prefix, ckpt_suffix)
     refuse_overwriting_inputs([out_dir], [f.path for f in src.files])
     ckpts = src._open()
@@ -110,14 +128,12 @@ def export_dcp(ckpt_prefix: str, out_dir: str, model_key: str = "model", optim_k
     if optim_key and all(c.get("optimizer") is not None for c in ckpts):
         optim_sd = _optimizer_placeholders(src, ckpts, index, optim_key, loaders)
         state_dict = _merge(state_dict, _nest(optim_key, optim_sd))
-    tmp = _fresh_output_dir(out_dir)
+    tmp = _fresh_output_dir(out_dir, overwrite)
     try:
         writer = dcp.FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True, thread_count=1)
         with _single_process():
             dcp.save(state_dict, storage_writer=writer, planner=_StreamingSavePlanner(loaders), no_dist=True)
-        if os.path.isdir(out_dir):
-            os.rmdir(out_dir)  # empty (checked above)
-        os.rename(tmp, out_dir)
+        _put_in_place(tmp, out_dir)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         # DCP wraps its writer's OSError, or reports torch's zip writer's "unexpected pos"
@@ -215,7 +231,7 @@ def _model_entries(entries: Dict[str, Any], prefix: str) -> Dict[str, Any]:
 
 
 def import_dcp(dcp_dir: str, world_size: int, out_prefix: str, model_key: Optional[str] = None,
-               optim_key: Optional[str] = None) -> List[str]:
+               optim_key: Optional[str] = None, overwrite: bool = False) -> List[str]:
     """Write rank files for ``world_size`` ranks at ``out_prefix`` from the DCP checkpoint in
     ``dcp_dir``: one shard per parameter (padded flat), buffers whole on every rank, and the
     optimizer state found under ``optim_key`` (default: ``optim`` or ``optimizer``, beside the
@@ -238,6 +254,8 @@ def import_dcp(dcp_dir: str, world_size: int, out_prefix: str, model_key: Option
         optim_prefix = None
     out_paths = [rank_path(out_prefix, r, world_size) for r in range(world_size)]
     refuse_overwriting_inputs(out_paths, [os.path.join(dcp_dir, f) for f in os.listdir(dcp_dir)])
+    for path in out_paths:  # folders created; an earlier output replaced, anything else only with overwrite
+        prepare_output(path, "torch", overwrite)
     model_entries = _model_entries(entries, model_prefix)
     groups = _read_param_groups(reader, entries, optim_prefix) if optim_prefix else None
     trained = [p for g in groups for p in g["params"]] if groups else None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import glob
+import json
 import os
 import re
 import shutil
@@ -172,7 +173,10 @@ def write_temporary(path: str, write: Callable[[str], None], size: Optional[int]
     tmp = os.path.join(directory, f"{os.path.basename(path)}.{uuid.uuid4().hex[:8]}.tmp")
     _UNFINISHED.add(tmp)
     try:
-        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+        try:
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+        except PermissionError as e:
+            raise CheckpointError(f"cannot write '{path}': no permission to create files in '{directory}'") from e
         write(tmp)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
@@ -242,6 +246,49 @@ class FileSet:
                     discard(later)
                 raise
         return False
+
+
+_KINDS = {"torch": "a torch.save file", "safetensors": "a safetensors file", "json": "a JSON file",
+          "dcp": "a DCP checkpoint folder"}
+
+
+def _is_kind(path: str, kind: str) -> bool:
+    """Whether ``path`` holds what a tool of ours writes as ``kind`` (so replacing it loses nothing
+    the user put there by another way)."""
+    try:
+        if kind == "dcp":
+            return os.path.isdir(path) and (not os.listdir(path) or os.path.isfile(os.path.join(path, ".metadata")))
+        if not os.path.isfile(path):
+            return False
+        if kind == "torch":
+            with zipfile.ZipFile(path) as archive:
+                return any(n.endswith("data.pkl") for n in archive.namelist())
+        with open(path, "rb") as f:
+            if kind == "safetensors":
+                head = f.read(9)
+                size = os.path.getsize(path)
+                return len(head) == 9 and int.from_bytes(head[:8], "little") < size and head[8:] == b"{"
+            json.load(f)
+            return True
+    except (OSError, ValueError, zipfile.BadZipFile):
+        return False
+
+
+def prepare_output(path: str, kind: str, overwrite: bool = False) -> None:
+    """The one rule of every tool for what it writes: the output's folders are created; an existing
+    output of the same kind (an earlier run's, a file a tool of ours wrote) is replaced once the new
+    one is complete; anything else there is refused unless ``overwrite`` (``--overwrite``). Inputs
+    are never written over, ``overwrite`` or not (:func:`refuse_overwriting_inputs`)."""
+    if kind != "dcp" and os.path.isdir(path):
+        raise CheckpointError(f"the output '{path}' is a folder: give a file name"
+                              + (" (a Hugging Face model folder is --format safetensors)" if kind == "torch" else ""))
+    if os.path.lexists(path) and not overwrite and not _is_kind(path, kind):
+        raise CheckpointError(f"the output '{path}' exists and is not {_KINDS[kind]}: it is left as it is; choose "
+                              "another output, or pass --overwrite (overwrite=True) to replace it")
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.exists(parent) and not os.path.isdir(parent):
+        raise CheckpointError(f"cannot write '{path}': '{parent}' is a file, not a folder")
+    os.makedirs(parent, exist_ok=True)
 
 
 def refuse_overwriting_inputs(outputs: Iterable[str], inputs: Iterable[str]) -> None:

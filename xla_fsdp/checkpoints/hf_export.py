@@ -20,7 +20,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from .consolidate import ShardedCheckpoint
-from .files import CheckpointError, FileSet, refuse_overwriting_inputs
+from .files import CheckpointError, FileSet, atomic_write, prepare_output, refuse_overwriting_inputs
 from .stream_save import SafetensorsStreamWriter
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -53,17 +53,33 @@ def plan_files(specs: List[Tuple[str, torch.dtype, Tuple[int, ...]]], max_bytes:
 
 
 def write_hf_safetensors(ckpt: ShardedCheckpoint, out_dir: str, max_shard_size: str = "5GB",
-                         dtype: Optional[str] = None, hf_config: Optional[str] = None) -> List[str]:
+                         dtype: Optional[str] = None, hf_config: Optional[str] = None,
+                         overwrite: bool = False) -> List[str]:
     """Write the model folder; returns the written safetensors paths. ``dtype`` casts floating
-    tensors; ``hf_config`` (a ``config.json`` or a folder holding one) is copied beside them."""
+    tensors; ``hf_config`` (a ``config.json`` or a folder holding one) is copied beside them. The
+    folder is created; files of an earlier export there are replaced, anything else only with
+    ``overwrite``. Nothing is created before every argument is checked."""
     cast = DTYPES[dtype] if dtype else None
-    os.makedirs(out_dir, exist_ok=True)
+    max_bytes = parse_size(max_shard_size)
+    config_source = None
+    if hf_config:
+        config_source = os.path.join(hf_config, "config.json") if os.path.isdir(hf_config) else hf_config
+        if not os.path.isfile(config_source):
+            raise CheckpointError(f"no config.json at '{hf_config}'")
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise CheckpointError(f"the output folder '{out_dir}' is a file: give a folder for the Hugging Face model")
     primary = _primary_names(ckpt)
     specs = [(n, cast if cast is not None and d.is_floating_point else d, s)
              for n, d, s in ckpt.model_specs() if n in primary]
-    files = plan_files(specs, parse_size(max_shard_size))
+    files = plan_files(specs, max_bytes)
     names = [os.path.join(out_dir, f"model-{i + 1:05d}-of-{len(files):05d}.safetensors") for i in range(len(files))]
-    refuse_overwriting_inputs(names + [os.path.join(out_dir, INDEX_NAME)], [f.path for f in ckpt.files])
+    config_path = os.path.join(out_dir, "config.json")
+    refuse_overwriting_inputs(names + [os.path.join(out_dir, INDEX_NAME)] + ([config_path] if hf_config else []),
+                              [f.path for f in ckpt.files] + ([config_source] if config_source else []))
+    for path in names:
+        prepare_output(path, "safetensors", overwrite)
+    for path in [os.path.join(out_dir, INDEX_NAME)] + ([config_path] if hf_config else []):
+        prepare_output(path, "json", overwrite)
     spec_of = {n: (n, d, s) for n, d, s in specs}
     file_of = {n: i for i, members in enumerate(files) for n in members}
     tensors = ((n, t) for n, t in ckpt.iter_model() if n in primary)
@@ -85,11 +101,8 @@ def write_hf_safetensors(ckpt: ShardedCheckpoint, out_dir: str, max_shard_size: 
     for stale in glob.glob(os.path.join(glob.escape(out_dir), "model-*-of-*.safetensors")):
         if stale not in names:  # an earlier export with another number of files
             os.unlink(stale)
-    if hf_config:
-        source = os.path.join(hf_config, "config.json") if os.path.isdir(hf_config) else hf_config
-        if not os.path.isfile(source):
-            raise CheckpointError(f"no config.json at '{hf_config}'")
-        shutil.copyfile(source, os.path.join(out_dir, "config.json"))
+    if config_source:
+        atomic_write(config_path, lambda tmp: shutil.copyfile(config_source, tmp))
     ckpt.release()
     return names
 

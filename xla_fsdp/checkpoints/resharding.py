@@ -9,13 +9,14 @@ from typing import Any, Dict, List
 import torch
 
 from .consolidate import MISSING_OPTIMIZER_KEYS, ShardedCheckpoint
-from .files import DEFAULT_SUFFIX, CheckpointError, FileSet, rank_path, refuse_overwriting_inputs, tensor_checksum
+from .files import (DEFAULT_SUFFIX, CheckpointError, FileSet, prepare_output, rank_path, refuse_overwriting_inputs,
+                    tensor_checksum)
 from .layout_ops import reshard_entry, unshard_entry
 from .migrate import pad_multiple_of
 
 
 def reshard_checkpoint(ckpt_prefix: str, world_size: int, out_prefix: str,
-                       ckpt_suffix: str = DEFAULT_SUFFIX) -> List[str]:
+                       ckpt_suffix: str = DEFAULT_SUFFIX, overwrite: bool = False) -> List[str]:
     """Write ``out_prefix``'s rank files for ``world_size`` ranks; returns their paths.
 
     Each output rank is assembled alone (its model shards, optimizer state and metadata), so memory
@@ -28,8 +29,10 @@ def reshard_checkpoint(ckpt_prefix: str, world_size: int, out_prefix: str,
         raise CheckpointError(f"out_prefix '{out_prefix}' is the input's prefix '{ckpt_prefix}': choose another "
                               "(inputs are never overwritten, and one prefix holds one checkpoint)")
     src = ShardedCheckpoint(ckpt_prefix, ckpt_suffix)
-    refuse_overwriting_inputs([rank_path(out_prefix, r, world_size) for r in range(world_size)],
-                              [f.path for f in src.files])
+    outputs = [rank_path(out_prefix, r, world_size) for r in range(world_size)]
+    refuse_overwriting_inputs(outputs, [f.path for f in src.files])
+    for path in outputs:  # folders created; an earlier output replaced, anything else only with overwrite
+        prepare_output(path, "torch", overwrite)
     multiple = pad_multiple_of(src.metadata)
     run_id = uuid.uuid4().hex[:16]
     has_opt = all(c.get("optimizer") is not None for c in src._open())

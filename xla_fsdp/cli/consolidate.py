@@ -34,6 +34,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                              "unwrapped model's named_parameters() order: the unwrapped model's optimizer takes "
                              "it with optimizer.load_state_dict(full['optimizer'])")
     parser.add_argument("--verify", action="store_true", help="only check the files (checksums, layout)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an output path that holds something other than an earlier output of this "
+                             "tool (outputs of the same kind are replaced anyway; inputs never are)")
     hf = parser.add_argument_group("Hugging Face model folder (--format safetensors, --save_path a folder)")
     hf.add_argument("--max_shard_size", default=None,
                     help="split into model-0000i-of-0000N.safetensors files of at most this size (e.g. 2GB, 500MiB) "
@@ -54,10 +57,11 @@ def main(argv: Optional[List[str]] = None) -> int:
             lines = ckpt.verify()
             return "\n".join(lines + [f"verified {ckpt.world_size} rank files of '{args.ckpt_prefix}'"])
         if folder:
-            paths = write_hf_safetensors(ckpt, args.save_path, args.max_shard_size or "5GB", args.dtype, args.hf_config)
+            paths = write_hf_safetensors(ckpt, args.save_path, args.max_shard_size or "5GB", args.dtype, args.hf_config,
+                                         args.overwrite)
             return f"wrote {len(paths)} safetensors files and {INDEX_NAME} into {args.save_path}"
         path = args.save_path or default_save_path(args.ckpt_prefix, args.format)
-        write_consolidated(ckpt, path, args.format, args.optimizer)
+        write_consolidated(ckpt, path, args.format, args.optimizer, args.overwrite)
         return f"consolidated {ckpt.world_size} rank files into {path}"
 
     return run_cli_action(action)

@@ -35,6 +35,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--model_key", default=None, help="where the model state is in the DCP state dict "
                         "('' = the top level, as torchtitan saves it; found by default)")
     parser.add_argument("--optim_key", default=None, help="where the optimizer state is (--to: 'none' leaves it out)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an output path that holds something other than an earlier output of this "
+                             "tool (outputs of the same kind are replaced anyway; inputs never are)")
     args = parser.parse_args(argv)
     needed = ["ckpt_prefix", "out"] if args.to else ["ckpt_dir", "world_size", "out_prefix"]
     missing = [f"--{name}" for name in needed if getattr(args, name) is None]
@@ -44,9 +47,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     def action() -> str:
         if args.to:
             optim_key = None if args.optim_key == "none" else (args.optim_key or "optim")
-            out = export_dcp(args.ckpt_prefix, args.out, args.model_key or "model", optim_key, args.ckpt_suffix)
+            out = export_dcp(args.ckpt_prefix, args.out, args.model_key or "model", optim_key, args.ckpt_suffix,
+                             args.overwrite)
             return f"wrote the DCP checkpoint {out}"
-        paths = import_dcp(args.ckpt_dir, args.world_size, args.out_prefix, args.model_key, args.optim_key)
+        paths = import_dcp(args.ckpt_dir, args.world_size, args.out_prefix, args.model_key, args.optim_key,
+                           args.overwrite)
         return f"wrote {len(paths)} rank files: {paths[0]} ... {paths[-1]}"
 
     return run_cli_action(action)

@@ -19,10 +19,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--world_size", type=int, required=True, help="number of ranks to write for")
     parser.add_argument("--out_prefix", required=True)
     parser.add_argument("--ckpt_suffix", default=DEFAULT_SUFFIX)
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an output path that holds something other than an earlier output of this "
+                             "tool (outputs of the same kind are replaced anyway; inputs never are)")
     args = parser.parse_args(argv)
 
     def action() -> str:
-        paths = reshard_checkpoint(args.ckpt_prefix, args.world_size, args.out_prefix, args.ckpt_suffix)
+        paths = reshard_checkpoint(args.ckpt_prefix, args.world_size, args.out_prefix, args.ckpt_suffix, args.overwrite)
         return f"wrote {len(paths)} rank files: {paths[0]} ... {paths[-1]}"
 
     return run_cli_action(action)
