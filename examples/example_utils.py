@@ -6,6 +6,7 @@ PJRT_DEVICE=TPU, else ``args.num_devices`` XLA:CPU devices so sharding is real o
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import gc
 import os
@@ -51,11 +52,70 @@ class RankContext:
         return float(xm.mesh_reduce("example mean", value, lambda values: sum(values) / len(values)))
 
 
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """The module docstring as written, and every flag's default in --help."""
+
+    def _get_help_string(self, action):
+        text = (action.help or "").strip()
+        shown = action.default not in (None, False, argparse.SUPPRESS) and action.option_strings
+        if shown and "%(default)" not in text:
+            text += (" " if text else "") + "(default: %(default)s)"
+        return text
+
+
+class ExampleParser(argparse.ArgumentParser):
+    """An example's flags: defaults shown in --help; a bad flag is one line, exit 2, before anything
+    starts (no rank is launched, no folder created)."""
+
+    def __init__(self, description: str):
+        super().__init__(description=description, formatter_class=_Formatter)
+
+    def add_argument(self, *args, **kwargs):
+        action = super().add_argument(*args, **kwargs)
+        if not action.help and action.option_strings and action.default not in (None, False, argparse.SUPPRESS):
+            action.help = "(default: %(default)s)"  # argparse formats nothing for a flag without help
+        return action
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def at_least(minimum, kind=int):
+    """An argparse type: a ``kind`` number >= ``minimum``."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            what = "whole number" if kind is int else "number"
+            raise argparse.ArgumentTypeError(f"{text!r} is not a {what}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {text}")
+        return value
+    return parse
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a number > 0 (a learning rate, a size)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be greater than 0, got {text}")
+    return value
+
+
+def existing_file(text: str) -> str:
+    if not os.path.isfile(text):
+        raise argparse.ArgumentTypeError(f"there is no file '{text}'")
+    return text
+
+
 def add_launch_flags(parser) -> None:
     parser.add_argument("--transport", choices=["xla", "torch"],
                         default="torch" if "TORCHELASTIC_RUN_ID" in os.environ else "xla",
                         help="xla: torch_xla.launch (TPU or XLA:CPU); torch: gloo (default under torchrun)")
-    parser.add_argument("--num_devices", type=int, default=None,
+    parser.add_argument("--num_devices", type=at_least(1), default=None,
                         help="XLA:CPU devices when there is no TPU (default 2); with --transport torch, start "
                              "ranks with torchrun --nproc_per_node N instead")
 

@@ -9,7 +9,6 @@ Flags follow torch_xla's test_train_mp_imagenet_fsdp.py. Every rank evaluates th
 """
 from __future__ import annotations
 
-import argparse
 import functools
 import os
 import time
@@ -17,32 +16,33 @@ import time
 import torch
 import torch.nn.functional as F
 
-from example_utils import ON_TPU, add_launch_flags, compilations, launch, peak_rss_mib, seeded, state_bytes
+from example_utils import (ExampleParser, ON_TPU, add_launch_flags, at_least, compilations, launch, peak_rss_mib,
+                           positive_float, seeded, state_bytes)
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ExampleParser(__doc__)
     p.add_argument("--model", default="resnet50" if ON_TPU else "resnet18")
     p.add_argument("--datadir", default="/tmp/imagenet")
     p.add_argument("--fake_data", action="store_true", help="(the default when --datadir does not exist)")
     p.add_argument("--use_small_fake_sample", action="store_true")
-    p.add_argument("--image_size", type=int, default=224 if ON_TPU else 32)
-    p.add_argument("--num_classes", type=int, default=1000 if ON_TPU else 10)
-    p.add_argument("--batch_size", type=int, default=64 if ON_TPU else 8, help="per rank")
-    p.add_argument("--test_set_batch_size", type=int, default=64 if ON_TPU else 16)
-    p.add_argument("--num_epochs", type=int, default=18 if ON_TPU else 2)
-    p.add_argument("--lr", type=float, default=0.1 if ON_TPU else 0.05)
-    p.add_argument("--momentum", type=float, default=0.9)
-    p.add_argument("--num_warmup_epochs", type=float, default=0.9 if ON_TPU else 0.5)
-    p.add_argument("--lr_scheduler_divide_every_n_epochs", type=int, default=20 if ON_TPU else 1)
-    p.add_argument("--lr_scheduler_divisor", type=float, default=5)
-    p.add_argument("--eval_interval", type=int, default=1)
+    p.add_argument("--image_size", type=at_least(1), default=224 if ON_TPU else 32)
+    p.add_argument("--num_classes", type=at_least(2), default=1000 if ON_TPU else 10)
+    p.add_argument("--batch_size", type=at_least(1), default=64 if ON_TPU else 8, help="per rank")
+    p.add_argument("--test_set_batch_size", type=at_least(1), default=64 if ON_TPU else 16)
+    p.add_argument("--num_epochs", type=at_least(1), default=18 if ON_TPU else 2)
+    p.add_argument("--lr", type=positive_float, default=0.1 if ON_TPU else 0.05)
+    p.add_argument("--momentum", type=at_least(0.0, float), default=0.9)
+    p.add_argument("--num_warmup_epochs", type=at_least(0.0, float), default=0.9 if ON_TPU else 0.5)
+    p.add_argument("--lr_scheduler_divide_every_n_epochs", type=at_least(1), default=20 if ON_TPU else 1)
+    p.add_argument("--lr_scheduler_divisor", type=positive_float, default=5)
+    p.add_argument("--eval_interval", type=at_least(1), default=1)
     p.add_argument("--test_only_at_end", action="store_true")
     p.add_argument("--drop_last", action="store_true")
-    p.add_argument("--log_steps", type=int, default=20)
+    p.add_argument("--log_steps", type=at_least(1), default=20)
     p.add_argument("--flatten_parameters", action="store_true")
     p.add_argument("--auto_wrap_policy", choices=["none", "size_based", "type_based"], default="none")
-    p.add_argument("--auto_wrap_min_num_params", type=int, default=int(1e6))
+    p.add_argument("--auto_wrap_min_num_params", type=at_least(0), default=int(1e6))
     p.add_argument("--use_nested_fsdp", action="store_true", help="each child module with parameters is a unit")
     p.add_argument("--use_gradient_checkpointing", action="store_true")
     p.add_argument("--compute_dtype", choices=["float32", "float16", "bfloat16"], default="float32")

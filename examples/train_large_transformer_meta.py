@@ -10,7 +10,6 @@ rank actually holds.
 """
 from __future__ import annotations
 
-import argparse
 import functools
 import math
 import time
@@ -19,7 +18,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from example_utils import add_launch_flags, compilations, launch, peak_rss_mib, seeded, state_bytes
+from example_utils import (ExampleParser, add_launch_flags, at_least, compilations, launch, peak_rss_mib,
+                           positive_float, seeded, state_bytes)
 
 
 class Block(nn.Module):
@@ -74,15 +74,15 @@ def init_unit(module: nn.Module) -> None:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--d_model", type=int, default=512)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--vocab", type=int, default=8192)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--batch_size", type=int, default=2, help="per rank")
-    p.add_argument("--num_steps", type=int, default=4)
-    p.add_argument("--rank_budget_mib", type=float, default=400.0,
+    p = ExampleParser(__doc__)
+    p.add_argument("--layers", type=at_least(1), default=8)
+    p.add_argument("--d_model", type=at_least(1), default=512)
+    p.add_argument("--heads", type=at_least(1), default=8)
+    p.add_argument("--vocab", type=at_least(2), default=8192)
+    p.add_argument("--seq", type=at_least(1), default=128)
+    p.add_argument("--batch_size", type=at_least(1), default=2, help="per rank")
+    p.add_argument("--num_steps", type=at_least(1), default=4)
+    p.add_argument("--rank_budget_mib", type=positive_float, default=400.0,
                    help="memory one rank may give to parameters + gradients + optimizer state")
     add_launch_flags(p)
     return p.parse_args(argv)

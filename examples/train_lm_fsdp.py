@@ -14,7 +14,6 @@ in one process on the same held-out text.
 """
 from __future__ import annotations
 
-import argparse
 import functools
 import glob
 import math
@@ -29,7 +28,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from example_utils import add_launch_flags, launch, peak_rss_mib, seeded, state_bytes
+from example_utils import (ExampleParser, add_launch_flags, at_least, existing_file, launch, peak_rss_mib,
+                           positive_float, seeded, state_bytes)
 
 
 @dataclass(frozen=True)
@@ -186,14 +186,14 @@ def eval_loss(model, windows: TokenWindows, count: int, device) -> float:
 # ---- training ----
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ExampleParser(__doc__)
     p.add_argument("--model_size", choices=sorted(MODEL_SIZES), default="tiny")
     p.add_argument("--data_files", nargs="+", default=None, help="text files or globs (default: a generated corpus)")
     p.add_argument("--out_dir", default="runs/lm", help="data cache and checkpoints (shared by every node)")
-    p.add_argument("--num_steps", type=int, default=60)
-    p.add_argument("--global_batch_size", type=int, default=8, help="over all ranks; each rank takes its share")
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--warmup_steps", type=int, default=10)
+    p.add_argument("--num_steps", type=at_least(1), default=60)
+    p.add_argument("--global_batch_size", type=at_least(1), default=8, help="over all ranks; each rank takes its share")
+    p.add_argument("--lr", type=positive_float, default=3e-3)
+    p.add_argument("--warmup_steps", type=at_least(0), default=10)
     p.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto",
                    help="bf16 compute (fp32 master weights and reductions): default on TPU, fp32 elsewhere")
     p.add_argument("--cpu_offload", action="store_true",
@@ -201,15 +201,16 @@ def parse_args(argv=None):
     p.add_argument("--sharding_strategy", default="FULL_SHARD",
                    choices=["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2"],
                    help="HYBRID_*: shard within a node, replicate across nodes")
-    p.add_argument("--ckpt_every", type=int, default=20, help="save a sharded checkpoint every N steps (0: never)")
-    p.add_argument("--keep", type=int, default=2, help="complete checkpoints to keep")
+    p.add_argument("--ckpt_every", type=at_least(0), default=20,
+                   help="save a sharded checkpoint every N steps (0: never)")
+    p.add_argument("--keep", type=at_least(0), default=2, help="complete checkpoints to keep")
     p.add_argument("--resume", choices=["auto", "never"], default="never",
                    help="auto: continue from the newest complete checkpoint in OUT_DIR/ckpt, if any")
-    p.add_argument("--stop_after_step", type=int, default=None,
+    p.add_argument("--stop_after_step", type=at_least(1), default=None,
                    help="leave after this step (as a preempted job would; resume with --resume auto)")
-    p.add_argument("--log_every", type=int, default=10)
-    p.add_argument("--eval_windows", type=int, default=16)
-    p.add_argument("--eval_consolidated", default=None, metavar="PATH",
+    p.add_argument("--log_every", type=at_least(1), default=10)
+    p.add_argument("--eval_windows", type=at_least(1), default=16)
+    p.add_argument("--eval_consolidated", type=existing_file, default=None, metavar="PATH",
                    help="only score a consolidated checkpoint (python -m xla_fsdp.consolidate_sharded_ckpts) "
                         "on the held-out text, in this process")
     p.add_argument("--seed", type=int, default=0)

@@ -12,7 +12,6 @@ Exit code 21 if the best accuracy is below --target_accuracy.
 """
 from __future__ import annotations
 
-import argparse
 import functools
 import os
 import sys
@@ -22,7 +21,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from example_utils import ON_TPU, add_launch_flags, compilations, launch, peak_rss_mib, seeded, state_bytes
+from example_utils import (ExampleParser, ON_TPU, add_launch_flags, at_least, compilations, launch, peak_rss_mib,
+                           positive_float, seeded, state_bytes)
 
 
 class MNIST(nn.Module):
@@ -46,19 +46,19 @@ class MNIST(nn.Module):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ExampleParser(__doc__)
     p.add_argument("--datadir", default="/tmp/mnist-data")
     p.add_argument("--fake_data", action="store_true")
-    p.add_argument("--batch_size", type=int, default=128 if ON_TPU else 32, help="per rank")
-    p.add_argument("--num_epochs", type=int, default=18 if ON_TPU else 15)
-    p.add_argument("--lr", type=float, default=0.01 if ON_TPU else 0.05, help="scaled by the world size")
-    p.add_argument("--momentum", type=float, default=0.5)
-    p.add_argument("--target_accuracy", type=float, default=98.0 if ON_TPU else 95.0)
+    p.add_argument("--batch_size", type=at_least(1), default=128 if ON_TPU else 32, help="per rank")
+    p.add_argument("--num_epochs", type=at_least(1), default=18 if ON_TPU else 15)
+    p.add_argument("--lr", type=positive_float, default=0.01 if ON_TPU else 0.05, help="scaled by the world size")
+    p.add_argument("--momentum", type=at_least(0.0, float), default=0.5)
+    p.add_argument("--target_accuracy", type=at_least(0.0, float), default=98.0 if ON_TPU else 95.0)
     p.add_argument("--drop_last", action="store_true")
-    p.add_argument("--log_steps", type=int, default=20)
+    p.add_argument("--log_steps", type=at_least(1), default=20)
     p.add_argument("--flatten_parameters", action="store_true")
     p.add_argument("--auto_wrap_policy", choices=["none", "size_based", "type_based"], default="none")
-    p.add_argument("--auto_wrap_min_num_params", type=int, default=1000)
+    p.add_argument("--auto_wrap_min_num_params", type=at_least(0), default=1000)
     p.add_argument("--use_nested_fsdp", action="store_true")
     p.add_argument("--use_gradient_checkpointing", action="store_true")
     p.add_argument("--ckpt_prefix", default="/tmp/mnist-fsdp/final_ckpt")

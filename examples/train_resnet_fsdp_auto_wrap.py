@@ -10,7 +10,6 @@ sharded checkpoint (--ckpt_prefix, default /tmp/resnet-fsdp/final_ckpt) that ran
 """
 from __future__ import annotations
 
-import argparse
 import functools
 import os
 import time
@@ -18,22 +17,23 @@ import time
 import torch
 import torch.nn.functional as F
 
-from example_utils import ON_TPU, add_launch_flags, compilations, launch, peak_rss_mib, seeded, state_bytes
+from example_utils import (ExampleParser, ON_TPU, add_launch_flags, at_least, compilations, launch, peak_rss_mib,
+                           positive_float, seeded, state_bytes)
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ExampleParser(__doc__)
     p.add_argument("--model", default="resnet50" if ON_TPU else "resnet18")
-    p.add_argument("--batch_size", type=int, default=128 if ON_TPU else 8, help="per rank")
-    p.add_argument("--image_size", type=int, default=224 if ON_TPU else 32)
-    p.add_argument("--num_classes", type=int, default=1000 if ON_TPU else 10)
-    p.add_argument("--num_steps", type=int, default=300 if ON_TPU else 8, help="steps per epoch")
-    p.add_argument("--num_epochs", type=int, default=1)
-    p.add_argument("--lr", type=float, default=0.1 if ON_TPU else 0.01)
+    p.add_argument("--batch_size", type=at_least(1), default=128 if ON_TPU else 8, help="per rank")
+    p.add_argument("--image_size", type=at_least(1), default=224 if ON_TPU else 32)
+    p.add_argument("--num_classes", type=at_least(2), default=1000 if ON_TPU else 10)
+    p.add_argument("--num_steps", type=at_least(1), default=300 if ON_TPU else 8, help="steps per epoch")
+    p.add_argument("--num_epochs", type=at_least(1), default=1)
+    p.add_argument("--lr", type=positive_float, default=0.1 if ON_TPU else 0.01)
     p.add_argument("--fake_data", action="store_true", help="synthetic images (the default without --datadir)")
     p.add_argument("--datadir", default=None, help="ImageFolder root")
     p.add_argument("--auto_wrap_policy", choices=["size_based", "type_based"], default="size_based")
-    p.add_argument("--auto_wrap_min_num_params", type=int, default=int(1e6) if ON_TPU else int(1e5))
+    p.add_argument("--auto_wrap_min_num_params", type=at_least(0), default=int(1e6) if ON_TPU else int(1e5))
     p.add_argument("--compute_dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--use_gradient_checkpointing", action="store_true")
     p.add_argument("--ckpt_prefix", default="/tmp/resnet-fsdp/final_ckpt",

@@ -130,3 +130,50 @@ def test_ctrl_c_stops_xla_cpu_training_at_once(tmp_path, to):
     assert code == 130 and stopped_after < 10, (code, stopped_after, text[-2000:])
     assert "xla_fsdp: interrupted: stopped every rank" in text and "Traceback" not in text, text[-2000:]
     assert not list(tmp_path.iterdir())  # no checkpoint, whole or partial
+
+
+BAD_FLAGS = [  # (example, flag, value, what the one line says)
+    ("train_resnet_fsdp_auto_wrap.py", "--num_devices", "0", "must be at least 1, got 0"),
+    ("train_resnet_fsdp_auto_wrap.py", "--batch_size", "-4", "must be at least 1, got -4"),
+    ("train_resnet_fsdp_auto_wrap.py", "--batch_size", "0", "must be at least 1, got 0"),
+    ("train_resnet_fsdp_auto_wrap.py", "--image_size", "0", "must be at least 1, got 0"),
+    ("train_resnet_fsdp_auto_wrap.py", "--lr", "-1", "must be greater than 0, got -1"),
+    ("train_imagenet_fsdp.py", "--image_size", "0", "must be at least 1, got 0"),
+    ("train_imagenet_fsdp.py", "--batch_size", "x", "'x' is not a whole number"),
+    ("train_mnist_fsdp_with_ckpt.py", "--lr", "-1", "must be greater than 0, got -1"),
+    ("train_large_transformer_meta.py", "--num_steps", "0", "must be at least 1, got 0"),
+    ("train_lm_fsdp.py", "--global_batch_size", "-8", "must be at least 1, got -8"),
+    ("train_lm_fsdp.py", "--num_steps", "-3", "must be at least 1, got -3"),
+    ("train_lm_fsdp.py", "--eval_consolidated", "missing.pth", "there is no file 'missing.pth'"),
+]
+
+
+@pytest.mark.parametrize("example,flag,value,says", BAD_FLAGS, ids=[f"{e[6:-3]}{f}={v}" for e, f, v, _ in BAD_FLAGS])
+def test_a_bad_flag_is_one_line_and_exit_2_before_anything_starts(tmp_path, example, flag, value, says):
+    """Before: --num_devices 0 ran on 2 devices; negative sizes were 110-220-line tracebacks once per
+    rank; --num_steps -3 failed inside the example; --eval_consolidated missing.pth was a traceback
+    after runs/lm/data was created."""
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", example), flag, value], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == "", (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
+    assert proc.stderr == f"{example}: error: argument {flag}: {says} (see --help)\n", proc.stderr
+    assert os.listdir(tmp_path) == []  # nothing started, nothing created
+
+
+@pytest.mark.parametrize("example", sorted(f[:-3] for f in os.listdir(os.path.join(ROOT, "examples"))
+                                           if f.startswith("train_")))
+def test_help_shows_every_default(example, monkeypatch):
+    """Every flag with a default shows it in --help (before: none did)."""
+    import importlib
+
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "examples"))
+    utils = importlib.import_module("example_utils")
+    built = []
+    monkeypatch.setattr(utils.ExampleParser, "parse_args", lambda self, argv=None: built.append(self))
+    importlib.import_module(example).parse_args([])
+    parser, = built
+    text = " ".join(parser.format_help().split())
+    shown = [a for a in parser._actions if a.option_strings and a.default not in (None, False, "==SUPPRESS==")]
+    assert len(shown) >= 3
+    for action in shown:
+        assert f"(default: {action.default})" in text, (action.option_strings, text)
