@@ -257,21 +257,34 @@ def markdown(data: Dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def is_ours(contender: str) -> bool:
+    """Every contender of ours (gloo, XLA flat and per parameter, SPMD) is drawn red."""
+    return contender.startswith("xla_fsdp")
+
+
 def chart(data: Dict, path: str) -> None:
+    """One panel per workload and world size, horizontal bars (ours red, peers grey) sorted by step
+    time, so each panel holds one world size's dozen rows and every label reads."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    workloads = list(data["rows"])
-    fig, axes = plt.subplots(1, len(workloads), figsize=(7 * len(workloads), 4.5), squeeze=False)
-    for ax, wl in zip(axes[0], workloads):
-        rows = [r for r in data["rows"][wl] if "median_step_s" in r]
-        labels = [f"{r['contender']}\nws{r['ws']}" for r in rows]
-        colors = ["tab:red" if r["contender"] == ours_for(r["contender"]) else "tab:gray" for r in rows]
-        ax.bar(range(len(rows)), [r["median_step_s"] for r in rows], color=colors)
-        ax.set_xticks(range(len(rows)))
-        ax.set_xticklabels(labels, rotation=70, fontsize=7)
-        ax.set_ylabel("median step time, s (lower is better)")
-        ax.set_title(f"{wl}: xla_fsdp (red) vs peers")
+    panels = [(wl, ws, sorted((r for r in data["rows"][wl] if "median_step_s" in r and r["ws"] == ws),
+                              key=lambda r: r["median_step_s"]))
+              for wl in data["rows"] for ws in sorted({r["ws"] for r in data["rows"][wl] if "median_step_s" in r})]
+    width = max(1, len({ws for _, ws, _ in panels}))
+    height = max(1, -(-len(panels) // width))
+    tallest = max([len(rows) for _, _, rows in panels] + [1])
+    fig, axes = plt.subplots(height, width, figsize=(6.5 * width, 0.9 + 0.32 * tallest * height), squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.set_visible(False)
+    for ax, (wl, ws, rows) in zip(axes.flat, panels):
+        ax.barh(range(len(rows)), [r["median_step_s"] for r in rows],
+                color=["tab:red" if is_ours(r["contender"]) else "tab:gray" for r in rows])
+        ax.set_yticks(range(len(rows)))
+        ax.set_yticklabels([r["contender"] for r in rows], fontsize=8)
+        ax.invert_yaxis()  # fastest on top
+        ax.set_xlabel("median step time, s (shorter is better)")
+        ax.set_title(f"{wl}, world size {ws}: xla_fsdp (red) vs peers (grey)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -95,3 +95,17 @@ def test_round_by_round_ratios_pair_each_rounds_steps_and_skip_rows_with_a_faile
     peer = {"rounds": 2, "ok_rounds": 2, "step_times": [2.0, 2.2, 2.4, 3.0, 3.1, 3.2]}
     assert per_round_ratios(ours, peer, steps=3) == [1.1 / 2.2, 2.9 / 3.1]
     assert per_round_ratios(ours, dict(peer, ok_rounds=1, step_times=peer["step_times"][:3]), steps=3) is None
+
+
+def test_the_chart_draws_every_contender_of_ours_red_one_world_size_per_panel(tmp_path):
+    """Before: our SPMD contender was grey under a title saying ours are red, and a panel held 28 bars."""
+    from benchmarks.report import FAMILY, chart, is_ours
+    assert sorted(c for c in FAMILY if is_ours(c)) == ["xla_fsdp", "xla_fsdp_spmd", "xla_fsdp_xla",
+                                                       "xla_fsdp_xla_perparam"]
+    data = json.loads(open(os.path.join(ROOT, "benchmarks", "results", "suite.json")).read())
+    chart(data, str(tmp_path / "suite.png"))
+    import matplotlib.image
+    assert matplotlib.image.imread(str(tmp_path / "suite.png")).shape[0] > 400
+    per_panel = max(sum(1 for r in rows if r["ws"] == ws and "median_step_s" in r)
+                    for rows in data["rows"].values() for ws in {r["ws"] for r in rows})
+    assert per_panel <= 14, per_panel

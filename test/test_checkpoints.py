@@ -448,7 +448,7 @@ def test_the_clis_print_no_warning(sources, tmp_path):
         ["xla_fsdp.consolidate_sharded_ckpts", "--ckpt_prefix", prefix, "--format", "safetensors",
          "--max_shard_size", "1KB", "--save_path", f"{out}/hf"],
         ["xla_fsdp.reshard", "--ckpt_prefix", prefix, "--world_size", "3", "--out_prefix", f"{out}/ws3"],
-        ["xla_fsdp.cli.inspect", "--ckpt_prefix", prefix],
+        ["xla_fsdp.inspect", "--ckpt_prefix", prefix],
         ["xla_fsdp.convert", "--to", "dcp", "--ckpt_prefix", prefix, "--out", f"{out}/dcp"],
         ["xla_fsdp.convert", "--from", "dcp", "--ckpt_dir", f"{out}/dcp", "--world_size", "2", "--out_prefix",
          f"{out}/back"],

@@ -177,3 +177,18 @@ def test_help_shows_every_default(example, monkeypatch):
     assert len(shown) >= 3
     for action in shown:
         assert f"(default: {action.default})" in text, (action.option_strings, text)
+
+
+def test_the_commands_answer_help_with_their_own_usage():
+    """Before: python -m xla_fsdp.compat --help printed Python's own help; python -m xla_fsdp.inspect
+    did not exist beside the other short tool names."""
+    for module, says in [("xla_fsdp.compat", "usage: python -m xla_fsdp.compat SCRIPT [ARGS]"),
+                         ("xla_fsdp.inspect", "usage: python -m xla_fsdp.inspect"),
+                         ("xla_fsdp.reshard", "usage: python -m xla_fsdp.reshard"),
+                         ("xla_fsdp.convert", "usage: python -m xla_fsdp.convert"),
+                         ("xla_fsdp.consolidate_sharded_ckpts", "usage: python -m xla_fsdp.consolidate_sharded_ckpts")]:
+        proc = subprocess.run([sys.executable, "-m", module, "--help"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 0 and proc.stdout.startswith(says), (module, proc.stdout[:300], proc.stderr[-300:])
+    proc = subprocess.run([sys.executable, "-m", "xla_fsdp.compat", "-x"], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 2 and "'-x' is not a script" in proc.stderr, proc.stderr

@@ -1,7 +1,7 @@
 """Print a sharded checkpoint's metadata, sizes and checksum status.
 
-    python -m xla_fsdp.cli.inspect --ckpt_prefix /ckpt/step100 [--tensors]
-    (or python tools/inspect_checkpoint.py ...)
+    python -m xla_fsdp.inspect --ckpt_prefix /ckpt/step100 [--tensors]
+    (or python -m xla_fsdp.cli.inspect, python tools/inspect_checkpoint.py)
 
 Exit code 0 when every rank file is present, consistent and matches its checksums; 2 otherwise.
 """
@@ -21,7 +21,7 @@ def _mib(n: int) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m xla_fsdp.cli.inspect", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m xla_fsdp.inspect", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt_prefix", required=True)
     p.add_argument("--ckpt_suffix", default=DEFAULT_SUFFIX)

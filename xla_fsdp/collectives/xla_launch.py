@@ -84,7 +84,10 @@ def run_thread_per_device_stoppable(local_rank, local_world_size, fn, initialize
 
 def _stop_now(signum, frame) -> None:
     removed = remove_unfinished_writes()
-    note = f" (removed {len(removed)} unfinished checkpoint file(s))" if removed else ""
+    # a save's files take their names only once every rank has written its own: what was in
+    # progress is removed, and every checkpoint on disk is whole, as it was before the save
+    note = (f"; a checkpoint save was in progress: its {len(removed)} unfinished file(s) removed, the "
+            "checkpoint at its prefix is as it was before the save") if removed else ""
     os.write(2, f"\nxla_fsdp: interrupted: stopped every rank{note}\n".encode())
     os._exit(130)
 

@@ -17,9 +17,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     """``python -m xla_fsdp.compat SCRIPT [ARGS]``: run a program written for torch_xla's FSDP
     with xla_fsdp, in it and in every Python process it starts."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv:
-        print("usage: python -m xla_fsdp.compat SCRIPT [ARGS]  (runs SCRIPT with torch_xla.distributed.fsdp "
-              "served by xla_fsdp)", file=sys.stderr)
+    usage = ("usage: python -m xla_fsdp.compat SCRIPT [ARGS]  (runs SCRIPT with torch_xla.distributed.fsdp "
+             "served by xla_fsdp)")
+    if argv and argv[0] in ("-h", "--help"):
+        print(f"{usage}\n\n{__doc__}")
+        return 0
+    if not argv or argv[0].startswith("-"):
+        print(usage + (f"; '{argv[0]}' is not a script" if argv else ""), file=sys.stderr)
         return 2
     import importlib.util
     if importlib.util.find_spec("torch_xla") is None:
