@@ -82,7 +82,22 @@ def run_thread_per_device_stoppable(local_rank, local_world_size, fn, initialize
         signal.signal(signal.SIGINT, previous)
 
 
+def _release_semaphores() -> None:
+    """Unlink this process's named semaphores as a normal exit would (tqdm's write lock is one):
+    ``os._exit`` skips multiprocessing's finalizers, and the resource tracker then warns of "leaked
+    semaphore objects" after every Ctrl-C."""
+    try:
+        from multiprocessing import util
+        from multiprocessing.synchronize import SemLock
+        for finalizer in list(util._finalizer_registry.values()):
+            if getattr(finalizer, "_callback", None) is SemLock._cleanup:
+                finalizer()
+    except Exception:  # private names of multiprocessing: nothing here may stop the exit
+        pass
+
+
 def _stop_now(signum, frame) -> None:
+    _release_semaphores()
     removed = remove_unfinished_writes()
     # a save's files take their names only once every rank has written its own: what was in
     # progress is removed, and every checkpoint on disk is whole, as it was before the save
