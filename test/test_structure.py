@@ -86,7 +86,7 @@ def test_the_cycle_finder_finds_a_planted_cycle():
 LAYERS = [
     ("entry points", ["xla_fsdp", "xla_fsdp.cli", "xla_fsdp.compat", "xla_fsdp.integrations",
                       "xla_fsdp.consolidate_sharded_ckpts", "xla_fsdp.reshard", "xla_fsdp.convert",
-                      "xla_fsdp._moved_modules", "xla_fsdp.spmd"]),
+                      "xla_fsdp.inspect", "xla_fsdp.spmd"]),
     ("public API", ["xla_fsdp.fully_sharded_data_parallel", "xla_fsdp.wrap", "xla_fsdp.remat", "xla_fsdp.strategy"]),
     ("checkpoints", ["xla_fsdp.checkpoints"]),
     ("unit life cycle", ["xla_fsdp.unit"]),
@@ -123,24 +123,6 @@ def test_the_layer_check_catches_an_upward_import():
              "xla_fsdp.fully_sharded_data_parallel": set()}
     assert layer_of("xla_fsdp.unit.backward") > layer_of("xla_fsdp.fully_sharded_data_parallel")
     assert cycles(graph) == []  # no circle, yet against the layers: the layer check is what finds it
-
-
-def test_old_module_paths_still_import_the_moved_modules():
-    import importlib
-    import warnings
-
-    from xla_fsdp._moved_modules import MOVED
-    for old, new in MOVED.items():
-        sys.modules.pop(old, None)  # an alias only: served again by the import hook below
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            module = importlib.import_module(old)
-        assert module is importlib.import_module(new) and module.__spec__.name == new, old
-        assert [w for w in caught if w.category is DeprecationWarning and new in str(w.message)], old
-    from xla_fsdp.integrations import from_accelerate  # the paths README used to show
-    from xla_fsdp.checkpoints.shard_merge import consolidate_sharded_state_dicts
-    from xla_fsdp.usage import UnusedFlatParameterWarning
-    assert from_accelerate and consolidate_sharded_state_dicts and UnusedFlatParameterWarning
 
 
 def test_the_code_passes_the_linter():

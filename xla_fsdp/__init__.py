@@ -15,9 +15,6 @@ from .compat import replace_torch_xla_fsdp  # noqa: E402
 from .fully_sharded_data_parallel import XlaFullyShardedDataParallel  # noqa: E402
 from .remat import checkpoint_module  # noqa: E402
 from .strategy import ShardingStrategy  # noqa: E402
-from ._moved_modules import install as _serve_moved_module_paths  # noqa: E402
-
-_serve_moved_module_paths()
 
 __all__ = [
     "ShardingStrategy",

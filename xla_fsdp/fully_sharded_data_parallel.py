@@ -1,7 +1,7 @@
 """``XlaFullyShardedDataParallel``: the public wrapper and the life cycle of one FSDP unit.
 
 A unit owns the parameters of its module that no nested unit owns, split into
-:class:`~xla_fsdp.param_group.ParamGroup` s. Per step it moves through explicit states:
+:class:`~xla_fsdp.unit.param_group.ParamGroup` s. Per step it moves through explicit states:
 
     IDLE --forward--> FORWARD --(reshard if ZeRO-3)--> IDLE
          --first output grad--> BACKWARD_PRE (re-gather) --grads ready--> BACKWARD_POST
@@ -31,7 +31,6 @@ from .unit.schedule import TrainingState
 from .unit.tensor_tree import map_tensors
 from .wrap import recursive_wrap, set_default_wrapper
 
-METADATA_VERSION = 1
 _DEBUG_DUMMIES = ("_debug_dummy_forward_pass", "_debug_dummy_all_gather_op", "_debug_dummy_all_reduce_op",
                   "_debug_dummy_reduce_scatter_op", "_debug_dummy_optimization_barrier_op")
 

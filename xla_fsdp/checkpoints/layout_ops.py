@@ -16,10 +16,6 @@ import torch
 from ..sharding import Dim0Layout, FlatLayout, pad_dim0
 
 
-def entry_numel(info: Mapping[str, Any]) -> int:
-    return sum(math.prod(s) for s in info["shapes"])
-
-
 def unshard_entry(info: Mapping[str, Any], shards: Sequence[torch.Tensor]) -> List[torch.Tensor]:
     """The original tensors of one entry from every rank's shard (rank order)."""
     shapes = [tuple(s) for s in info["shapes"]]

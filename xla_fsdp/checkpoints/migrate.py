@@ -6,7 +6,6 @@ the shard shapes in rank 0's state dict, so consolidation and resharding treat b
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Dict, Mapping
 
 import torch
@@ -51,7 +50,3 @@ def pad_multiple_of(metadata: Mapping[str, Any]) -> int:
     if "shard_size_multiple" in metadata:
         return int(metadata["shard_size_multiple"])
     return 128 if not metadata.get("shard_param_on_dim_0") else 1
-
-
-def entry_numel(entry: Mapping[str, Any]) -> int:
-    return sum(math.prod(s) for s in entry["shapes"])

@@ -2,7 +2,7 @@
 
 XLA:CPU pairs the ranks of a collective by an ``op_id``. Without a channel id that id is the
 compiled module's unique id, which differs whenever two rank threads compile the same graph, so
-the ranks never meet (../notes: xla_cpu_multidevice). Here every collective carries a channel id
+the ranks never meet (docs/torch_xla_defects.md). Here every collective carries a channel id
 that names the logical operation (the same integer on every rank) and global device ids, so
 separately compiled executables rendezvous whatever the compile order. ``all_reduce`` has no
 channel id in torch_xla, so sums are built from all-gathers.
@@ -206,9 +206,10 @@ class XlaCollectives(Collectives):
     def _meet_before_check(self, everyone: List[int]) -> None:
         """The check is the first collective after whatever each rank did on its own (building the
         model, a Trainer loading its rank files), so rank threads can reach it far apart, and XLA:CPU
-        aborts a device rendezvous whose peers are 15 s late. Run this rank's pending work in a graph
-        of its own (it holds no collective, so no rank waits while another compiles it), then meet
-        on the host, where waiting is free; the check's graph is then tiny and the same on every rank."""
+        aborts a device rendezvous whose peers are 10 s late ("Termination timeout ... of 10 seconds
+        exceeded"). Run this rank's pending work in a graph of its own (it holds no collective, so no
+        rank waits while another compiles it), then meet on the host, where waiting is free; the
+        check's graph is then tiny and the same on every rank."""
         import torch_xla.runtime as xr
 
         sync(reset_scope=False)

@@ -22,11 +22,6 @@ _ORIGINAL: Optional[Callable[..., List[torch.Tensor]]] = None
 _LOCK = threading.Lock()
 
 
-def mark_reduced(param: torch.Tensor) -> None:
-    """``param``'s gradient is reduced by xla_fsdp: torch_xla's helpers must not all-reduce it again."""
-    param._xla_fsdp_reduced = True
-
-
 def _fetch_unreduced_gradients(optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:
     return [p.grad.data for group in optimizer.param_groups for p in group["params"]
             if isinstance(p, torch.Tensor) and p.grad is not None and not getattr(p, "_xla_fsdp_reduced", False)]

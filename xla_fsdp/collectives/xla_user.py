@@ -44,9 +44,6 @@ def is_threaded_cpu() -> bool:
     return xr.device_type() == "CPU" and xr.addressable_runtime_device_count() > 1 and not xr.is_spmd()
 
 
-_threaded = is_threaded_cpu
-
-
 def _my_group(groups: Optional[Sequence[Sequence[int]]]) -> List[int]:
     import torch_xla.runtime as xr
     rank = xr.global_ordinal()
@@ -103,7 +100,7 @@ def _deliver(results: List[torch.Tensor], like: List[torch.Tensor], output: Any,
 def all_gather(value: Any, dim: int = 0, groups: Optional[List[List[int]]] = None,
                output: Any = None, pin_layout: bool = True, channel_id=None,
                use_global_device_ids=None) -> Any:
-    if not _threaded():
+    if not is_threaded_cpu():
         return _ORIGINALS["all_gather"](value, dim, groups, output, pin_layout, channel_id, use_global_device_ids)
     if channel_id is not None:  # xla_fsdp's own, part of a training step: stays in the graph
         return _ORIGINALS["all_gather"](value, dim, groups or [list(range(_world_size()))], output, False,
@@ -136,7 +133,7 @@ def _reduce(reduce_type: str, parts: List[torch.Tensor], scale: float) -> torch.
 def reduce_scatter(reduce_type: str, input: Any, scale: float, scatter_dim: int, shard_count: int,
                    groups: Optional[List[List[int]]] = None, output: Any = None, pin_layout: bool = True,
                    channel_id=None, use_global_device_ids=None) -> Any:
-    if not _threaded():
+    if not is_threaded_cpu():
         return _ORIGINALS["reduce_scatter"](reduce_type, input, scale, scatter_dim, shard_count, groups, output,
                                             pin_layout, channel_id, use_global_device_ids)
     if channel_id is not None:  # xla_fsdp's own: stays in the graph
@@ -157,7 +154,7 @@ def reduce_scatter(reduce_type: str, input: Any, scale: float, scatter_dim: int,
 
 def all_reduce(reduce_type: str, inputs: Any, scale: float = 1.0, groups: Optional[List[List[int]]] = None,
                pin_layout: bool = True) -> Any:
-    if not _threaded() or _world_size() == 1:
+    if not is_threaded_cpu() or _world_size() == 1:
         return _ORIGINALS["all_reduce"](reduce_type, inputs, scale, groups, pin_layout)
     tensors, is_list = _as_list(inputs)
     rows, _ = _exchange(f"all_reduce {reduce_type}", tensors, groups)
@@ -174,7 +171,7 @@ def _world_size() -> int:
 
 def rendezvous(tag: str, payload: bytes = b"", replicas: List[int] = []) -> List[bytes]:  # noqa: B006 - torch_xla's
     import torch_xla.runtime as xr
-    if not _threaded():
+    if not is_threaded_cpu():
         return _ORIGINALS["rendezvous"](tag, payload, replicas)
     if replicas and sorted(replicas) != list(range(xr.world_size())):
         raise ValueError("xla_fsdp: only a rendezvous of every rank is supported (as in torch_xla on PJRT)")

@@ -22,7 +22,7 @@ class GradientReduction:
     _module_id_cache: Optional[Set[int]] = None
     _shared_groups: List[ParamGroup] = []
 
-    # --- which groups get gradients this step (see usage.py) -----------------------------------
+    # --- which groups get gradients this step (see gradient_usage.py) -----------------------------------
     def _begin_gradient_plan(self) -> None:
         """The root's forward begins."""
         record = self._plans_gradients and torch.is_grad_enabled() and self._require_backward_grad_sync

@@ -19,7 +19,7 @@ parameter, with the fix.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Iterable, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Iterable, List, Optional, Set, Tuple
 
 import torch
 from torch.autograd.graph import get_gradient_edge
@@ -140,9 +140,3 @@ def used_members(group: Any, edges: Set[Edge], hidden_modules: Set[int]) -> List
     if not group.flat:
         return [hidden[0] or tensor_edge(group.full) in edges]
     return [seen or any(e in edges for e in member) for seen, member in zip(hidden, group.forward_edges)]
-
-
-def sum_ints_locally(bits: Sequence[int]) -> Callable[[], Optional[List[int]]]:
-    """The sum over one rank."""
-    result = list(bits)
-    return lambda: result

@@ -116,7 +116,7 @@ class ParamGroup:
         self._gathered_version = -1
         self.flat_name: Optional[str] = None  # set by the unit for flattened groups
         # Gradient edges of each member's installed tensors during a root's forward (flat groups),
-        # for the root's plan of which groups get gradients (see usage.py); None when not recording.
+        # for the root's plan of which groups get gradients (see gradient_usage.py); None when not recording.
         self.forward_edges: Optional[List[List[Edge]]] = None
         self._installed: Optional[List[torch.Tensor]] = None  # what the module sees now (flat)
         self.warned_unused: Set[str] = set()  # members already reported as partly unused
