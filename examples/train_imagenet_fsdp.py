@@ -113,7 +113,9 @@ def lr_factor(args, steps_per_epoch: int):
 def evaluate(model, test, args, ctx) -> float:
     model.eval()
     correct = total = 0
-    for x, y in torch.utils.data.DataLoader(test, args.test_set_batch_size):
+    # its own generator: an iterator otherwise draws its seed from torch's CPU generator, which XLA:CPU
+    # rank threads share, and a rank still building its model under the seeded lock got other weights
+    for x, y in torch.utils.data.DataLoader(test, args.test_set_batch_size, generator=torch.Generator()):
         pred = model(x.to(ctx.device)).argmax(1)
         ctx.sync()
         correct += int((pred.cpu() == y).sum())
@@ -130,7 +132,8 @@ def train(ctx, args):
     train_set, test_set = datasets(args)
     sampler = torch.utils.data.distributed.DistributedSampler(train_set, ctx.world_size, ctx.rank, shuffle=True,
                                                               drop_last=True)
-    loader = torch.utils.data.DataLoader(train_set, args.batch_size, sampler=sampler, drop_last=True)
+    loader = torch.utils.data.DataLoader(train_set, args.batch_size, sampler=sampler, drop_last=True,
+                                         generator=torch.Generator())  # not the shared CPU generator (above)
     model = build_model(args)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum, weight_decay=1e-4, nesterov=True)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor(args, len(loader)))

@@ -73,7 +73,10 @@ def batches(args, rank: int, world_size: int):
             T.RandomResizedCrop(args.image_size), T.RandomHorizontalFlip(), T.ToTensor(),
             T.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])]))
         sampler = torch.utils.data.distributed.DistributedSampler(ds, world_size, rank, shuffle=True, drop_last=True)
-        loader = torch.utils.data.DataLoader(ds, args.batch_size, sampler=sampler, drop_last=True)
+        # its own generator: an iterator otherwise draws its seed from torch's CPU generator, which XLA:CPU
+        # rank threads share with a rank still building its model under the seeded lock
+        loader = torch.utils.data.DataLoader(ds, args.batch_size, sampler=sampler, drop_last=True,
+                                             generator=torch.Generator())
         epoch = 0
         while True:
             sampler.set_epoch(epoch)

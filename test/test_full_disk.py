@@ -59,9 +59,9 @@ def test_a_tool_that_runs_out_of_room_says_so_in_one_line_and_leaves_nothing(ckp
     out = tmp_path / "out"
     out.mkdir()
     (out / "earlier.pth").write_bytes(b"an earlier file")  # what a folder already holds stays as it was
-    if tool == "reshard":  # an earlier output at the same prefix stays whole
+    if tool == "reshard":  # an earlier output at the same prefix (files of its kind: replaceable) stays whole
         for r in range(2):
-            (out / f"ws2_rank-{r:08d}-of-00000002.pth").write_bytes(b"earlier set %d" % r)
+            torch.save({"earlier set": torch.tensor([r])}, out / f"ws2_rank-{r:08d}-of-00000002.pth")
     before = _listing(out)
     args = [a.replace("{in}", str(ckpt)).replace("{out}", str(out)) for a in TOOLS[tool]]
     done = subprocess.run([sys.executable, "-m"] + args, capture_output=True, text=True, preexec_fn=_limited)
