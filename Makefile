@@ -10,9 +10,10 @@ PY_NEWEST := $(NEWEST_VENV)/bin/python
 # The newest release pip installs here (capped at 2.14.1 by /etc/xdg/pip), with its torchvision.
 NEWEST_TORCH ?= torch==2.14.1 torchvision==0.29.1
 # Test files run on this many pytest-xdist workers, a whole file per worker (its module fixtures run
-# once). 2 on this 2-core machine: each test file also starts its own ranks.
+# once). 2 on this 2-core machine: each test file also starts its own ranks. --no-loadscope-reorder:
+# files are handed out in conftest's order, slowest first (xdist otherwise re-sorts them by test count).
 TEST_WORKERS ?= 2
-PYTEST_ARGS := -q -n $(TEST_WORKERS) --dist loadfile --durations=25 test
+PYTEST_ARGS := -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 test
 STAMP := $(VENV)/.installed-stamp
 NEWEST_STAMP := $(NEWEST_VENV)/.installed-stamp
 
