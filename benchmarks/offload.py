@@ -142,9 +142,8 @@ def _xla_rank(index: int, name: str, args, out: str) -> None:
 def worker(name: str, args, out: str) -> None:
     if name.split("+")[0].endswith("_xla"):
         os.environ.update(PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(WORLD))
-        import xla_fsdp  # noqa: F401  (XLA:CPU settings before the runtime starts)
-        import torch_xla
-        torch_xla.launch(_xla_rank, args=(name, args, out))
+        import xla_fsdp
+        xla_fsdp.launch(_xla_rank, args=(name, args, out))
         return
     import torch.multiprocessing as mp
     with tempfile.TemporaryDirectory() as tmp:

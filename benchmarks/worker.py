@@ -138,12 +138,12 @@ def main(argv=None) -> None:
         mp.spawn(_gloo_rank, args=(spec, out_dir), nprocs=ws)
     elif name in contenders.XLA_THREADS:
         os.environ.update(PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(ws))
-        import xla_fsdp  # noqa: F401  (XLA:CPU environment defaults before the runtime starts)
-        import torch_xla
-        torch_xla.launch(_xla_rank, args=(spec, out_dir))
+        import xla_fsdp  # torch_xla.launch with what several XLA:CPU devices need (torch_xla's FSDP too)
+        xla_fsdp.launch(_xla_rank, args=(spec, out_dir))
     elif name in contenders.SPMD:
         os.environ.update(PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(ws))
-        import xla_fsdp  # noqa: F401  (the same XLA:CPU environment as the other XLA contenders)
+        import xla_fsdp
+        xla_fsdp.enable_xla_cpu_devices()  # the same XLA:CPU environment as the other XLA contenders
         _spmd(spec, out_dir)
     else:
         raise SystemExit(f"unknown contender {name!r}; one of {contenders.ALL}")

@@ -177,11 +177,10 @@ def launch(fn: Callable[[RankContext, object], None], args) -> None:
     if not ON_TPU:
         os.environ.setdefault("PJRT_DEVICE", "CPU")
         os.environ.setdefault("CPU_NUM_DEVICES", str(args.num_devices or 2))
-    import xla_fsdp  # noqa: F401  (XLA:CPU runtime defaults, before the runtime starts)
-    import torch_xla
+    import xla_fsdp
     from xla_fsdp.checkpoints import CheckpointError
     try:
-        torch_xla.launch(_xla_entry, args=(fn, args))
+        xla_fsdp.launch(_xla_entry, args=(fn, args))  # torch_xla.launch, with what XLA:CPU devices need
     except KeyboardInterrupt:  # the device processes stopped (xla_fsdp removed unfinished files)
         print("interrupted", file=sys.stderr)
         raise SystemExit(130) from None

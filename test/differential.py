@@ -32,6 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from hypothesis import strategies as st
 
+import harness
 import xla_fsdp
 from xla_fsdp import XlaFullyShardedDataParallel as FSDP, checkpoint_module
 from xla_fsdp.checkpoints import (full_optim_state_dict, full_state_dict, load_full_optim_state_dict,
@@ -633,11 +634,10 @@ def _xla_rank(programs_: List[Program]) -> List[Any]:
 def run_xla(programs_: List[Program], world_size: int) -> List[List[Any]]:
     """Every program on ``world_size`` XLA:CPU devices (threads of one spawned process); per
     program, the list of rank results."""
-    from torch_xla._internal import pjrt
     saved = {k: os.environ.get(k) for k in ("PJRT_DEVICE", "CPU_NUM_DEVICES")}
     os.environ.update(PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(world_size))
     try:
-        per_rank = pjrt.run_multiprocess(_xla_rank, programs_)
+        per_rank = harness.run_multiprocess(_xla_rank, programs_)
     finally:
         for k, v in saved.items():
             if v is None:

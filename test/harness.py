@@ -582,13 +582,21 @@ def _xla_worker(names: List[str], kwargs: dict) -> Dict[str, Any]:
     return {name: train_sharded(name, rank, device, xla_fsdp.sync, barrier, **kwargs) for name in names}
 
 
+def run_multiprocess(fn: Callable[..., Any], *args: Any) -> Dict[int, Any]:
+    """torch_xla's ``pjrt.run_multiprocess`` (results by rank) with what several XLA:CPU devices need
+    (``xla_fsdp.enable_xla_cpu_devices``), installed for this call only, as ``xla_fsdp.launch`` does."""
+    from torch_xla._internal import pjrt
+    with xla_fsdp.patches.scope():
+        xla_fsdp.enable_xla_cpu_devices()
+        return pjrt.run_multiprocess(fn, *args)
+
+
 def run_xla(names: List[str], world_size: int, **kwargs: Any) -> Dict[str, List[Dict[str, Any]]]:
     """Run the configs on ``world_size`` XLA:CPU devices (threads of one spawned process)."""
-    from torch_xla._internal import pjrt
     saved = {k: os.environ.get(k) for k in ("PJRT_DEVICE", "CPU_NUM_DEVICES")}
     os.environ.update(PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(world_size))
     try:
-        results = pjrt.run_multiprocess(_xla_worker, names, kwargs)
+        results = run_multiprocess(_xla_worker, names, kwargs)
     finally:  # leave the environment as found: later subprocesses must not inherit the device count
         for k, v in saved.items():
             if v is None:

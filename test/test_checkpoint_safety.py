@@ -20,7 +20,7 @@ from xla_fsdp.consolidate_sharded_ckpts import main as consolidate_cli
 from xla_fsdp.reshard import main as reshard_cli
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-INSPECT = os.path.join(os.path.dirname(HERE), "tools", "inspect_checkpoint.py")
+INSPECT = ["-m", "xla_fsdp.inspect"]
 
 
 def _sha(path):
@@ -105,7 +105,7 @@ def test_a_crafted_rank_file_runs_no_code(tmp_path, capsys, gloo):
     assert reshard_cli(["--ckpt_prefix", prefix, "--world_size", "2", "--out_prefix", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
     assert err.count("evil_rank-00000000-of-00000001.pth") == 3 and "Unsupported global" in err, err
-    proc = subprocess.run([sys.executable, INSPECT, "--ckpt_prefix", prefix], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, *INSPECT, "--ckpt_prefix", prefix], capture_output=True, text=True)
     assert proc.returncode == 2 and "evil_rank-00000000-of-00000001.pth" in proc.stderr, proc.stderr
     with pytest.raises(CheckpointError, match="evil_rank-00000000-of-00000001.pth"):
         xla_fsdp.load_sharded_checkpoint(FSDP(models.MLP()), None, prefix)
@@ -137,7 +137,7 @@ def test_flipped_bits_are_caught_in_files_of_any_writer(ckpts, tmp_path, capsys,
         assert bad.name in err and "CRC-32" in err, err
     assert reshard_cli(["--ckpt_prefix", prefix, "--world_size", "3", "--out_prefix", str(tmp_path / "o")]) == 2
     assert bad.name in capsys.readouterr().err
-    proc = subprocess.run([sys.executable, INSPECT, "--ckpt_prefix", prefix], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, *INSPECT, "--ckpt_prefix", prefix], capture_output=True, text=True)
     assert proc.returncode == 2 and "CRC-32" in proc.stderr, proc.stderr
     assert _digests(tmp_path) == before
 
@@ -313,10 +313,9 @@ def test_every_rank_raises_when_one_rank_file_is_damaged(transport, tmp_path, mo
         mp.spawn(_gloo_load_worker, args=(harness._free_port(), str(tmp_path), 1, str(tmp_path)), nprocs=2)
         results = [torch.load(tmp_path / f"{r}.pt", weights_only=False) for r in range(2)]
     else:
-        from torch_xla._internal import pjrt
         monkeypatch.setenv("PJRT_DEVICE", "CPU")
         monkeypatch.setenv("CPU_NUM_DEVICES", "2")
-        by_rank = pjrt.run_multiprocess(_xla_load_worker, str(tmp_path), 1)
+        by_rank = harness.run_multiprocess(_xla_load_worker, str(tmp_path), 1)
         results = [by_rank[r] for r in range(2)]
     (own, own_untouched), (peer, peer_untouched) = results[1], results[0]
     assert "ck_rank-00000001-of-00000002.pth" in own and "CRC-32" in own, own

@@ -416,11 +416,10 @@ def _torch_xla_fsdp_checkpoint(prefix):
 @pytest.mark.xla
 def test_torch_xla_checkpoint_consolidates_and_reshards(tmp_path, monkeypatch):
     """A checkpoint written by torch_xla's XlaFSDP (PJRT_DEVICE=CPU, 1 device) goes through our CLIs."""
-    from torch_xla._internal import pjrt
     monkeypatch.setenv("PJRT_DEVICE", "CPU")
     monkeypatch.setenv("CPU_NUM_DEVICES", "1")
     prefix = str(tmp_path / "txla")
-    want = pjrt.run_multiprocess(_torch_xla_fsdp_checkpoint, prefix)[0]
+    want = harness.run_multiprocess(_torch_xla_fsdp_checkpoint, prefix)[0]
     got = consolidate(prefix)["model"]
     params = {k: v for k, v in want.items() if "running_" not in k and "num_batches" not in k}
     for k, v in params.items():

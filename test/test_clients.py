@@ -163,10 +163,9 @@ def _xla_checkpoint_with_keywords():
 def test_checkpoint_module_takes_keyword_arguments_on_xla(monkeypatch):
     """torch_xla's checkpoint rejects keywords; keyword tensors must still get their gradients."""
     pytest.importorskip("torch_xla")
-    from torch_xla._internal import pjrt
     monkeypatch.setenv("PJRT_DEVICE", "CPU")
     monkeypatch.setenv("CPU_NUM_DEVICES", "1")
-    out, x_grad, mask_grad = pjrt.run_multiprocess(_xla_checkpoint_with_keywords)[0]
+    out, x_grad, mask_grad = harness.run_multiprocess(_xla_checkpoint_with_keywords)[0]
     torch.manual_seed(0)
     fc = nn.Linear(4, 4)
     x = torch.randn(3, 4).requires_grad_()

@@ -36,7 +36,7 @@ def test_resnet_auto_wrap_on_xla_cpu_writes_and_consolidates_a_checkpoint(tmp_pa
     full = torch.load(prefix + "_consolidated.pth", weights_only=True)["model"]
     import torchvision
     assert set(full) == set(torchvision.models.resnet18(num_classes=10).state_dict())
-    out = run(["tools/inspect_checkpoint.py", "--ckpt_prefix", prefix])
+    out = run(["-m", "xla_fsdp.inspect", "--ckpt_prefix", prefix])
     assert "world size   2" in out and out.count(": ok (") == 2
 
 

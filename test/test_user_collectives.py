@@ -9,9 +9,8 @@ import pytest
 import torch
 
 pytest.importorskip("torch_xla")
-# Imported at the top, as a user script does: in the spawned device process this runs before the
-# XLA runtime starts, with PJRT_DEVICE=CPU, which is when xla_fsdp sets XLA:CPU up.
-import xla_fsdp  # noqa: E402,F401
+import harness  # noqa: E402  (harness.run_multiprocess enables several XLA:CPU devices, as xla_fsdp.launch does)
+import xla_fsdp  # noqa: E402
 
 
 def _user_program(folder):
@@ -19,7 +18,6 @@ def _user_program(folder):
     import torch_xla
     import torch_xla.core.xla_model as xm
     import torch_xla.runtime as xr
-    import xla_fsdp  # noqa: F401  (installed the patches when imported with PJRT_DEVICE=CPU)
     dev, r, ws = torch_xla.device(), xr.global_ordinal(), xr.world_size()
     out = {}
     t = torch.tensor([float(r + 1), 2.0 * (r + 1)]).to(dev)
@@ -70,10 +68,9 @@ def _user_program(folder):
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_torch_xla_user_collectives_on_several_xla_cpu_devices(world_size, monkeypatch, tmp_path):
-    from torch_xla._internal import pjrt
     monkeypatch.setenv("PJRT_DEVICE", "CPU")
     monkeypatch.setenv("CPU_NUM_DEVICES", str(world_size))
-    results = pjrt.run_multiprocess(_user_program, str(tmp_path))
+    results = harness.run_multiprocess(_user_program, str(tmp_path))
     assert sorted(results) == list(range(world_size))
     ws = world_size
     a = [float(r + 1) for r in range(ws)]
@@ -134,10 +131,9 @@ def _late_rank_program():
 def test_a_rank_far_behind_at_a_user_collective_is_waited_for(monkeypatch):
     """A rank with more device work queued before a user collective (a rank-0-only metric, a
     checkpoint write) reaches it LATE_S after its peer; the peer waits on the host, nothing aborts."""
-    from torch_xla._internal import pjrt
     monkeypatch.setenv("PJRT_DEVICE", "CPU")
     monkeypatch.setenv("CPU_NUM_DEVICES", "2")
-    results = pjrt.run_multiprocess(_late_rank_program)
+    results = harness.run_multiprocess(_late_rank_program)
     expected_first = torch.tanh(torch.tensor(1.0)).item()  # rank 0 iterates tanh from 1: it shrinks, stays > 0
     for r in range(2):
         gathered, summed, waited = results[r]
@@ -208,11 +204,10 @@ def test_xm_optimizer_step_leaves_fsdp_gradients_alone(use_xm_step, monkeypatch)
     """``xm.optimizer_step`` all-reduces every gradient the optimizer holds; FSDP's are already
     reduced, so the result must equal ``optimizer.step()`` (it was 0.41 off after 3 steps), while a
     parameter FSDP does not own is still averaged over ranks."""
-    from torch_xla._internal import pjrt
     monkeypatch.setenv("PJRT_DEVICE", "CPU")
     monkeypatch.setenv("CPU_NUM_DEVICES", "2")
-    results = pjrt.run_multiprocess(_optimizer_step_program, use_xm_step)
-    reference = pjrt.run_multiprocess(_optimizer_step_program, False) if use_xm_step else results
+    results = harness.run_multiprocess(_optimizer_step_program, use_xm_step)
+    reference = harness.run_multiprocess(_optimizer_step_program, False) if use_xm_step else results
     for r in range(2):
         state, plain = results[r]
         for key, value in reference[0][0].items():
@@ -226,9 +221,18 @@ def test_safe_globals_blocks_of_rank_threads_leave_each_other_alone(tmp_path):
     """The HF Trainer loads its RNG files inside torch.serialization.safe_globals: with rank threads,
     one rank leaving the block removed the globals while another was loading (its resume at 2
     XLA:CPU devices failed 1 run in 6 with "Weights only load failed")."""
-    import numpy as np
+    from torch._weights_only_unpickler import _safe_globals
     from xla_fsdp.collectives.thread_safety import install_shared_safe_globals
-    install_shared_safe_globals()  # done on `import xla_fsdp` with PJRT_DEVICE=CPU
+    torch_enter = _safe_globals.__enter__
+    with xla_fsdp.patches.scope():  # as xla_fsdp.enable_xla_cpu_devices installs it, for this test only
+        install_shared_safe_globals()
+        assert _safe_globals.__enter__ is not torch_enter
+        _two_threads_in_safe_globals_blocks(tmp_path)
+    assert _safe_globals.__enter__ is torch_enter  # undone on leaving the scope
+
+
+def _two_threads_in_safe_globals_blocks(tmp_path):
+    import numpy as np
     path = tmp_path / "rng_state_0.pth"
     torch.save({"numpy": np.random.get_state()}, path)
     allow = [np._core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
@@ -255,3 +259,21 @@ def test_safe_globals_blocks_of_rank_threads_leave_each_other_alone(tmp_path):
     finally:
         torch.serialization.clear_safe_globals()
         torch.serialization.add_safe_globals(before)
+
+
+def test_a_rank_waiting_for_a_silent_peer_says_so_and_stops(monkeypatch, capfd):
+    """A peer that never arrives at a host exchange (hung, or gone without an error) cost 600 s in
+    silence. Now the waiting rank names the missing ranks every NOTICE_S seconds and stops after
+    XLA_FSDP_HOST_TIMEOUT_S with an error naming them; a bad value is refused."""
+    from xla_fsdp.collectives import host_exchange
+    monkeypatch.setattr(host_exchange, "NOTICE_S", 0.2)
+    monkeypatch.setenv("XLA_FSDP_HOST_TIMEOUT_S", "0.5")
+    exchange = host_exchange.ThreadExchange("test meeting", 3)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"ranks \[1, 2\] did not reach the test meeting within 0.5 s"):
+        exchange.gather(0, "mine")
+    assert time.monotonic() - start < 5
+    assert "waited 0 s for ranks [1, 2] at the test meeting; it stops after 0.5 s" in capfd.readouterr().err
+    monkeypatch.setenv("XLA_FSDP_HOST_TIMEOUT_S", "soon")
+    with pytest.raises(ValueError, match="XLA_FSDP_HOST_TIMEOUT_S='soon' is not a positive number"):
+        host_exchange.ThreadExchange("test meeting", 2).gather(0, "mine")

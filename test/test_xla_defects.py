@@ -5,6 +5,7 @@ import threading
 import pytest
 import torch
 
+import harness
 import models
 
 pytest.importorskip("torch_xla")
@@ -33,10 +34,9 @@ def _bf16_conv_and_embedding():
 
 
 def test_bf16_conv2d_and_embedding_with_barriers_on_xla_cpu(monkeypatch):
-    from torch_xla._internal import pjrt
     monkeypatch.setenv("PJRT_DEVICE", "CPU")
     monkeypatch.setenv("CPU_NUM_DEVICES", "1")
-    result = pjrt.run_multiprocess(_bf16_conv_and_embedding)[0]
+    result = harness.run_multiprocess(_bf16_conv_and_embedding)[0]
     conv_ok, lm_loss = result
     assert conv_ok
     torch.manual_seed(0)
@@ -64,10 +64,9 @@ def _mismatched_construction():
 
 def test_ranks_that_built_different_units_fail_fast_with_a_clear_error(monkeypatch):
     """Instead of pairing unrelated collectives or waiting until XLA aborts the process."""
-    from torch_xla._internal import pjrt
     monkeypatch.setenv("PJRT_DEVICE", "CPU")
     monkeypatch.setenv("CPU_NUM_DEVICES", "2")
-    messages = pjrt.run_multiprocess(_mismatched_construction)
+    messages = harness.run_multiprocess(_mismatched_construction)
     assert sorted(messages) == [0, 1]
     for msg in messages.values():
         assert "ranks built different FSDP units" in msg and "[" in msg, msg
@@ -100,10 +99,9 @@ def _one_rank_late_to_its_first_forward():
 def test_a_rank_late_to_the_first_forward_is_waited_for(monkeypatch):
     """Ranks reach the first forward's construction check far apart after work of their own (HF
     Trainer resume); before the host meeting one rank waited in XLA's rendezvous and the process aborted."""
-    from torch_xla._internal import pjrt
     monkeypatch.setenv("PJRT_DEVICE", "CPU")
     monkeypatch.setenv("CPU_NUM_DEVICES", "2")
-    losses = pjrt.run_multiprocess(_one_rank_late_to_its_first_forward)
+    losses = harness.run_multiprocess(_one_rank_late_to_its_first_forward)
     torch.manual_seed(0)
     ref = models.MLP()
     x = torch.randn(2, 12, generator=torch.Generator().manual_seed(0))
@@ -126,14 +124,15 @@ def _rank_one_fails_before_its_first_forward(index):
 
 def test_a_failing_rank_stops_its_peers_with_its_error(tmp_path):
     """torch_xla.launch reports a rank's error only after every rank returned: rank 0 waited for the
-    failed rank 1 at the first forward for 10 minutes (the host meeting's timeout)."""
+    failed rank 1 at the first forward for 10 minutes (the host meeting's timeout). xla_fsdp.launch
+    stops the peers at once."""
     import subprocess
     import sys
     import time
     here = os.path.dirname(os.path.abspath(__file__))
     env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="2", PYTHONPATH=here)
-    program = ("import xla_fsdp, torch_xla, test_xla_defects as t\n"
-               "if __name__ == '__main__':\n    torch_xla.launch(t._rank_one_fails_before_its_first_forward)\n")
+    program = ("import xla_fsdp, test_xla_defects as t\n"
+               "if __name__ == '__main__':\n    xla_fsdp.launch(t._rank_one_fails_before_its_first_forward)\n")
     script = tmp_path / "fails.py"  # a file: the spawned device process imports it (xla_fsdp first) as a user's script
     script.write_text(program)
     start = time.monotonic()
@@ -185,10 +184,9 @@ def test_profiler_scopes_around_a_step_on_several_xla_cpu_devices(monkeypatch):
     """A forward inside xp.StepTrace/xp.Trace at 2 devices failed at once ("Expecting scope to be empty
     but it is train_imagenet.1/build_graph.1"): the first forward's construction check cut the graph
     with torch_xla's scope reset inside the user's open scopes. It trains as without the annotations."""
-    from torch_xla._internal import pjrt
     monkeypatch.setenv("PJRT_DEVICE", "CPU")
     monkeypatch.setenv("CPU_NUM_DEVICES", "2")
-    results = pjrt.run_multiprocess(_train_with_and_without_profiler_annotations)
+    results = harness.run_multiprocess(_train_with_and_without_profiler_annotations)
     assert sorted(results) == [0, 1]
     for runs in results.values():
         (plain_losses, plain_params), (losses, params) = runs[False], runs[True]
@@ -242,11 +240,10 @@ def test_a_branch_used_on_one_rank_only_in_a_root_unit(monkeypatch):
     in autograd's thread for the device, whose exchange rounds were counted apart from the rank's own
     thread. Training equals the unsharded model on the global batch (the branch's gradient is rank 0's
     alone, averaged over the 2 ranks)."""
-    from torch_xla._internal import pjrt
     from xla_fsdp.checkpoints.shard_merge import consolidate_sharded_state_dicts
     monkeypatch.setenv("PJRT_DEVICE", "CPU")
     monkeypatch.setenv("CPU_NUM_DEVICES", "2")
-    results = pjrt.run_multiprocess(_train_with_a_branch_on_rank_zero)
+    results = harness.run_multiprocess(_train_with_a_branch_on_rank_zero)
     assert sorted(results) == [0, 1]
     torch.manual_seed(0)
     ref = _BranchOnRankZero()
@@ -321,16 +318,9 @@ def test_an_inf_gradient_stays_in_its_own_parameter(monkeypatch):
     (per-parameter layout and NO_SHARD): torch_xla chains the collectives of a graph with a numeric
     token, ``token * result[0]``, added to the next collective's input, and 0 * inf = NaN. The other
     gradients equal those of the same program without the inf; the inf arrives where it belongs."""
-    from torch_xla._internal import pjrt
-    from xla_fsdp.collectives.xla import ENV_DEFAULTS_CPU
     monkeypatch.setenv("PJRT_DEVICE", "CPU")
     monkeypatch.setenv("CPU_NUM_DEVICES", "2")
-    # The device process starts its runtime before the function imports xla_fsdp, which sets these
-    # only where PJRT_DEVICE=CPU at import: without them (the async client) a rank waiting in a
-    # collective starved its peer on a loaded machine, and XLA aborted the rendezvous.
-    for key, value in ENV_DEFAULTS_CPU.items():
-        monkeypatch.setenv(key, value)
-    results = pjrt.run_multiprocess(_gradients_with_and_without_an_inf)
+    results = harness.run_multiprocess(_gradients_with_and_without_an_inf)
     assert sorted(results) == [0, 1]
     for rank, grads in results.items():
         for strategy in ("FULL_SHARD", "NO_SHARD"):

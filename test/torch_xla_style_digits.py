@@ -20,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import xla_fsdp  # noqa: E402,F401  (before torch_xla's runtime starts: sets XLA:CPU up)
+import xla_fsdp  # noqa: E402
 import torch_xla  # noqa: E402
 import torch_xla.core.xla_model as xm  # noqa: E402
 import torch_xla.distributed.parallel_loader as pl  # noqa: E402
@@ -117,4 +117,6 @@ if __name__ == "__main__":
     parser.add_argument("--num_epochs", type=int, default=8)
     parser.add_argument("--batch_size", type=int, default=32, help="per device")
     parser.add_argument("--lr", type=float, default=0.05)
+    # the one call xla_fsdp asks of a torch_xla.launch program on several XLA:CPU devices (none on TPU)
+    xla_fsdp.enable_xla_cpu_devices()
     torch_xla.launch(_mp_fn, args=(parser.parse_args(),))

@@ -1,27 +1,28 @@
 """xla_fsdp: Fully Sharded Data Parallel (ZeRO-2/ZeRO-3) for PyTorch/XLA, with a torch.distributed
-fallback, as a drop-in for ``torch_xla.distributed.fsdp``."""
-from .collectives.xla import configure_cpu_environment as _configure_cpu_environment
+fallback, as a drop-in for ``torch_xla.distributed.fsdp``.
 
-# Before any XLA runtime starts: the XLA:CPU pool settings multi-device runs need (see collectives/xla.py).
-_configure_cpu_environment()
+Importing it changes nothing outside the package; what it changes later, and why, is listed (and
+undone) by :mod:`xla_fsdp.patches`."""
+from ._version import __version__
 
-from ._version import __version__  # noqa: E402
-
-from .checkpoints import (consolidate_sharded_model_checkpoints, latest_checkpoint,  # noqa: E402
+from .checkpoints import (consolidate_sharded_model_checkpoints, latest_checkpoint,
                           load_sharded_checkpoint, reshard_checkpoint, resume_training, save_sharded_checkpoint,
                           save_training_checkpoint)
-from .collectives.xla import sync  # noqa: E402
-from .compat import replace_torch_xla_fsdp  # noqa: E402
-from .fully_sharded_data_parallel import XlaFullyShardedDataParallel  # noqa: E402
-from .remat import checkpoint_module  # noqa: E402
-from .strategy import ShardingStrategy  # noqa: E402
+from .collectives.xla import sync
+from .collectives.xla_launch import enable_xla_cpu_devices, launch
+from .compat import replace_torch_xla_fsdp
+from .fully_sharded_data_parallel import XlaFullyShardedDataParallel
+from .remat import checkpoint_module
+from .strategy import ShardingStrategy
 
 __all__ = [
     "ShardingStrategy",
     "XlaFullyShardedDataParallel",
     "checkpoint_module",
     "consolidate_sharded_model_checkpoints",
+    "enable_xla_cpu_devices",
     "latest_checkpoint",
+    "launch",
     "load_sharded_checkpoint",
     "replace_torch_xla_fsdp",
     "reshard_checkpoint",

@@ -1,7 +1,7 @@
 """Print a sharded checkpoint's metadata, sizes and checksum status.
 
     python -m xla_fsdp.inspect --ckpt_prefix /ckpt/step100 [--tensors]
-    (or python -m xla_fsdp.cli.inspect, python tools/inspect_checkpoint.py)
+    (or python -m xla_fsdp.cli.inspect)
 
 Exit code 0 when every rank file is present, consistent and matches its checksums; 2 otherwise.
 """

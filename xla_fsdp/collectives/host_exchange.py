@@ -2,10 +2,28 @@
 needs no device: which parameters a step used, rendezvous payloads."""
 from __future__ import annotations
 
+import os
+import sys
 import threading
+import time
 from typing import Any, Callable, Dict, List, Tuple
 
-TIMEOUT_S = 600.0
+#: after this long, and every such interval, a waiting rank says which ranks it waits for
+NOTICE_S = 60.0
+
+
+def timeout_s() -> float:
+    """How long a rank waits for its peers at a host exchange before it stops with an error naming
+    them: ``XLA_FSDP_HOST_TIMEOUT_S``, default 600 (a peer may legitimately be minutes late: compiling,
+    loading or consolidating a large checkpoint)."""
+    text = os.environ.get("XLA_FSDP_HOST_TIMEOUT_S", "600")
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(f"xla_fsdp: XLA_FSDP_HOST_TIMEOUT_S={text!r} is not a positive number of seconds")
+    return value
 
 
 class ThreadExchange:
@@ -38,10 +56,19 @@ class ThreadExchange:
     def _gather(self, round_: int) -> List[Any]:
         with self._cond:
             rows = self._rounds[round_]
-            if not self._cond.wait_for(lambda: len(rows) == self.world_size or _FAILED, TIMEOUT_S):
-                raise RuntimeError(
-                    f"xla_fsdp: ranks {sorted(set(range(self.world_size)) - set(rows))} did not reach the "
-                    f"{self.purpose} within {TIMEOUT_S:.0f} s (they failed, or run a different program)")
+            start, limit = time.monotonic(), timeout_s()
+            while not self._cond.wait_for(lambda: len(rows) == self.world_size or _FAILED,
+                                          min(NOTICE_S, max(0.0, start + limit - time.monotonic()))):
+                missing = sorted(set(range(self.world_size)) - set(rows))
+                waited = time.monotonic() - start
+                if waited >= limit:
+                    raise RuntimeError(
+                        f"xla_fsdp: ranks {missing} did not reach the {self.purpose} within {limit:g} s "
+                        "(they hang, failed without an error, or run a different program; "
+                        "XLA_FSDP_HOST_TIMEOUT_S sets the limit)")
+                sys.stderr.write(f"xla_fsdp: a rank has waited {waited:.0f} s for ranks {missing} at the "
+                                 f"{self.purpose}; it stops after {limit:g} s (XLA_FSDP_HOST_TIMEOUT_S)\n")
+                sys.stderr.flush()
             if len(rows) < self.world_size:  # a peer failed and will never come
                 rank, error = _FAILED[0]
                 raise RuntimeError(f"xla_fsdp: rank {rank} failed before the {self.purpose} ({error}); "

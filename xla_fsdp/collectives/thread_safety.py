@@ -12,33 +12,29 @@ from __future__ import annotations
 import threading
 from collections import Counter
 
+from .. import patches
+
 _LOCK = threading.Lock()
 _HOLDERS: Counter = Counter()
-_installed = False
 
 
 def install_shared_safe_globals() -> None:
     """Make ``torch.serialization.safe_globals`` blocks safe across threads; idempotent."""
-    global _installed
     from torch import _weights_only_unpickler as unpickler
 
-    with _LOCK:
-        if _installed:
-            return
+    def enter(self):
+        with _LOCK:
+            _HOLDERS.update(self.safe_globals)
+            unpickler._add_safe_globals(self.safe_globals)
 
-        def enter(self):
-            with _LOCK:
-                _HOLDERS.update(self.safe_globals)
-                unpickler._add_safe_globals(self.safe_globals)
+    def exit_(self, exc_type, exc, tb):
+        with _LOCK:
+            _HOLDERS.subtract(self.safe_globals)
+            released = [g for g in self.safe_globals if _HOLDERS[g] <= 0]
+            for g in released:
+                del _HOLDERS[g]
+            unpickler._remove_safe_globals(released)
 
-        def exit_(self, exc_type, exc, tb):
-            with _LOCK:
-                _HOLDERS.subtract(self.safe_globals)
-                released = [g for g in self.safe_globals if _HOLDERS[g] <= 0]
-                for g in released:
-                    del _HOLDERS[g]
-                unpickler._remove_safe_globals(released)
-
-        unpickler._safe_globals.__enter__ = enter
-        unpickler._safe_globals.__exit__ = exit_
-        _installed = True
+    why = "torch.serialization.safe_globals blocks safe across XLA:CPU rank threads"
+    patches.replace(unpickler._safe_globals, "__enter__", enter, why)
+    patches.replace(unpickler._safe_globals, "__exit__", exit_, why)

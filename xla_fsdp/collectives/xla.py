@@ -15,47 +15,12 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from .. import patches
 from .base import Collectives
 from .host_exchange import thread_exchange
 from .xla_gradients import install_gradient_fetch
-from .thread_safety import install_shared_safe_globals
-from .xla_launch import install_failure_reporting, install_interrupt_handling
-from .xla_process_group import install_shared_xla_group
-from .xla_user import install_user_collectives, is_threaded_cpu
+from .xla_user import is_threaded_cpu
 
-ENV_DEFAULTS_CPU = {
-    # Executions blocked in a rendezvous occupy pool threads: size the pools above the device count
-    # so the other ranks' executions can still start (the default is the number of cores).
-    "XLA_THREAD_POOL_SIZE": "32",
-    # The async client runs executions on a worker pool sized by the cores; with more devices than
-    # cores a waiting rank starves the others. The synchronous client uses torch_xla's own pool.
-    "PJRT_CPU_ASYNC_CLIENT": "false",
-}
-
-
-def configure_cpu_environment() -> None:
-    """Set the XLA:CPU defaults multi-device FSDP needs (only where the user has not set them),
-    route ``torch_xla.sync``/``xm.mark_step`` through :func:`sync` and make torch_xla's user-level
-    collectives work across device threads (:mod:`.xla_user`).
-
-    Called when ``xla_fsdp`` is imported with ``PJRT_DEVICE=CPU``, before the runtime starts.
-    """
-    if os.environ.get("PJRT_DEVICE", "").upper() == "CPU":
-        for key, value in ENV_DEFAULTS_CPU.items():
-            os.environ.setdefault(key, value)
-        try:
-            import torch_xla  # noqa: F401
-        except ImportError:
-            return
-        install_safe_sync()
-        if install_user_collectives():
-            install_shared_xla_group()
-        install_failure_reporting()
-        install_interrupt_handling()
-        install_shared_safe_globals()
-
-
-_PATCH_LOCK = threading.Lock()
 _COMPILE_LOCK = threading.Lock()
 
 
@@ -93,22 +58,21 @@ def sync(wait: bool = False, reset_scope: bool = True) -> None:
     xlac._set_all_reduce_token(dev, None)
 
 
-_patched = False
-
-
 def install_safe_sync() -> None:
     """Route ``torch_xla.sync`` and ``xm.mark_step`` (also used by ``xm.optimizer_step``) through
     :func:`sync`, so user loops written for TPU work unchanged with several XLA:CPU devices."""
-    global _patched
     import torch_xla
     import torch_xla.core.xla_model as xm
 
-    with _PATCH_LOCK:
-        if _patched:
-            return
-        torch_xla.sync = lambda wait=False, reset_scope=True: sync(wait, reset_scope)
-        xm.mark_step = lambda wait=False, reset_scope=True: sync(wait, reset_scope)
-        _patched = True
+    for owner, name in ((torch_xla, "sync"), (xm, "mark_step")):
+        patches.replace(owner, name, lambda wait=False, reset_scope=True: sync(wait, reset_scope),
+                        "a sync that does not deadlock XLA:CPU rank threads")
+
+
+def xla_cpu_devices_enabled() -> bool:
+    """Whether :func:`xla_fsdp.enable_xla_cpu_devices` ran in this process."""
+    import torch_xla
+    return patches.is_installed(f"{torch_xla.__name__}.sync")
 
 
 class _ChannelAllocator:
@@ -171,8 +135,12 @@ class XlaCollectives(Collectives):
         self._placeholders: Dict[torch.dtype, torch.Tensor] = {}
         #: set by the SPMD mode (world size 1): the compiler, not this object, gathers the shards
         self.gather_by_annotation = False
-        if xr.device_type() == "CPU" and global_ws > 1:
-            install_safe_sync()
+        if is_threaded_cpu() and not xla_cpu_devices_enabled():
+            raise RuntimeError(
+                f"xla_fsdp: this process runs {xr.addressable_runtime_device_count()} XLA:CPU devices as threads, "
+                "which torch_xla alone cannot run collectives across: start the ranks with "
+                "xla_fsdp.launch(fn, args) instead of torch_xla.launch, or call xla_fsdp.enable_xla_cpu_devices() "
+                "before torch_xla.launch / xmp.spawn (docs/usage.md, 'Several XLA:CPU devices')")
 
     @property
     def device(self) -> torch.device:

@@ -13,13 +13,11 @@ from __future__ import annotations
 
 import functools
 import os
-import threading
-from typing import Callable, List, Optional
+from typing import List
 
 import torch
 
-_ORIGINAL: Optional[Callable[..., List[torch.Tensor]]] = None
-_LOCK = threading.Lock()
+from .. import patches
 
 
 def _fetch_unreduced_gradients(optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:
@@ -28,13 +26,10 @@ def _fetch_unreduced_gradients(optimizer: torch.optim.Optimizer) -> List[torch.T
 
 
 def install_gradient_fetch() -> bool:
-    """Patch ``xm._fetch_gradients`` (idempotent). Returns whether it is installed."""
-    global _ORIGINAL
+    """Patch ``xm._fetch_gradients`` (idempotent; by the first XLA unit). Returns whether it is installed."""
     if os.environ.get("XLA_FSDP_PATCH_TORCH_XLA", "1") == "0":
         return False
     import torch_xla.core.xla_model as xm
-    with _LOCK:
-        if _ORIGINAL is None:
-            _ORIGINAL = xm._fetch_gradients
-            xm._fetch_gradients = functools.wraps(_ORIGINAL)(_fetch_unreduced_gradients)
+    patches.replace(xm, "_fetch_gradients", functools.wraps(xm._fetch_gradients)(_fetch_unreduced_gradients),
+                    "xm.optimizer_step / xm.reduce_gradients must not all-reduce FSDP shard gradients again")
     return True

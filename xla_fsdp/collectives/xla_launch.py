@@ -1,10 +1,11 @@
-"""Rank threads that fail or are interrupted stop together (several XLA:CPU devices are threads of one process).
+"""Starting ranks on several XLA:CPU devices (threads of one process): what torch_xla alone lacks
+there, installed by :func:`launch` / :func:`enable_xla_cpu_devices` and nowhere else.
 
-``torch_xla.launch`` reports a rank's error only once every rank thread has returned, so one rank
-that raised (a missing file, a bad batch) left the others waiting in a host exchange for 10
-minutes, or in a device rendezvous until XLA aborted the process and the error was never shown.
-Here the failing rank prints its traceback at once and wakes its peers, which raise an error
-naming it (:func:`.host_exchange.report_rank_failure`).
+Rank threads that fail or are interrupted stop together. ``torch_xla.launch`` reports a rank's error
+only once every rank thread has returned, so one rank that raised (a missing file, a bad batch) left
+the others waiting in a host exchange for 10 minutes, or in a device rendezvous until XLA aborted the
+process and the error was never shown. Here the failing rank prints its traceback at once and wakes
+its peers, which raise an error naming it (:func:`.host_exchange.report_rank_failure`).
 
 Ctrl-C did not stop the rank threads either (training ran to its end, minutes later, then printed
 a traceback): in the device process it now removes unfinished checkpoint writes and exits 130 at
@@ -19,26 +20,76 @@ import signal
 import sys
 import threading
 import traceback
-from typing import Any, Callable, Dict
+from typing import Any, Callable, Tuple
 
+from .. import patches
 from .._exit_cleanup import remove_unfinished_writes
 from .host_exchange import report_rank_failure
 
-_ORIGINALS: Dict[str, Callable[..., Any]] = {}
+ENV_DEFAULTS_CPU = {
+    # Executions blocked in a rendezvous occupy pool threads: size the pools above the device count
+    # so the other ranks' executions can still start (the default is the number of cores).
+    "XLA_THREAD_POOL_SIZE": "32",
+    # The async client runs executions on a worker pool sized by the cores; with more devices than
+    # cores a waiting rank starves the others. The synchronous client uses torch_xla's own pool.
+    "PJRT_CPU_ASYNC_CLIENT": "false",
+}
+WHY = "several XLA:CPU devices as threads of one process (xla_fsdp.enable_xla_cpu_devices)"
 
 
-def install_failure_reporting() -> None:
-    """Wrap the per-rank call of ``torch_xla.launch``/``xmp.spawn``; idempotent."""
+def enable_xla_cpu_devices() -> bool:
+    """Make several XLA:CPU devices work as the ranks of one process: in this process and in the device
+    processes ``torch_xla.launch`` / ``xmp.spawn`` / ``pjrt.run_multiprocess`` start from it.
+
+    Call it before the XLA runtime starts (before ``torch_xla.launch``); :func:`launch` calls it for
+    you. Does nothing (returns False) unless ``PJRT_DEVICE=CPU``: TPUs need none of it. What it
+    changes (see :mod:`xla_fsdp.patches`, which undoes it): XLA:CPU pool settings where unset,
+    ``torch_xla.sync``/``xm.mark_step`` (a sync that does not deadlock rank threads),
+    ``xm.all_gather``/``reduce_scatter``/``all_reduce``/``rendezvous`` (host exchanges between rank
+    threads), ``torch.distributed``'s ``init_process_group``/``get_rank``/``destroy_process_group``
+    (one ``xla`` group the threads share), ``torch.serialization.safe_globals`` (safe across threads),
+    and the start of the device processes (failures and Ctrl-C stop every rank)."""
+    if os.environ.get("PJRT_DEVICE", "").upper() != "CPU":
+        return False
+    try:
+        import torch_xla  # noqa: F401
+    except ImportError:
+        return False
+    from .thread_safety import install_shared_safe_globals
+    from .xla import install_safe_sync
+    from .xla_process_group import install_shared_xla_group
+    from .xla_user import install_user_collectives
     from torch_xla._internal import pjrt
 
-    original = pjrt._SpawnFn.__call__
-    if getattr(original, "_xla_fsdp_reports_failures", False):
-        return
+    for key, value in ENV_DEFAULTS_CPU.items():
+        patches.set_env_default(key, value, "XLA:CPU pools sized for rank threads that wait in collectives")
+    install_safe_sync()
+    if install_user_collectives():
+        install_shared_xla_group()
+    install_shared_safe_globals()
+    patches.replace(pjrt, "_run_thread_per_device", run_thread_per_device_stoppable,
+                    "device processes enable XLA:CPU rank threads; a failed or interrupted rank stops them all")
+    patches.replace(pjrt, "run_multiprocess", functools.wraps(pjrt.run_multiprocess)(_run_multiprocess_forwarding),
+                    "Ctrl-C in the launching process reaches its device processes")
+    return True
 
-    @functools.wraps(original)
-    def call(self, *args, **kwargs):
+
+def launch(fn: Callable[..., Any], args: Tuple = (), start_method: str = "spawn",
+           debug_single_process: bool = False) -> None:
+    """``torch_xla.launch`` for xla_fsdp programs: on XLA:CPU the ranks get what several devices in
+    one process need (:func:`enable_xla_cpu_devices`), for this launch only; on TPU it is
+    ``torch_xla.launch``."""
+    import torch_xla
+    with patches.scope():
+        enable_xla_cpu_devices()
+        torch_xla.launch(fn, args, start_method=start_method, debug_single_process=debug_single_process)
+
+
+def _reporting_failures(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """``fn`` (one rank thread's body), printing a failure at once and releasing the rank's peers."""
+    def run() -> Any:
         try:
-            return original(self, *args, **kwargs)
+            return fn()
         except BaseException as error:
             import torch_xla.runtime as xr
 
@@ -52,27 +103,16 @@ def install_failure_reporting() -> None:
                 report_rank_failure(rank, error)
             raise
 
-    call._xla_fsdp_reports_failures = True
-    pjrt._SpawnFn.__call__ = call
-
-
-def install_interrupt_handling() -> None:
-    """Ctrl-C stops XLA:CPU training at once (see the module docstring); idempotent."""
-    from torch_xla._internal import pjrt
-
-    if "run_thread_per_device" in _ORIGINALS:
-        return
-    _ORIGINALS["run_thread_per_device"] = pjrt._run_thread_per_device
-    _ORIGINALS["run_multiprocess"] = pjrt.run_multiprocess
-    pjrt._run_thread_per_device = run_thread_per_device_stoppable
-    pjrt.run_multiprocess = functools.wraps(pjrt.run_multiprocess)(_run_multiprocess_forwarding)
+    return run
 
 
 def run_thread_per_device_stoppable(local_rank, local_world_size, fn, initializer_fn):
     """torch_xla's device-process body (it starts the rank threads), where SIGINT ends the process."""
     from torch_xla._internal import pjrt
 
-    original = _ORIGINALS.get("run_thread_per_device", pjrt._run_thread_per_device)
+    enable_xla_cpu_devices()  # a device process started afresh: the parent's changes are not in it
+    original = patches.original(pjrt, "_run_thread_per_device")
+    fn = _reporting_failures(fn)
     if threading.current_thread() is not threading.main_thread():
         return original(local_rank, local_world_size, fn, initializer_fn)
     previous = signal.signal(signal.SIGINT, _stop_now)
@@ -110,8 +150,10 @@ def _stop_now(signum, frame) -> None:
 def _run_multiprocess_forwarding(*args, **kwargs):
     """The launching process: pass SIGINT on to the device processes (which may not share its
     process group), then let it interrupt this one as usual."""
+    from torch_xla._internal import pjrt
+    original = patches.original(pjrt, "run_multiprocess")
     if threading.current_thread() is not threading.main_thread():
-        return _ORIGINALS["run_multiprocess"](*args, **kwargs)
+        return original(*args, **kwargs)
     previous = signal.getsignal(signal.SIGINT)
 
     def forward(signum, frame):
@@ -127,6 +169,6 @@ def _run_multiprocess_forwarding(*args, **kwargs):
 
     signal.signal(signal.SIGINT, forward)
     try:
-        return _ORIGINALS["run_multiprocess"](*args, **kwargs)
+        return original(*args, **kwargs)
     finally:
         signal.signal(signal.SIGINT, previous)

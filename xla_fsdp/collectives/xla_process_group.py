@@ -7,18 +7,24 @@ default process group twice!", or, when two threads pass torch's check together,
 replaces the other's. Here the first thread creates the group and the others join it (its collectives
 are torch_xla's per-thread ones, so one group serves every thread); ``dist.get_rank()`` answers the
 calling thread's ordinal, and ``destroy_process_group()`` frees the group when the last thread leaves.
-Installed with the user-level collectives; outside threaded XLA:CPU torch's functions run unchanged.
+Installed with the user-level collectives (:func:`xla_fsdp.enable_xla_cpu_devices`); outside threaded
+XLA:CPU torch's functions run unchanged.
 """
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Dict, Optional, Set
+from typing import Any, Callable, Optional, Set
 
+from .. import patches
 from .xla_user import is_threaded_cpu
 
-_ORIGINALS: Dict[str, Callable[..., Any]] = {}
 _LOCK = threading.Lock()
 _members: Set[int] = set()
+
+
+def _original(name: str) -> Callable[..., Any]:
+    import torch.distributed.distributed_c10d as c10d
+    return patches.original(c10d, name)
 
 
 def _asks_for_xla(backend: Any, init_method: Optional[str]) -> bool:
@@ -34,7 +40,7 @@ def _shared_xla_group_in_use() -> bool:
 
 def init_process_group(backend: Any = None, init_method: Optional[str] = None, *args: Any, **kwargs: Any) -> Any:
     if not (_asks_for_xla(backend, init_method) and is_threaded_cpu()):
-        return _ORIGINALS["init_process_group"](backend, init_method, *args, **kwargs)
+        return _original("init_process_group")(backend, init_method, *args, **kwargs)
     import torch.distributed as dist
     import torch_xla.runtime as xr
     rank = xr.global_ordinal()
@@ -42,7 +48,7 @@ def init_process_group(backend: Any = None, init_method: Optional[str] = None, *
         if rank in _members:
             raise ValueError(f"trying to initialize the default process group twice (device thread {rank})")
         if not dist.is_initialized():
-            _ORIGINALS["init_process_group"](backend, init_method, *args, **kwargs)
+            _original("init_process_group")(backend, init_method, *args, **kwargs)
         elif dist.get_backend() != "xla":
             raise ValueError(f"the default process group is already initialized with backend "
                              f"{dist.get_backend()!r}; the XLA:CPU device threads share one group, so "
@@ -55,20 +61,20 @@ def get_rank(group: Any = None) -> int:
     if (group is None or group is dist.GroupMember.WORLD) and _shared_xla_group_in_use():
         import torch_xla.runtime as xr
         return xr.global_ordinal()
-    return _ORIGINALS["get_rank"](group)
+    return _original("get_rank")(group)
 
 
 def destroy_process_group(group: Any = None) -> None:
     import torch.distributed as dist
     if group is not None and group is not dist.GroupMember.WORLD:
-        return _ORIGINALS["destroy_process_group"](group)
+        return _original("destroy_process_group")(group)
     if not _members:
-        return _ORIGINALS["destroy_process_group"](group)
+        return _original("destroy_process_group")(group)
     import torch_xla.runtime as xr
     with _LOCK:
         _members.discard(xr.global_ordinal())
         if not _members and dist.is_initialized():
-            _ORIGINALS["destroy_process_group"](group)
+            _original("destroy_process_group")(group)
 
 
 def install_shared_xla_group() -> None:
@@ -76,11 +82,7 @@ def install_shared_xla_group() -> None:
     ``torch.distributed`` names and the ones torch's own functions call); idempotent."""
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
-    with _LOCK:
-        if _ORIGINALS:
-            return
-        for name, patched in (("init_process_group", init_process_group), ("get_rank", get_rank),
-                              ("destroy_process_group", destroy_process_group)):
-            _ORIGINALS[name] = getattr(c10d, name)
-            for owner in (dist, c10d):
-                setattr(owner, name, patched)
+    for name, patched in (("init_process_group", init_process_group), ("get_rank", get_rank),
+                          ("destroy_process_group", destroy_process_group)):
+        for owner in (c10d, dist):  # c10d first: its original is the one the patched functions call
+            patches.replace(owner, name, patched, "one torch.distributed 'xla' group shared by XLA:CPU rank threads")

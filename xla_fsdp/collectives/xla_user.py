@@ -2,9 +2,9 @@
 process (they abort there in torch_xla 2.9: XLA pairs collectives without a channel id by the
 compiled module's id, which differs whenever two rank threads compile the same graph).
 
-Installed on ``import xla_fsdp`` with ``PJRT_DEVICE=CPU`` (``XLA_FSDP_PATCH_TORCH_XLA=0`` turns it
-off). Each patched function delegates to torch_xla's own unless the process runs several XLA:CPU
-devices, where the rank threads exchange host copies instead of meeting in a device rendezvous:
+Installed by :func:`xla_fsdp.enable_xla_cpu_devices` (``XLA_FSDP_PATCH_TORCH_XLA=0`` keeps it out).
+Each patched function delegates to torch_xla's own unless the process runs several XLA:CPU devices,
+where the rank threads exchange host copies instead of meeting in a device rendezvous:
 
 - ``xm.all_gather``, ``xm.reduce_scatter`` and ``xm.all_reduce`` (tensor and list forms, every
   reduce type, scale, groups; also behind ``xm.collective_broadcast`` and the ``xla``
@@ -26,15 +26,17 @@ from __future__ import annotations
 
 import functools
 import os
-import threading
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
+from .. import patches
 from .host_exchange import thread_exchange
 
-_ORIGINALS: Dict[str, Callable[..., Any]] = {}
-_INSTALL_LOCK = threading.Lock()
+
+def _original(name: str) -> Callable[..., Any]:
+    import torch_xla.core.xla_model as xm
+    return patches.original(xm, name)
 
 
 def is_threaded_cpu() -> bool:
@@ -101,9 +103,9 @@ def all_gather(value: Any, dim: int = 0, groups: Optional[List[List[int]]] = Non
                output: Any = None, pin_layout: bool = True, channel_id=None,
                use_global_device_ids=None) -> Any:
     if not is_threaded_cpu():
-        return _ORIGINALS["all_gather"](value, dim, groups, output, pin_layout, channel_id, use_global_device_ids)
+        return _original("all_gather")(value, dim, groups, output, pin_layout, channel_id, use_global_device_ids)
     if channel_id is not None:  # xla_fsdp's own, part of a training step: stays in the graph
-        return _ORIGINALS["all_gather"](value, dim, groups or [list(range(_world_size()))], output, False,
+        return _original("all_gather")(value, dim, groups or [list(range(_world_size()))], output, False,
                                         channel_id, True)
     tensors, is_list = _as_list(value)
     rows, _ = _exchange("all_gather", tensors, groups)
@@ -134,10 +136,10 @@ def reduce_scatter(reduce_type: str, input: Any, scale: float, scatter_dim: int,
                    groups: Optional[List[List[int]]] = None, output: Any = None, pin_layout: bool = True,
                    channel_id=None, use_global_device_ids=None) -> Any:
     if not is_threaded_cpu():
-        return _ORIGINALS["reduce_scatter"](reduce_type, input, scale, scatter_dim, shard_count, groups, output,
+        return _original("reduce_scatter")(reduce_type, input, scale, scatter_dim, shard_count, groups, output,
                                             pin_layout, channel_id, use_global_device_ids)
     if channel_id is not None:  # xla_fsdp's own: stays in the graph
-        return _ORIGINALS["reduce_scatter"](reduce_type, input, scale, scatter_dim, shard_count,
+        return _original("reduce_scatter")(reduce_type, input, scale, scatter_dim, shard_count,
                                             groups or [list(range(_world_size()))], output, False, channel_id, True)
     tensors, is_list = _as_list(input)
     rows, me = _exchange("reduce_scatter", tensors, groups)
@@ -155,7 +157,7 @@ def reduce_scatter(reduce_type: str, input: Any, scale: float, scatter_dim: int,
 def all_reduce(reduce_type: str, inputs: Any, scale: float = 1.0, groups: Optional[List[List[int]]] = None,
                pin_layout: bool = True) -> Any:
     if not is_threaded_cpu() or _world_size() == 1:
-        return _ORIGINALS["all_reduce"](reduce_type, inputs, scale, groups, pin_layout)
+        return _original("all_reduce")(reduce_type, inputs, scale, groups, pin_layout)
     tensors, is_list = _as_list(inputs)
     rows, _ = _exchange(f"all_reduce {reduce_type}", tensors, groups)
     reduced = [_reduce(reduce_type, [row[i] for row in rows], scale) for i in range(len(tensors))]
@@ -172,7 +174,7 @@ def _world_size() -> int:
 def rendezvous(tag: str, payload: bytes = b"", replicas: List[int] = []) -> List[bytes]:  # noqa: B006 - torch_xla's
     import torch_xla.runtime as xr
     if not is_threaded_cpu():
-        return _ORIGINALS["rendezvous"](tag, payload, replicas)
+        return _original("rendezvous")(tag, payload, replicas)
     if replicas and sorted(replicas) != list(range(xr.world_size())):
         raise ValueError("xla_fsdp: only a rendezvous of every rank is supported (as in torch_xla on PJRT)")
     if not isinstance(payload, bytes):
@@ -193,11 +195,8 @@ def install_user_collectives() -> bool:
     if os.environ.get("XLA_FSDP_PATCH_TORCH_XLA", "1") == "0":
         return False
     import torch_xla.core.xla_model as xm
-    with _INSTALL_LOCK:
-        if _ORIGINALS:
-            return True
-        for name, patched in (("all_gather", all_gather), ("reduce_scatter", reduce_scatter),
-                              ("all_reduce", all_reduce), ("rendezvous", rendezvous)):
-            _ORIGINALS[name] = getattr(xm, name)
-            setattr(xm, name, functools.wraps(_ORIGINALS[name])(patched))
+    for name, patched in (("all_gather", all_gather), ("reduce_scatter", reduce_scatter),
+                          ("all_reduce", all_reduce), ("rendezvous", rendezvous)):
+        patches.replace(xm, name, functools.wraps(getattr(xm, name))(patched),
+                        "torch_xla's user collectives across XLA:CPU rank threads (host exchanges)")
     return True

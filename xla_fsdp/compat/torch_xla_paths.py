@@ -8,6 +8,7 @@ import sys
 import types
 from typing import Any, Dict
 
+from .. import patches
 from .. import wrap as _wrap
 from ..checkpoints import consolidate_sharded_model_checkpoints
 from ..checkpoints.shard_merge import consolidate_sharded_state_dicts
@@ -67,12 +68,13 @@ def replace_torch_xla_fsdp() -> None:
     and route Accelerate's gradient clipping of an xla_fsdp model to the model's own (see
     :func:`patch_accelerate_clipping`)."""
     import torch_xla.distributed
-    for name, module in torch_xla_modules().items():
-        sys.modules[name] = module
-    torch_xla.distributed.fsdp = sys.modules["torch_xla.distributed.fsdp"]
     import torch_xla.experimental
-    torch_xla.experimental.spmd_fully_sharded_data_parallel = sys.modules[
-        "torch_xla.experimental.spmd_fully_sharded_data_parallel"]
+    why = "torch_xla's FSDP names served by xla_fsdp (replace_torch_xla_fsdp)"
+    for name, module in torch_xla_modules().items():
+        patches.set_item(sys.modules, name, module, f"sys.modules[{name!r}]", why)
+    patches.replace(torch_xla.distributed, "fsdp", sys.modules["torch_xla.distributed.fsdp"], why)
+    patches.replace(torch_xla.experimental, "spmd_fully_sharded_data_parallel",
+                    sys.modules["torch_xla.experimental.spmd_fully_sharded_data_parallel"], why)
     patch_accelerate_clipping()
     # Such programs build their model in every device thread from the CPU generator the threads of
     # one process share (XLA:CPU), so their models differ at random: the threads take rank 0's.

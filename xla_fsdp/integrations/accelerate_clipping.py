@@ -18,11 +18,10 @@ def patch_accelerate_clipping() -> bool:
         from accelerate import Accelerator
     except ImportError:
         return False
+    from .. import patches
     from ..fully_sharded_data_parallel import XlaFullyShardedDataParallel
 
-    original = Accelerator.clip_grad_norm_
-    if getattr(original, "_xla_fsdp", False):
-        return True
+    original = patches.original(Accelerator, "clip_grad_norm_")
 
     @functools.wraps(original)
     def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
@@ -34,6 +33,6 @@ def patch_accelerate_clipping() -> bool:
                 return model.clip_grad_norm_(max_norm, norm_type)
         return original(self, parameters, max_norm, norm_type)
 
-    clip_grad_norm_._xla_fsdp = True
-    Accelerator.clip_grad_norm_ = clip_grad_norm_
+    patches.replace(Accelerator, "clip_grad_norm_", clip_grad_norm_,
+                    "Accelerate's clipping of an xla_fsdp model uses the model's global clip_grad_norm_")
     return True

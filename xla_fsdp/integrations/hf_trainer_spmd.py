@@ -21,12 +21,13 @@ def patch_trainer_for_spmd() -> bool:
     trainer_module = sys.modules.get("transformers.trainer")
     if trainer_module is None:
         return False
+    from .. import patches
     from ..spmd import SpmdFullyShardedDataParallel
 
     trainer_cls = trainer_module.Trainer
     for name in CHECKPOINT_METHODS:
-        original = getattr(trainer_cls, name, None)
-        if original is None or getattr(original, "_xla_fsdp", False):
+        original = patches.original(trainer_cls, name) if hasattr(trainer_cls, name) else None
+        if original is None:
             continue
 
         def take_v1_branch(self, *args, _original=original, **kwargs):
@@ -34,7 +35,6 @@ def patch_trainer_for_spmd() -> bool:
                 self.is_fsdp_xla_v1_enabled = True
             return _original(self, *args, **kwargs)
 
-        patched = functools.wraps(original)(take_v1_branch)
-        patched._xla_fsdp = True
-        setattr(trainer_cls, name, patched)
+        patches.replace(trainer_cls, name, functools.wraps(original)(take_v1_branch),
+                        "the HF Trainer saves an xla_fsdp SPMD model through its XLA FSDP (v1) branch")
     return True

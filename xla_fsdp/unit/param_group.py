@@ -623,17 +623,13 @@ def _warn_if_shape_dependent(optimizer: torch.optim.Optimizer) -> None:
             stacklevel=3)
 
 
-_optimizer_check_installed = False
-
-
 def _install_optimizer_check() -> None:
     """Once per process: every optimizer step first makes sure the optimizer does not hold
     parameters that xla_fsdp replaced with shards. An optimizer built before wrapping holds the
     emptied originals: its steps would change nothing, and training would go on, silently wrong."""
-    global _optimizer_check_installed
-    if _optimizer_check_installed:
-        return
-    _optimizer_check_installed = True
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    from .. import patches
 
     def check(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         count = sum(len(g["params"]) for g in optimizer.param_groups)
@@ -649,5 +645,6 @@ def _install_optimizer_check() -> None:
         _warn_if_shape_dependent(optimizer)
         optimizer._xla_fsdp_checked = count
 
-    from torch.optim.optimizer import register_optimizer_step_pre_hook
-    register_optimizer_step_pre_hook(check)
+    patches.add_hook("hook: torch.optim optimizer step pre-hook (xla_fsdp optimizer check)",
+                     lambda: register_optimizer_step_pre_hook(check),
+                       "an optimizer built before wrapping holds emptied originals: refuse its step")

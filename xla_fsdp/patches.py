@@ -1,0 +1,148 @@
+"""Every change xla_fsdp makes outside itself, in one registry, each undoable.
+
+Importing xla_fsdp changes nothing. A few changes are needed at run time, and each is installed by
+the code that needs it, through this module, with its reason:
+
+- several XLA:CPU devices as threads of one process (tests, laptops; not TPU):
+  :func:`xla_fsdp.enable_xla_cpu_devices`, called by :func:`xla_fsdp.launch`, ``python -m
+  xla_fsdp.compat`` and the examples;
+- the first XLA unit built: torch_xla's ``xm.optimizer_step`` must not all-reduce FSDP shard gradients
+  again (``XLA_FSDP_PATCH_TORCH_XLA=0`` keeps it out);
+- the first unit built: one optimizer step pre-hook that refuses an optimizer built before wrapping;
+- ``replace_torch_xla_fsdp()``: Accelerate's and the HF Trainer's XLA FSDP paths.
+
+:func:`installed` lists what is in place, :func:`uninstall` puts the originals back (all, or what one
+:func:`scope` added).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, List, Optional
+
+_MISSING = object()
+_LOCK = threading.RLock()
+
+
+@dataclass
+class Patch:
+    """One change: ``target`` names it (``module.attribute``, ``$ENV_VAR`` or ``hook: ...``)."""
+    target: str
+    reason: str
+    undo: Callable[[], None]
+    original: Any = None
+
+
+_INSTALLED: List[Patch] = []
+
+
+def _name(owner: Any) -> str:
+    if isinstance(owner, type):
+        return f"{owner.__module__}.{owner.__qualname__}"
+    return getattr(owner, "__name__", repr(owner))
+
+
+def _find(target: str) -> Optional[Patch]:
+    return next((p for p in _INSTALLED if p.target == target), None)
+
+
+def is_installed(target: str) -> bool:
+    with _LOCK:
+        return _find(target) is not None
+
+
+def replace(owner: Any, attribute: str, value: Any, reason: str) -> bool:
+    """Set ``owner.attribute = value`` unless xla_fsdp already replaced it; returns whether it did."""
+    target = f"{_name(owner)}.{attribute}"
+    with _LOCK:
+        if _find(target) is not None:
+            return False
+        before = owner.__dict__.get(attribute, _MISSING) if isinstance(owner, type) else \
+            getattr(owner, attribute, _MISSING)
+
+        def undo() -> None:
+            if before is _MISSING:
+                delattr(owner, attribute)
+            else:
+                setattr(owner, attribute, before)
+
+        setattr(owner, attribute, value)
+        _INSTALLED.append(Patch(target, reason, undo, None if before is _MISSING else before))
+        return True
+
+
+def original(owner: Any, attribute: str) -> Any:
+    """The attribute as it was before xla_fsdp replaced it (the current one when it did not)."""
+    with _LOCK:
+        patch = _find(f"{_name(owner)}.{attribute}")
+    return patch.original if patch is not None else getattr(owner, attribute)
+
+
+def set_item(mapping: Any, key: str, value: Any, target: str, reason: str) -> bool:
+    """``mapping[key] = value`` (``sys.modules`` entries), undone by putting back what was there."""
+    with _LOCK:
+        if _find(target) is not None:
+            return False
+        before = mapping.get(key, _MISSING)
+
+        def undo() -> None:
+            if before is _MISSING:
+                mapping.pop(key, None)
+            else:
+                mapping[key] = before
+
+        mapping[key] = value
+        _INSTALLED.append(Patch(target, reason, undo, None if before is _MISSING else before))
+        return True
+
+
+def set_env_default(name: str, value: str, reason: str) -> bool:
+    """``os.environ.setdefault(name, value)``, undone by removing it again; returns whether it set it."""
+    target = f"${name}"
+    with _LOCK:
+        if name in os.environ:
+            return False
+        os.environ[name] = value
+        _INSTALLED.append(Patch(target, reason, lambda: os.environ.pop(name, None)))
+        return True
+
+
+def add_hook(target: str, register: Callable[[], Any], reason: str) -> bool:
+    """Call ``register()`` (which returns a ``RemovableHandle``) unless ``target`` is installed;
+    ``handle.remove()`` undoes it. Returns whether it registered."""
+    with _LOCK:
+        if _find(target) is not None:
+            return False
+        handle = register()
+        _INSTALLED.append(Patch(target, reason, handle.remove))
+        return True
+
+
+def installed() -> List[Patch]:
+    """What xla_fsdp has changed outside itself, oldest first."""
+    with _LOCK:
+        return list(_INSTALLED)
+
+
+def uninstall(patches: Optional[List[Patch]] = None) -> None:
+    """Undo ``patches`` (default: every one), newest first."""
+    with _LOCK:
+        chosen = list(_INSTALLED) if patches is None else [p for p in patches if p in _INSTALLED]
+        for patch in reversed(chosen):
+            patch.undo()
+            _INSTALLED.remove(patch)
+
+
+@contextlib.contextmanager
+def scope() -> Iterator[None]:
+    """Undo, on leaving, what was installed inside (what was in place before stays)."""
+    with _LOCK:
+        before = list(_INSTALLED)
+    try:
+        yield
+    finally:
+        with _LOCK:
+            added = [p for p in _INSTALLED if p not in before]
+        uninstall(added)
