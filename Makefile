@@ -17,7 +17,7 @@ PYTEST_ARGS := -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --du
 STAMP := $(VENV)/.installed-stamp
 NEWEST_STAMP := $(NEWEST_VENV)/.installed-stamp
 
-.PHONY: demo test test-xla test-newest install clean
+.PHONY: demo test test-fast test-xla test-newest install clean
 
 $(STAMP): setup.py test/constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -38,12 +38,17 @@ demo: $(STAMP)
 
 test: test-xla test-newest
 
+# The fast loop, for a change in progress (about a minute here): each layer once, marked `fast`
+# (docs/testing.md lists what it covers). Not a substitute for make test before a commit lands.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m fast test
+
 test-xla: $(STAMP)
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(PYTEST_ARGS) --junitxml=.test-times/xla-env.xml
 
 # also needs .venv: test_cross_version.py trains legs of one run in both environments
 test-newest: $(NEWEST_STAMP) $(STAMP)
-	$(PY_NEWEST) -m pytest $(PYTEST_ARGS)
+	$(PY_NEWEST) -m pytest $(PYTEST_ARGS) --junitxml=.test-times/newest-env.xml
 
 clean:
-	rm -rf $(VENV) $(NEWEST_VENV) *.egg-info
+	rm -rf $(VENV) $(NEWEST_VENV) *.egg-info .test-times

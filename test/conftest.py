@@ -23,45 +23,55 @@ os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 
 
 # What tests, their subprocesses and the libraries they drive leave in a temp folder: tempfile's
-# tmp*, multiprocessing's pymp-*, torchrun's error files and run dirs, pytest's own folder.
-TEMP_LITTER = ["tmp*", "pymp-*", "pytorch-errorfile-*", "torchelastic_*", "pytest-of-*"]
+# tmp*, multiprocessing's pymp-*, torchrun's error files and run dirs.
+TEMP_LITTER = ["tmp*", "pymp-*", "pytorch-errorfile-*", "torchelastic_*"]
 _TEMP = {}
 
 
 def pytest_configure(config):
     """Every temp path of the session (pytest's tmp_path, tempfile in tests and in the processes
     they start) goes to one private folder, removed at the end of a passing session."""
-    system = tempfile.gettempdir()
-    _TEMP.update(system=system, before=set(os.listdir(system)), tmpdir=os.environ.get("TMPDIR"))
+    _TEMP.update(system=tempfile.gettempdir(), tmpdir=os.environ.get("TMPDIR"))
     private = tempfile.mkdtemp(prefix="xla_fsdp-tests-")
     _TEMP["private"] = private
     os.environ["TMPDIR"] = private  # inherited by subprocesses and spawned ranks
     tempfile.tempdir = private
 
 
+def _own_live_temp_dirs():
+    """Temp folders this process still holds, removed when it exits (not litter yet): multiprocessing's
+    and torch.distributed.nn's."""
+    import multiprocessing.process
+    held = {multiprocessing.process.current_process()._config.get("tempdir")}
+    instantiator = sys.modules.get("torch.distributed.nn.jit.instantiator")
+    temp_dir = getattr(instantiator, "_TEMP_DIR", None)
+    held.add(getattr(temp_dir, "name", None))
+    return {os.path.basename(p) for p in held if p}
+
+
 def pytest_sessionfinish(session, exitstatus):
-    """Fail the session when the system temp folder gained entries (tests clean up after themselves)."""
+    """Fail the session when a process it started left temp entries behind (tests clean up after
+    themselves). Only the session's private folder counts: every process the suite starts writes its
+    temp files there, and what other programs on the machine put in the system temp folder is theirs."""
     _relay_to_controller(session)
     if "private" not in _TEMP:
         return
+    private = _TEMP["private"]
     tempfile.tempdir = None
     if _TEMP["tmpdir"] is None:
         os.environ.pop("TMPDIR", None)
     else:
         os.environ["TMPDIR"] = _TEMP["tmpdir"]
-    if exitstatus == 0:
-        shutil.rmtree(_TEMP["private"], ignore_errors=True)
-    else:
-        print(f"\ntemp files of this session kept in {_TEMP['private']}")
-    gained = sorted(
-        name
-        for name in set(os.listdir(_TEMP["system"])) - _TEMP["before"]
-        # another pytest session's private folder (a session running beside this one) is not this one's litter
-        if any(fnmatch.fnmatch(name, p) for p in TEMP_LITTER) and not name.startswith("xla_fsdp-tests-")
-    )
-    if gained:
-        print(f"\nthe test session left {len(gained)} entries in {_TEMP['system']}: {gained[:10]}")
+    own = _own_live_temp_dirs()
+    left = sorted(name for name in os.listdir(private)
+                  if any(fnmatch.fnmatch(name, p) for p in TEMP_LITTER) and name not in own)
+    if left:
+        print(f"\nthe test session's processes left {len(left)} temp entries: {left[:10]}")
         session.exitstatus = 1
+    if exitstatus == 0 and not left:
+        shutil.rmtree(private, ignore_errors=True)
+    else:
+        print(f"\ntemp files of this session kept in {private}")
 
 
 # Test files by time taken on this machine, slowest first: run in this order, pytest-xdist's workers

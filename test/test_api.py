@@ -24,6 +24,7 @@ def test_no_backend_initialized_is_a_clear_error(monkeypatch):
         select_collectives()
 
 
+@pytest.mark.fast
 def test_misuse_errors(gloo):
     with pytest.raises(RuntimeError, match="already wrapped"):
         FSDP(FSDP(nn.Linear(2, 2)))

@@ -93,6 +93,7 @@ class _RunsCode:
         return (open, (self.marker, "w"))
 
 
+@pytest.mark.fast
 def test_a_crafted_rank_file_runs_no_code(tmp_path, capsys, gloo):
     import xla_fsdp
     from xla_fsdp import XlaFullyShardedDataParallel as FSDP

@@ -248,6 +248,7 @@ def harness_rank(prefix, rank, ws):
     return rank_path(prefix, rank, ws)
 
 
+@pytest.mark.fast
 def test_resume_is_bit_exact_and_full_checkpoint_resumes_too(tmp_path):
     """k steps + save + new processes + load + k steps == 2k uninterrupted steps, bit for bit (gloo);
     resuming from the consolidated full checkpoint (load_full_*) gives the same bits."""

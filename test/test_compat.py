@@ -130,6 +130,7 @@ def test_an_unchanged_torch_xla_fsdp_program_runs_on_xla_fsdp(tmp_path):
     assert not [str(p.relative_to(temp)) for p in temp.rglob("*")]
 
 
+@pytest.mark.fast
 def test_replace_in_process_swaps_the_names():
     code = (
         "import xla_fsdp.compat as c; c.replace_torch_xla_fsdp(); "

@@ -157,6 +157,7 @@ def test_offload_params_maps_to_cpu_offload(gloo, value):
     ({"xla_fsdp_grad_ckpt": True}, "set an fsdp_auto_wrap_policy too"),
     ({"fsdp_backward_prefetch": "BACKWARD_FIRST"}, "fsdp_backward_prefetch 'BACKWARD_FIRST' is not one of"),
 ])
+@pytest.mark.fast
 def test_bad_configs_name_the_problem(cfg, message):
     with pytest.raises(ValueError, match=message):
         from_accelerate(cfg, BertModel())

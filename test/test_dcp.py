@@ -103,6 +103,7 @@ def _plain_continues(name, dcp_dir):
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+@pytest.mark.fast
 def test_convert_refuses_bad_input_clearly(tmp_path, capsys):
     harness.copy_session_checkpoint("torch", 2, "zero3_nested_adamw", str(tmp_path / "ck"))
     out = tmp_path / "dcp"

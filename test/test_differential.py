@@ -201,6 +201,7 @@ def test_a_partly_used_flat_shard_warns_once_naming_the_parameter(ranks):
         compare(program, [dict(r, warnings=[]) for r in sharded], train_reference(program, 2))
 
 
+@pytest.mark.fast
 def test_self_test_a_summed_reduction_fails(ranks):
     """The differential check must catch a wrong reduction (sum over ranks instead of mean)."""
     program = Program(wrong_reduction=True)

@@ -180,6 +180,7 @@ def test_help_shows_every_default(example, monkeypatch):
         assert f"(default: {action.default})" in text, (action.option_strings, text)
 
 
+@pytest.mark.fast
 def test_the_commands_answer_help_with_their_own_usage():
     """Before: python -m xla_fsdp.compat --help printed Python's own help; python -m xla_fsdp.inspect
     did not exist beside the other short tool names."""

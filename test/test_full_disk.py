@@ -168,6 +168,7 @@ def test_training_saves_on_a_full_disk_fail_on_every_rank_and_keep_the_previous_
     assert not leftovers, leftovers
 
 
+@pytest.mark.fast
 def test_files_written_together_appear_together_or_not_at_all(tmp_path):
     """The second file of a set fails: the first, already written, never takes its name."""
     from xla_fsdp.checkpoints.files import FileSet

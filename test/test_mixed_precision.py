@@ -59,6 +59,7 @@ def test_every_layer_type_computes_in_low_precision(gloo, dtype):
         assert torch.isfinite(p.grad).all()
 
 
+@pytest.mark.fast
 def test_master_shards_keep_updates_below_low_precision_resolution(gloo):
     """An update of 1e-4 on weights of 1.0 vanishes in bf16 (spacing 2^-7); the fp32 shard keeps it."""
     lin = nn.Linear(4, 4, bias=False)

@@ -194,6 +194,7 @@ def test_cpu_offload_takes_pytorchs_spellings(gloo, spelling):
     assert all(p.device.type == "cpu" for p in model.parameters())
 
 
+@pytest.mark.fast
 def test_moving_an_offloading_model_keeps_its_shards_on_the_host(gloo):
     """``model.to(...)``/``.double()``, as Trainers call on the wrapped model, move buffers and leave
     the host shards as they are (objects, dtype, order: the optimizer's references stay valid)."""

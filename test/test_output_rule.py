@@ -92,6 +92,7 @@ def test_outputs_that_cannot_be_written_are_refused_before_anything_is_created(c
     assert os.listdir(folder) == []
 
 
+@pytest.mark.fast
 def test_the_api_follows_the_same_rule(ckpt, tmp_path):
     from xla_fsdp.checkpoints import CheckpointError, write_consolidated
     from xla_fsdp.checkpoints.consolidate import ShardedCheckpoint

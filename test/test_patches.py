@@ -59,6 +59,7 @@ def _run(folder, code: str, **env: str) -> dict:
     return json.loads(lines[-1][len("RESULT "):])
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("pjrt_device", ["CPU", None])
 def test_importing_the_package_changes_nothing_outside_it(pjrt_device, tmp_path):
     """Before: with PJRT_DEVICE=CPU, 13 attributes of torch, torch.distributed and torch_xla were
@@ -134,6 +135,7 @@ def test_what_units_install_is_listed_and_undone(tmp_path):
     assert result["after"] == []
 
 
+@pytest.mark.fast
 @pytest.mark.xla
 def test_launch_enables_the_device_process_and_leaves_the_launcher_as_found(tmp_path):
     """``xla_fsdp.launch`` on 2 XLA:CPU devices: the device process has the XLA:CPU changes (the

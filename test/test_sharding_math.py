@@ -11,6 +11,7 @@ from xla_fsdp.sharding import (Dim0Layout, FlatLayout, consolidate_dim0, consoli
 shapes = st.lists(st.lists(st.integers(0, 5), min_size=0, max_size=3).map(tuple), min_size=1, max_size=5)
 
 
+@pytest.mark.fast
 @settings(max_examples=200, deadline=None)
 @given(shapes=shapes, world_size=st.integers(1, 8), multiple=st.sampled_from([1, 2, 128]))
 def test_flat_round_trip(shapes, world_size, multiple):
@@ -29,6 +30,7 @@ def test_flat_round_trip(shapes, world_size, multiple):
         assert view.shape == want.shape
 
 
+@pytest.mark.fast
 @settings(max_examples=200, deadline=None)
 @given(shape=st.lists(st.integers(0, 6), min_size=0, max_size=3).map(tuple), world_size=st.integers(1, 8))
 def test_dim0_round_trip(shape, world_size):

@@ -111,6 +111,7 @@ def test_a_checkpoint_moves_between_spmd_and_per_device_mode_bit_for_bit(tmp_pat
         assert ranks[0]["metadata"]["world_size"] == 4
 
 
+@pytest.mark.fast
 def test_default_shard_output_picks_the_batch_tensor_of_each_output_kind():
     from collections import OrderedDict
 

@@ -30,6 +30,7 @@ def test_strategy_names_numbers_and_torch_enum():
 
 @given(shard=st.integers(1, 8), replicas=st.integers(1, 8), data=st.data(),
        strategy=st.sampled_from(list(ShardingStrategy)))
+@pytest.mark.fast
 def test_group_plans_partition_the_ranks(shard, replicas, data, strategy):
     world = shard * replicas
     rank = data.draw(st.integers(0, world - 1))

@@ -8,6 +8,8 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(ROOT, "xla_fsdp")
 
@@ -108,6 +110,7 @@ def layer_of(module):
     return None if best is None else best[0]
 
 
+@pytest.mark.fast
 def test_imports_run_one_way():
     graph = import_graph()
     assert "xla_fsdp.fully_sharded_data_parallel" in graph and len(graph) > 40
@@ -126,9 +129,37 @@ def test_the_layer_check_catches_an_upward_import():
     assert cycles(graph) == []  # no circle, yet against the layers: the layer check is what finds it
 
 
+@pytest.mark.fast
 def test_the_code_passes_the_linter():
     ruff = shutil.which("ruff", path=os.path.dirname(sys.executable)) or shutil.which("ruff")
     assert ruff, "ruff is part of the test extra: pip install -e .[test]"
     proc = subprocess.run([ruff, "check", "xla_fsdp", "test", "examples", "tools", "benchmarks"], cwd=ROOT,
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-1000:]
+
+
+@pytest.mark.parametrize("leaves", ["nothing", "an entry in the system temp folder", "its own temp folder"])
+def test_the_suites_litter_check_counts_only_its_own_processes(leaves, tmp_path):
+    """A session fails when one of its processes leaves a temp entry behind, and only then: what
+    another program puts in the system temp folder meanwhile (seen: a user's torch process) is not
+    the suite's. A nested pytest session with this suite's conftest.py shows both."""
+    import tempfile
+    system = tmp_path / "system"  # stands in for /tmp, where another program writes
+    system.mkdir()
+    (tmp_path / "conftest.py").write_text(open(os.path.join(ROOT, "test", "conftest.py")).read())
+    make = {"nothing": "pass",
+            "an entry in the system temp folder": f"os.mkdir(os.path.join({str(system)!r}, 'tmpother'))",
+            "its own temp folder": "subprocess.run([sys.executable, '-c', 'import tempfile; tempfile.mkdtemp()'])"}
+    (tmp_path / "test_one.py").write_text(f"import os, subprocess, sys\n\ndef test_it():\n    {make[leaves]}\n")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+                           str(tmp_path / "test_one.py")], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ, TMPDIR=str(system)))
+    if leaves == "its own temp folder":
+        assert proc.returncode == 1 and "the test session's processes left 1 temp entries: ['tmp" in proc.stdout, \
+            proc.stdout[-2000:]
+        kept = [d for d in os.listdir(system) if d.startswith("xla_fsdp-tests-")]
+        assert len(kept) == 1  # kept for a look, with what was left
+    else:
+        assert proc.returncode == 0, proc.stdout[-2000:]
+        assert [d for d in os.listdir(system) if d.startswith("xla_fsdp-tests-")] == []
+    assert tempfile.gettempdir() != str(system)

@@ -261,6 +261,7 @@ def _two_threads_in_safe_globals_blocks(tmp_path):
         torch.serialization.add_safe_globals(before)
 
 
+@pytest.mark.fast
 def test_a_rank_waiting_for_a_silent_peer_says_so_and_stops(monkeypatch, capfd):
     """A peer that never arrives at a host exchange (hung, or gone without an error) cost 600 s in
     silence. Now the waiting rank names the missing ranks every NOTICE_S seconds and stops after

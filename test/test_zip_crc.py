@@ -52,6 +52,7 @@ def test_the_archive_has_torch_saves_checksums_and_loads(chunk, tmp_path, monkey
             assert torch.equal(got["model"][k], v) and got["model"][k].dtype == v.dtype
 
 
+@pytest.mark.fast
 def test_a_flipped_byte_is_caught_as_in_a_torch_save_file(tmp_path):
     path = str(tmp_path / "ours.pth")
     zip_crc.save_with_crc_outside_gil(_state(), path)
