@@ -36,6 +36,10 @@ def pytest_configure(config):
     _TEMP["private"] = private
     os.environ["TMPDIR"] = private  # inherited by subprocesses and spawned ranks
     tempfile.tempdir = private
+    # the session's training runs shared by its pytest-xdist workers (harness.session_run): the
+    # controller names the folder, the workers it starts inherit it
+    if "XLA_FSDP_SESSION_RUNS" not in os.environ:
+        os.environ["XLA_FSDP_SESSION_RUNS"] = _TEMP["session_runs"] = os.path.join(private, "session_runs")
 
 
 def _own_live_temp_dirs():
@@ -57,6 +61,8 @@ def pytest_sessionfinish(session, exitstatus):
     if "private" not in _TEMP:
         return
     private = _TEMP["private"]
+    if "session_runs" in _TEMP:  # the controller (or a plain session): the runs end with it
+        os.environ.pop("XLA_FSDP_SESSION_RUNS", None)
     tempfile.tempdir = None
     if _TEMP["tmpdir"] is None:
         os.environ.pop("TMPDIR", None)

@@ -388,7 +388,7 @@ def host_residency(root: FSDP, opt: torch.optim.Optimizer, barrier: Callable[[],
     params = list(root.parameters())
     state = [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
     units = [u for u in root.modules() if isinstance(u, FSDP)]
-    groups = [g for u in units for g in u._groups]
+    groups = [g for u in units for g in u.gather_groups]
     barrier()
     compiles = None
     if root.comms.name == "xla":
@@ -410,11 +410,11 @@ def host_residency(root: FSDP, opt: torch.optim.Optimizer, barrier: Callable[[],
 
 def _collective_split(root: FSDP) -> List[Tuple[int, int]]:
     """Per unit: (groups gathered and reduced alone, groups sharing one collective)."""
-    from xla_fsdp.unit.param_group import split_for_coalescing
+    from xla_fsdp.unit.gather_group import split_for_coalescing
     splits = []
     for unit in root.modules():
-        if isinstance(unit, FSDP) and unit._groups:
-            solo, shared = split_for_coalescing(unit._groups, unit._solo_numel)
+        if isinstance(unit, FSDP) and unit.gather_groups:
+            solo, shared = split_for_coalescing(unit.gather_groups, unit._solo_numel)
             splits.append((len(solo), len(shared)))
     return splits
 
@@ -433,9 +433,9 @@ def _inner_units_freed(root: FSDP) -> bool:
     kept = root._schedule.kept
     units = [m for m in root.modules() if isinstance(m, FSDP) and m is not root and m is not kept]
     # A world-size-1 alias of the shard (torch transport, no cast) owns nothing to free.
-    return (bool(units) and kept is not None and all(g.is_unsharded() for g in kept._groups)
+    return (bool(units) and kept is not None and all(g.is_unsharded() for g in kept.gather_groups)
             and all(g.comms.aliases_shard(g.full) or (not g.is_unsharded() and not g.comms.is_allocated(g.full))
-                    for u in units for g in u._groups))
+                    for u in units for g in u.gather_groups))
 
 
 def _record_params_seen(root: FSDP) -> list:
@@ -444,7 +444,7 @@ def _record_params_seen(root: FSDP) -> list:
     seen = []
     for unit in root.modules():
         if isinstance(unit, FSDP) and unit is not root:
-            slots = [(g, slot) for g in unit._groups for ref in g.refs for slot in ref.slots]
+            slots = [(g, slot) for g in unit.gather_groups for ref in g.refs for slot in ref.slots]
             unit.module.register_forward_pre_hook(
                 lambda *_, slots=slots: seen.extend((g, getattr(m, a)) for g, (m, a) in slots))
     return seen
@@ -452,7 +452,7 @@ def _record_params_seen(root: FSDP) -> list:
 
 def _seen_params_freed(root: FSDP, seen: list) -> bool:
     # A world-size-1 alias of the shard (torch transport, no cast) owns nothing to free.
-    kept = root._schedule.kept._groups
+    kept = root._schedule.kept.gather_groups
     return bool(seen) and all(g.comms.aliases_shard(g.full) or not g.comms.is_allocated(t)
                               for g, t in seen if g not in kept)
 
@@ -461,7 +461,7 @@ def _inner_units_kept(root: FSDP) -> bool:
     """ZeRO-2 / NO_SHARD: nested units keep their full parameters from forward to backward."""
     units = [m for m in root.modules() if isinstance(m, FSDP) and m is not root]
     return bool(units) and all(g.is_unsharded() and (g.comms.is_allocated(g.full) or g.comms.aliases_shard(g.full))
-                               for u in units for g in u._groups)
+                               for u in units for g in u.gather_groups)
 
 
 def train_reference(name: str, world_size: int, init_state: Optional[dict] = None, steps: int = STEPS,
@@ -620,16 +620,39 @@ def session_run(transport: str, world_size: int) -> Tuple[Dict[str, List[Dict[st
     """Every equivalence and round-trip config trained once per (transport, world size) and test
     session, with checkpoints saved before and after training: the equivalence and checkpoint tests
     read the same run (on XLA:CPU most of a run is compiling). Returns (results per config, the
-    checkpoint prefix, with ``{name}`` for the config)."""
+    checkpoint prefix, with ``{name}`` for the config).
+
+    Once per session, not per process: under pytest-xdist the workers share the folder conftest names
+    in ``XLA_FSDP_SESSION_RUNS``; the first worker to need a run makes it (holding a lock on it) and
+    the others load its results and read its checkpoints."""
     key = (transport, world_size)
-    if key not in _SESSION_RUNS:
-        names = [n for n in CONFIGS if n in EQUIVALENCE or n in ROUND_TRIP]
+    if key in _SESSION_RUNS:
+        return _SESSION_RUNS[key]
+    shared = os.environ.get("XLA_FSDP_SESSION_RUNS")
+    if not shared:
         ckpt_dir = tempfile.mkdtemp(prefix=f"xla_fsdp_{transport}{world_size}_")
         atexit.register(shutil.rmtree, ckpt_dir, ignore_errors=True)
-        prefix = os.path.join(ckpt_dir, "{name}")
-        run = run_gloo if transport == "torch" else run_xla
-        _SESSION_RUNS[key] = run(names, world_size, save_prefix=prefix, full_state=ROUND_TRIP), prefix
+        _SESSION_RUNS[key] = _make_session_run(transport, world_size, ckpt_dir)
+        return _SESSION_RUNS[key]
+    import fcntl
+    ckpt_dir = os.path.join(shared, f"{transport}{world_size}")
+    os.makedirs(ckpt_dir, exist_ok=True)
+    done = os.path.join(ckpt_dir, "results.pt")
+    with open(os.path.join(ckpt_dir, "lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another worker making this run: wait for it
+        if not os.path.exists(done):
+            results, prefix = _make_session_run(transport, world_size, ckpt_dir)
+            torch.save((results, prefix), done + ".tmp")
+            os.replace(done + ".tmp", done)
+        _SESSION_RUNS[key] = torch.load(done, weights_only=False)  # the suite's own file
     return _SESSION_RUNS[key]
+
+
+def _make_session_run(transport: str, world_size: int, ckpt_dir: str):
+    names = [n for n in CONFIGS if n in EQUIVALENCE or n in ROUND_TRIP]
+    prefix = os.path.join(ckpt_dir, "{name}")
+    run = run_gloo if transport == "torch" else run_xla
+    return run(names, world_size, save_prefix=prefix, full_state=ROUND_TRIP), prefix
 
 
 def copy_session_checkpoint(transport: str, world_size: int, name: str, dest_prefix: str,

@@ -77,9 +77,9 @@ def test_tied_across_auto_wrapped_units_goes_to_their_closest_common_unit(gloo):
     (Training equals unsharded: harness config tied_across_units_*.)"""
     import harness
     model = harness.CONFIGS["tied_across_units_adamw"]["wrap"](models.make_model("lm_tied"))
-    root_groups = [g for g in model._groups if "emb.weight" in g.names]
+    root_groups = [g for g in model.gather_groups if "emb.weight" in g.names]
     assert len(root_groups) == 1 and root_groups[0].refs[0].aliases == ["head.weight"]
-    assert model.module.emb._groups == [] and [g.names for g in model.module.head._groups] == [["bias"]]
+    assert model.module.emb.gather_groups == [] and [g.names for g in model.module.head.gather_groups] == [["bias"]]
     names = [n for n, _ in model.get_original_names_and_sharded_parameters()]
     assert names.count("emb.weight") == 1 and "head.weight" not in names
 
@@ -154,10 +154,10 @@ def test_submodule_used_only_in_forward(gloo):
         model(torch.randn(2, 4)).backward()
         opt.step()
     aux = model.module.aux
-    assert all(g.shard.grad is None for g in aux._groups)
+    assert all(g.shard.grad is None for g in aux.gather_groups)
     assert all(u.training_state.value == "idle" for u in model.modules() if isinstance(u, FSDP))
     assert not any(g.comms.is_allocated(g.full) for u in model.modules() if isinstance(u, FSDP)
-                   for g in u._groups if u is not model)
+                   for g in u.gather_groups if u is not model)
 
 
 def test_meta_device_init(gloo):
@@ -195,11 +195,11 @@ def test_checkpoint_module_runs_no_extra_gather(gloo, monkeypatch):
     monkeypatch.setattr(comms, "start_gather_into", lambda *a, **kw: calls.append(1) or original(*a, **kw))
     x, y = models.batch("lm", 0, 0)
     models.loss_fn("lm", root(x), y).backward()
-    groups = sum(len(u._groups) for u in root.modules() if isinstance(u, FSDP))
+    groups = sum(len(u.gather_groups) for u in root.modules() if isinstance(u, FSDP))
     # block units (ZeRO-3) gather again for backward, except one-rank aliases of the shard, which
     # are never freed
     regathers = sum(1 for u in root.modules() if isinstance(u, FSDP) and u is not root
-                    for g in u._groups if not g.comms.aliases_shard(g.full))
+                    for g in u.gather_groups if not g.comms.aliases_shard(g.full))
     # every group gathered in forward, the freed ones once more for backward; none in the recompute
     assert len(calls) == groups + regathers
 
@@ -287,20 +287,20 @@ def _gather_events(monkeypatch, root):
     """(event, unit name) for every gather started and waited for, in order."""
     names = {id(u): n or "root" for n, u in root.named_modules() if isinstance(u, FSDP)}
     events = []
-    start, finish = FSDP._start_unshard, FSDP._finish_unshard
+    start, finish = FSDP._start_unshard, FSDP.finish_unshard
 
     def logged_start(unit, backward, refill_saved=False):
-        was = unit._unshard_in_flight
+        was = unit.unshard_pending
         start(unit, backward, refill_saved)
-        if was is None and unit._unshard_in_flight is not None:
+        if not was and unit.unshard_pending:
             events.append(("start", names[id(unit)]))
 
     def logged_finish(unit):
-        if unit._unshard_in_flight is not None:
+        if unit.unshard_pending:
             events.append(("finish", names[id(unit)]))
         finish(unit)
     monkeypatch.setattr(FSDP, "_start_unshard", logged_start)
-    monkeypatch.setattr(FSDP, "_finish_unshard", logged_finish)
+    monkeypatch.setattr(FSDP, "finish_unshard", logged_finish)
     return events
 
 
@@ -336,7 +336,7 @@ def test_next_unit_is_gathered_while_this_one_computes(gloo, monkeypatch, prefet
     b0, b1 = "_fsdp_wrapped_module.blocks.0", "_fsdp_wrapped_module.blocks.1"
     assert backward == ([("start", b1), ("start", b0), ("finish", b1), ("finish", b0)] if prefetch else
                         [("start", b1), ("finish", b1), ("start", b0), ("finish", b0)])
-    assert all(u._unshard_in_flight is None for u in root.modules() if isinstance(u, FSDP))
+    assert all(not u.unshard_pending for u in root.modules() if isinstance(u, FSDP))
 
 
 def _nested_linear(flat: bool, **kw) -> FSDP:
@@ -358,10 +358,10 @@ def test_world_size_1_computes_on_the_shard_itself(gloo, flat):
         out = model(x)
         # ZeRO-3 frees the inner unit here at more ranks; at one rank the alias stays installed.
         assert inner.module.weight is not None
-        assert inner.module.weight.data_ptr() == inner._groups[0].shard.data_ptr()
+        assert inner.module.weight.data_ptr() == inner.gather_groups[0].shard.data_ptr()
         out.sum().backward()
         ref(x).sum().backward()
-    got = torch.cat([g.shard.grad.reshape(-1) for g in inner._groups])
+    got = torch.cat([g.shard.grad.reshape(-1) for g in inner.gather_groups])
     want = torch.cat([ref[0].weight.grad.reshape(-1), ref[0].bias.grad])
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
 
@@ -380,7 +380,7 @@ def test_freed_units_drop_the_module_views(gloo):
     assert not isinstance(last.module.weight, FreedParameter) and model._schedule.kept is last
     out.float().sum().backward()
     assert freed(inner.module) and freed(last.module)
-    assert all(g.shard.grad is not None for g in inner._groups)
+    assert all(g.shard.grad is not None for g in inner.gather_groups)
 
 
 def test_unit_kept_for_a_backward_that_never_ran_is_freed_by_the_next_forward(gloo):
@@ -392,13 +392,13 @@ def test_unit_kept_for_a_backward_that_never_ran_is_freed_by_the_next_forward(gl
     model = FSDP(nn.Sequential(inner, nn.ReLU(), last), **kw)
     x = torch.randn(3, 4)
     model(x)
-    assert model._schedule.kept is last and last._groups[0].is_unsharded()
+    assert model._schedule.kept is last and last.gather_groups[0].is_unsharded()
     freed_at_start = []
-    inner.register_forward_pre_hook(lambda *_: freed_at_start.append(not last._groups[0].is_unsharded()))
+    inner.register_forward_pre_hook(lambda *_: freed_at_start.append(not last.gather_groups[0].is_unsharded()))
     model(x).float().sum().backward()
     assert freed_at_start == [True]
-    assert all(g.shard.grad is not None for u in (inner, last) for g in u._groups)
-    assert not any(g.is_unsharded() for u in (inner, last) for g in u._groups)
+    assert all(g.shard.grad is not None for u in (inner, last) for g in u.gather_groups)
+    assert not any(g.is_unsharded() for u in (inner, last) for g in u.gather_groups)
 
 
 def _reinit_rank(rank: int, attempts: range, store_dir: str, out_dir: str) -> None:

@@ -228,7 +228,7 @@ def test_torch_xlas_parameter_attributes_are_kept_current(gloo):
         assert p._name == name.rsplit(".", 1)[-1]
         assert "_fsdp_wrapped_module." in p._orig_name
     inner = model.fc2
-    group = inner._groups[0]
+    group = inner.gather_groups[0]
     assert group.shard._orig_size == torch.Size(group.full_shape) and group.full._sharded_param is group.shard
     seen = []
     inner.module.register_forward_pre_hook(lambda *_: seen.append(group.full._has_full_param))

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import harness
 from xla_fsdp import XlaFullyShardedDataParallel as FSDP
-from xla_fsdp.unit.param_group import ParamGroup
+from xla_fsdp.unit.gather_group import GatherGroup
 from xla_fsdp.wrap import lambda_auto_wrap_policy
 
 
@@ -80,8 +80,8 @@ def test_fp32_reduce_scatter_reduces_in_fp32(gloo, monkeypatch, fp32_reduce_scat
     hands back (here at one rank, where the reduction is the identity) is in that dtype."""
     model = FSDP(nn.Linear(4, 4), compute_dtype=torch.bfloat16, fp32_reduce_scatter=fp32_reduce_scatter)
     seen = []
-    original = ParamGroup.finish_grad
-    monkeypatch.setattr(ParamGroup, "finish_grad",
+    original = GatherGroup.finish_grad
+    monkeypatch.setattr(GatherGroup, "finish_grad",
                         lambda self, reduced, post: seen.append(reduced.dtype) or original(self, reduced, post))
     model(torch.ones(2, 4)).float().sum().backward()
     assert seen and set(seen) == {torch.float32 if fp32_reduce_scatter else torch.bfloat16}

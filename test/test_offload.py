@@ -165,11 +165,11 @@ def test_the_offload_path_runs_where_host_and_device_are_one(gloo, monkeypatch):
     monkeypatch.setattr(HostOffload, "_store", lambda self, *a: calls.append("store") or store(self, *a))
     model = FSDP(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)), cpu_offload=True)
     out = model(torch.ones(3, 4))
-    for group in model._groups:  # the root keeps its gathered parameters for backward
+    for group in model.gather_groups:  # the root keeps its gathered parameters for backward
         assert group.comms.is_allocated(group.full) and group.full.data_ptr() != group.shard.data_ptr()
     out.sum().backward()
     assert calls == ["to_device"] * 4 + ["store"] * 4
-    for group in model._groups:
+    for group in model.gather_groups:
         assert not group.comms.is_allocated(group.full)
         assert group.shard.grad is not None and group.shard.grad.data_ptr() != group.shard.data_ptr()
 

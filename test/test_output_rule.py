@@ -95,7 +95,7 @@ def test_outputs_that_cannot_be_written_are_refused_before_anything_is_created(c
 @pytest.mark.fast
 def test_the_api_follows_the_same_rule(ckpt, tmp_path):
     from xla_fsdp.checkpoints import CheckpointError, write_consolidated
-    from xla_fsdp.checkpoints.consolidate import ShardedCheckpoint
+    from xla_fsdp.checkpoints import ShardedCheckpoint
     from xla_fsdp.checkpoints.resharding import reshard_checkpoint
     path = tmp_path / "deep" / "full.pth"
     write_consolidated(ShardedCheckpoint(str(ckpt / "ck")), str(path))  # folders created, as the CLI does

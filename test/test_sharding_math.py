@@ -5,8 +5,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from xla_fsdp.sharding import (Dim0Layout, FlatLayout, consolidate_dim0, consolidate_flat,
-                               flatten_and_pad, pad_dim0, round_up, shard_of, unflatten)
+from xla_fsdp.sharding import (Dim0Layout, FlatLayout, flatten_and_pad, pad_dim0, round_up, shard_of, split_entry,
+                               stitch_entry, unflatten)
 
 shapes = st.lists(st.lists(st.integers(0, 5), min_size=0, max_size=3).map(tuple), min_size=1, max_size=5)
 
@@ -24,8 +24,11 @@ def test_flat_round_trip(shapes, world_size, multiple):
     shards = [shard_of(flat, r, world_size) for r in range(world_size)]
     assert all(s.numel() == layout.shard_numel for s in shards)
     assert torch.equal(flat[layout.numel:], torch.zeros(layout.padding))
-    for got, want in zip(consolidate_flat(shards, layout), tensors):
+    entry = {"mode": "flat", "shapes": [list(s) for s in shapes], "padded_numel": layout.padded_numel}
+    for got, want in zip(stitch_entry(entry, shards), tensors):
         assert torch.equal(got, want)
+    resplit, again = split_entry(entry, tensors, world_size, multiple)  # the checkpoint tools' split: the same shards
+    assert resplit["padded_numel"] == layout.padded_numel and all(torch.equal(a, b) for a, b in zip(again, shards))
     for view, want in zip(unflatten(flat, layout), tensors):
         assert view.shape == want.shape
 
@@ -40,7 +43,10 @@ def test_dim0_round_trip(shape, world_size):
     assert padded.shape[0] == layout.padded_rows and layout.padded_rows % world_size == 0
     shards = [shard_of(padded, r, world_size) for r in range(world_size)]
     assert all(tuple(s.shape) == layout.shard_shape for s in shards)
-    assert torch.equal(consolidate_dim0(shards, layout), t)
+    entry = {"mode": "dim0", "shapes": [list(shape)]}
+    assert torch.equal(stitch_entry(entry, shards)[0], t)
+    resplit, again = split_entry(entry, [t], world_size, 1)
+    assert resplit["shard_shape"] == list(layout.shard_shape) and all(torch.equal(a, b) for a, b in zip(again, shards))
 
 
 def test_fewer_elements_than_ranks_get_a_padded_shard_each():
@@ -56,8 +62,8 @@ def test_round_up_and_errors():
         round_up(3, 0)
     with pytest.raises(ValueError, match="does not divide"):
         shard_of(torch.zeros(5), 0, 2)
-    with pytest.raises(ValueError, match="expected 2 shards"):
-        consolidate_flat([torch.zeros(2)], FlatLayout(((3,),), 2, 1))
+    with pytest.raises(ValueError, match="shards hold 2 elements, metadata says 4"):
+        stitch_entry({"mode": "param", "shapes": [[3]], "padded_numel": 4}, [torch.zeros(2)])
     with pytest.raises(ValueError, match="do not match"):
         flatten_and_pad([torch.zeros(2)], FlatLayout(((3,),), 2, 1))
     assert math.prod(()) == 1

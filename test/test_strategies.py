@@ -93,7 +93,7 @@ def test_flat_shards_keep_vectors_apart_from_matrices(gloo):
     dimensions forms optimizer groups without ``flatten_group_fn``."""
     model = FSDP(nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 2, bias=False)),
                  flatten_parameters=True)
-    groups = model._groups
+    groups = model.gather_groups
     assert [g.flat_name for g in groups] == ["flat_param_0", "flat_param_2"]
     assert [sorted(g.names) for g in groups] == [["0.weight", "2.weight"], ["0.bias", "1.bias", "1.weight"]]
     options = model.optimizer_param_groups(lambda n: {"weight_decay": 0.0} if n.endswith(("bias", "1.weight")) else {})
@@ -120,7 +120,7 @@ def test_only_small_groups_share_a_collective():
     data once more); the small ones share, and a lone small one is not 'shared' with nobody."""
     from types import SimpleNamespace
 
-    from xla_fsdp.unit.param_group import SOLO_NUMEL, split_for_coalescing
+    from xla_fsdp.unit.gather_group import SOLO_NUMEL, split_for_coalescing
 
     def groups(sizes, coalesces=True):
         comms = SimpleNamespace(coalesces=coalesces)

@@ -163,3 +163,37 @@ def test_the_suites_litter_check_counts_only_its_own_processes(leaves, tmp_path)
         assert proc.returncode == 0, proc.stdout[-2000:]
         assert [d for d in os.listdir(system) if d.startswith("xla_fsdp-tests-")] == []
     assert tempfile.gettempdir() != str(system)
+
+
+#: the unit class's own files (the wrapper and its two mixins): the only ones that touch a unit's private state
+UNIT_CLASS_FILES = {"fully_sharded_data_parallel.py", os.path.join("unit", "setup.py"),
+                    os.path.join("unit", "backward.py")}
+
+
+@pytest.mark.fast
+def test_other_modules_use_a_unit_only_through_its_declared_interface():
+    """The schedule, the gradient code, the checkpoint code and the tools use what ``unit/base.py``
+    declares (``gather_groups``, ``reshard()``, ``gather_over_ranks()``, ...), never a unit's private
+    attributes: before, checkpoint code read ``_groups``, ``_aux_channel``, ``_shard_size_multiple``
+    and the schedule called ``_reshard`` and ``_finish_unshard``."""
+    private = set()
+    for rel in UNIT_CLASS_FILES:
+        for node in ast.walk(ast.parse(open(os.path.join(PACKAGE, rel)).read())):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self"
+                    and isinstance(node.ctx, ast.Store)) or isinstance(node, ast.FunctionDef):
+                name = node.attr if isinstance(node, ast.Attribute) else node.name
+                if name.startswith("_") and not name.startswith("__"):
+                    private.add(name)
+    assert {"_aux_channel", "_unshard_in_flight", "_start_unshard"} <= private
+    reached = []
+    for folder, _, names in os.walk(PACKAGE):
+        for name in names:
+            path = os.path.join(folder, name)
+            rel = os.path.relpath(path, PACKAGE)
+            if not name.endswith(".py") or rel in UNIT_CLASS_FILES:
+                continue
+            for node in ast.walk(ast.parse(open(path).read())):
+                if (isinstance(node, ast.Attribute) and node.attr in private
+                        and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))):
+                    reached.append(f"{rel}:{node.lineno}: {ast.unparse(node)}")
+    assert reached == []

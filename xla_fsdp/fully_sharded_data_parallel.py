@@ -1,7 +1,7 @@
 """``XlaFullyShardedDataParallel``: the public wrapper and the life cycle of one FSDP unit.
 
 A unit owns the parameters of its module that no nested unit owns, split into
-:class:`~xla_fsdp.unit.param_group.ParamGroup` s. Per step it moves through explicit states:
+:class:`~xla_fsdp.unit.gather_group.GatherGroup` s. Per step it moves through explicit states:
 
     IDLE --forward--> FORWARD --(reshard if ZeRO-3)--> IDLE
          --first output grad--> BACKWARD_PRE (re-gather) --grads ready--> BACKWARD_POST
@@ -25,7 +25,7 @@ from .unit.module_view import torch_xla_view
 from .unit.offload import HostOffload, barrier_sources, offload_requested, shards_held_back
 from .unit.options import UnitOptions, defaults as option_defaults
 from .unit.setup import UnitSetup
-from .unit.param_group import SOLO_NUMEL, start_unshard
+from .unit.gather_group import SOLO_NUMEL, GatherGroup, start_unshard
 from .unit.param_names import WRAPPED
 from .unit.schedule import TrainingState
 from .unit.tensor_tree import map_tensors
@@ -260,13 +260,13 @@ class XlaFullyShardedDataParallel(UnitSetup, GradientReduction, ShardedUnit):
         self._sync_module_states = (options.sync_module_states if options.sync_module_states is not None
                                     else option_defaults.threads_take_rank_0 and self.comms.ranks_share_a_process)
         self.sharding_groups = options.sharding_groups
-        self._shard_param_on_dim_0 = options.shard_param_on_dim_0 and not options.flatten_parameters
+        self.shard_param_on_dim_0 = options.shard_param_on_dim_0 and not options.flatten_parameters
         self.reduce_scatter_bucket_size_mb = options.reduce_scatter_bucket_size_mb
         self.coalesce_all_gather_ops = options.coalesce_all_gather_ops
         multiple = options._shard_size_multiple
         if multiple is None:
             multiple = 128 if self._on_tpu() else 1
-        self._shard_size_multiple = 1 if self._shard_param_on_dim_0 else multiple
+        self._shard_size_multiple = 1 if self.shard_param_on_dim_0 else multiple
         self._solo_numel = options._solo_collective_numel
         self._debug_print = options._debug_print
         self._debug_msg = options._debug_msg
@@ -300,11 +300,11 @@ class XlaFullyShardedDataParallel(UnitSetup, GradientReduction, ShardedUnit):
 
     @property
     def sharded_params(self) -> List[nn.Parameter]:
-        return [g.shard for g in self._groups]
+        return [g.shard for g in self.gather_groups]
 
     @property
     def full_params(self) -> List[nn.Parameter]:
-        return [g.full for g in self._groups]
+        return [g.full for g in self.gather_groups]
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -345,7 +345,7 @@ class XlaFullyShardedDataParallel(UnitSetup, GradientReduction, ShardedUnit):
             self.reshard_after_forward = False
         self.comms.check_construction()
         for unit in self._units_in_tree:
-            unit._take_rank_0_values()
+            unit.take_rank_0_values()
         self._check_same_parameters_on_every_rank()
 
     def _check_same_parameters_on_every_rank(self) -> None:
@@ -354,7 +354,7 @@ class XlaFullyShardedDataParallel(UnitSetup, GradientReduction, ShardedUnit):
         each rank, and replicas (NO_SHARD, hybrid) would drift apart silently. Each group's
         fingerprint, taken at construction, is summed over every rank: equal only if all agree."""
         named = [(prefix + group.names[0], group) for prefix, unit in param_names.named_units(self)
-                 for group in unit._groups]
+                 for group in unit.gather_groups]
         if not named:
             return
         prints = [group.current_fingerprint() for _, group in named]
@@ -379,7 +379,7 @@ class XlaFullyShardedDataParallel(UnitSetup, GradientReduction, ShardedUnit):
         """The root's list of groups that train, and whether each forward must plan which of them
         get gradients: where ranks could disagree, or a flat shard could be only partly used (see
         gradient_usage.py)."""
-        self._trainable_groups = [g for u in self._units_in_tree for g in u._groups if g.requires_grad]
+        self._trainable_groups = [g for u in self._units_in_tree for g in u.gather_groups if g.requires_grad]
         data_parallel = self.comms.world_size * self.comms.num_replicas
         self._plans_gradients = bool(self._trainable_groups) and (
             data_parallel > 1 or any(g.flat and len(g.refs) > 1 for g in self._trainable_groups))
@@ -410,7 +410,7 @@ class XlaFullyShardedDataParallel(UnitSetup, GradientReduction, ShardedUnit):
             cast = lambda t: t.to(self.compute_dtype) if t.is_floating_point() else t
             args, kwargs = map_tensors(cast, args), map_tensors(cast, kwargs)
         if self.optimization_barrier_in_forward:
-            self.comms.optimization_barrier(barrier_sources(self._offload, self._groups))
+            self.comms.optimization_barrier(barrier_sources(self._offload, self.gather_groups))
         if in_backward:
             self._unshard(backward=True)
         else:
@@ -441,7 +441,7 @@ class XlaFullyShardedDataParallel(UnitSetup, GradientReduction, ShardedUnit):
         if self.reshard_after_forward and torch.is_grad_enabled() and not self._is_root:
             self._schedule.defer_reshard(self)  # freed when the next unit starts forward
         elif self.reshard_after_forward or not torch.is_grad_enabled():
-            self._reshard()
+            self.reshard()
         self.training_state = TrainingState.IDLE
         if torch.is_grad_enabled():
             outputs = self._register_pre_backward_hooks(outputs)
@@ -452,8 +452,8 @@ class XlaFullyShardedDataParallel(UnitSetup, GradientReduction, ShardedUnit):
         resharded, so the next forward starts clean instead of failing on a unit stuck in forward."""
         units = self._units_in_tree if self._is_root else [self]
         for unit in units:
-            unit._finish_unshard()
-            unit._reshard()
+            unit.finish_unshard()
+            unit.reshard()
             unit.training_state = TrainingState.IDLE
         if self._is_root:
             self._schedule.recording = []
@@ -462,23 +462,29 @@ class XlaFullyShardedDataParallel(UnitSetup, GradientReduction, ShardedUnit):
     def _unshard(self, backward: bool = False, prefetch: Optional["XlaFullyShardedDataParallel"] = None,
                  refill_saved: bool = False) -> None:
         """Gather this unit's parameters; start ``prefetch``'s gather behind it before waiting.
-        ``refill_saved``: for the backward of the last forward (see ``ParamGroup.install``)."""
+        ``refill_saved``: for the backward of the last forward (see ``GatherGroup.install``)."""
         self._start_unshard(backward, refill_saved)
         if prefetch is not None:
             prefetch._start_unshard(backward, refill_saved)
-        self._finish_unshard()
+        self.finish_unshard()
 
     def _start_unshard(self, backward: bool, refill_saved: bool = False) -> None:
         if self._unshard_in_flight is None:
             if refill_saved:
-                for group in self._groups:
+                for group in self.gather_groups:
                     if group.is_unsharded():
                         group.refill_freed_members()
-            pending = [g for g in self._groups if not g.is_unsharded()]
+            pending = [g for g in self.gather_groups if not g.is_unsharded()]
             if pending:
                 self._unshard_in_flight = start_unshard(pending, backward, refill_saved, self._solo_numel)
 
-    def _finish_unshard(self) -> None:
+    @property
+    def unshard_pending(self) -> bool:
+        """Whether a gather of this unit's parameters was started and not yet waited for."""
+        return self._unshard_in_flight is not None
+
+    def finish_unshard(self) -> None:
+        """Wait for a started gather (nothing if none is pending)."""
         finish, self._unshard_in_flight = self._unshard_in_flight, None
         if finish is not None:
             finish()
@@ -487,9 +493,33 @@ class XlaFullyShardedDataParallel(UnitSetup, GradientReduction, ShardedUnit):
         """The unit that ran ``step`` places after this one in the last forward (if prefetching)."""
         return self._schedule.neighbour(self, step) if self.prefetch else None
 
-    def _reshard(self) -> None:
-        for group in self._groups:
+    def reshard(self) -> None:
+        """Free this unit's full parameters; the shards stay (FSDP2's ``reshard()``)."""
+        for group in self.gather_groups:
             group.reshard()
+
+    # ------------------------------------------------------------------ collectives outside a step
+    def gather_over_ranks(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``tensor`` (same shape everywhere), concatenated on dim 0 in rank order: the
+        small control collectives of checkpoint code, on a channel of their own."""
+        return self.comms.all_gather(tensor.to(self.comms.device), self._aux_channel)
+
+    def sum_over_replicas(self, tensor: torch.Tensor) -> None:
+        """Sum ``tensor`` in place over this rank's replicas (hybrid strategies; nothing otherwise)."""
+        self.comms.all_reduce_replicas(tensor, self._replica_aux_channel)
+
+    def gather_norms(self, local: torch.Tensor) -> torch.Tensor:
+        """Every rank's one-element gradient norm term (``clip_grad_norm_``), in rank order."""
+        return self.comms.all_gather(local.view(1), self._norm_channel)
+
+    def named_gather_groups(self) -> List[Tuple[str, GatherGroup]]:
+        """(the shard parameter's name in this unit's state dict, its gather group)."""
+        return list(zip(self._shard_names, self.gather_groups))
+
+    @property
+    def shard_size_multiple(self) -> int:
+        """Flat shards are padded to a multiple of this many elements per rank (1; 128 on TPU)."""
+        return self._shard_size_multiple
 
     def _apply(self, fn: Callable, recurse: bool = True) -> "XlaFullyShardedDataParallel":
         """``.to(device)``, ``.cuda()``, ``.float()``: buffers and nested units move; host-offloaded shards stay."""
@@ -570,7 +600,7 @@ class XlaFullyShardedDataParallel(UnitSetup, GradientReduction, ShardedUnit):
         """
         from .checkpoints.metadata import shard_metadata
         for _, unit in param_names.named_units(self):  # a save before the first forward: rank 0's values
-            unit._take_rank_0_values()
+            unit.take_rank_0_values()
         return shard_metadata(self)
 
 

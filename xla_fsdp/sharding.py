@@ -1,15 +1,21 @@
-"""Sharding math: how parameters are flattened, padded, split across ranks and put back.
+"""Sharding math: how parameters are flattened, padded, split across ranks and stitched back.
 
 Pure functions and a small layout record, with no process group and no device: every rule that
-decides which element lives on which rank is here, so it can be tested (and reused by the
-checkpoint tools) without running any collective.
+decides which element lives on which rank is here, so it can be tested without running any
+collective, and the units, the checkpoint tools and the DCP converter split and stitch with the same
+code. A checkpoint's layout *entry* (``shard_metadata['layout'][key]``) records how one shard parameter
+was built: ``mode`` ('flat' = several tensors in one padded buffer, 'param' = one tensor flattened and
+padded, 'dim0' = one tensor split by rows), the original ``names`` and ``shapes``, and ``padded_numel``;
+:func:`split_entry` and :func:`stitch_entry` work from it alone, for parameters and for optimizer state
+of the same shape (Adam moments).
 """
 from __future__ import annotations
 
+import copy
 import functools
 import math
 from dataclasses import dataclass
-from typing import List, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Sequence, Tuple
 
 import torch
 
@@ -145,18 +151,50 @@ def unpad_dim0(full: torch.Tensor, layout: Dim0Layout) -> torch.Tensor:
     return full[:layout.rows].view(layout.shape)
 
 
-def consolidate_flat(shards: Sequence[torch.Tensor], layout: FlatLayout) -> List[torch.Tensor]:
-    """Rebuild the original tensors from every rank's flat shard, in rank order."""
-    if len(shards) != layout.world_size:
-        raise ValueError(f"expected {layout.world_size} shards, got {len(shards)}")
-    return [t.clone() for t in unflatten(torch.cat([s.reshape(-1) for s in shards]), layout)]
+def stitch_entry(info: Mapping[str, Any], shards: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    """The original tensors of one layout entry from every rank's shard (rank order)."""
+    shapes = [tuple(s) for s in info["shapes"]]
+    if info["mode"] == "dim0":
+        rows = shapes[0][0] if shapes[0] else 1
+        full = torch.cat([s if s.dim() else s.reshape(1) for s in shards], 0)  # a 0-d parameter: one row
+        return [full[:rows].reshape(shapes[0]).clone()]
+    stitched = torch.cat([s.reshape(-1) for s in shards])
+    if stitched.numel() != info["padded_numel"]:
+        raise ValueError(f"shards hold {stitched.numel()} elements, metadata says {info['padded_numel']}")
+    if len(shapes) == 1:  # one tensor: a view of the freshly stitched buffer, no extra copy
+        return [stitched[:math.prod(shapes[0])].view(shapes[0])]
+    out, offset = [], 0
+    for shape in shapes:
+        n = math.prod(shape)
+        out.append(stitched[offset:offset + n].view(shape).clone())
+        offset += n
+    return out
 
 
-def consolidate_dim0(shards: Sequence[torch.Tensor], layout: Dim0Layout) -> torch.Tensor:
-    """Rebuild one tensor from every rank's dim-0 shard, in rank order."""
-    if len(shards) != layout.world_size:
-        raise ValueError(f"expected {layout.world_size} shards, got {len(shards)}")
-    return unpad_dim0(torch.cat(list(shards), dim=0), layout).clone()
+def split_entry(info: Mapping[str, Any], tensors: Sequence[torch.Tensor], world_size: int,
+                pad_multiple: int) -> Tuple[Dict[str, Any], List[torch.Tensor]]:
+    """Split a layout entry's original tensors for ``world_size`` ranks: (the new entry, shards)."""
+    new = copy.deepcopy(dict(info))
+    shapes = [tuple(s) for s in info["shapes"]]
+    if info["mode"] == "dim0":
+        layout = Dim0Layout(shapes[0], world_size)
+        padded = pad_dim0(tensors[0], layout)
+        new["padded_numel"] = layout.padded_numel
+        new["shard_shape"] = list(layout.shard_shape)
+        return new, [c.clone() for c in padded.chunk(world_size, 0)]
+    layout = FlatLayout(tuple(shapes), world_size, pad_multiple)
+    flat = torch.zeros(layout.padded_numel, dtype=tensors[0].dtype)
+    for t, off, n in zip(tensors, layout.offsets, layout.numels):
+        flat[off:off + n] = t.reshape(-1)
+    new["padded_numel"] = layout.padded_numel
+    new["shard_shape"] = [layout.shard_numel]
+    return new, [c.clone() for c in flat.chunk(world_size)]
+
+
+def param_entry(shape: Sequence[int]) -> Dict[str, Any]:
+    """The layout entry of one unflattened parameter of ``shape`` (padded and shapes filled in by
+    :func:`split_entry`)."""
+    return {"mode": "param", "shapes": [list(shape)], "aliases": {}, "requires_grad": True}
 
 
 def default_predivide_factor(world_size: int) -> float:

@@ -1,5 +1,6 @@
 """Sharded checkpoints: per-rank files, consolidation, offline resharding, torch_xla migration."""
-from .consolidate import ShardedCheckpoint, consolidate_sharded_model_checkpoints, write_consolidated
+from .consolidate import consolidate_sharded_model_checkpoints, write_consolidated
+from .reader import ShardedCheckpoint
 from .full_state import (full_optim_state_dict, full_state_dict, load_full_optim_state_dict,
                          load_full_state_dict)
 from .files import CheckpointError, find_rank_files, rank_path

@@ -28,8 +28,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from .._exit_cleanup import UNFINISHED as _UNFINISHED
 from ..shard_names import SHARD_PREFIX, SHARD_SEPARATOR
-from ..sharding import FlatLayout
-from .consolidate import MISSING_OPTIMIZER_KEYS, ShardedCheckpoint
+from ..sharding import param_entry, split_entry
+from .reader import MISSING_OPTIMIZER_KEYS, ShardedCheckpoint
 from .files import (DEFAULT_SUFFIX, CheckpointError, as_disk_full, prepare_output, rank_path,
                     refuse_overwriting_inputs, stored_bytes, tensor_checksum)
 from .metadata import METADATA_VERSION, _library_versions, full_optimizer_state_dict, param_order
@@ -109,7 +109,7 @@ def export_dcp(ckpt_prefix: str, out_dir: str, model_key: str = "model", optim_k
     at ``out_dir`` is replaced then, a folder holding anything else only with ``overwrite``."""
     src = ShardedCheckpoint(ckpt_prefix, ckpt_suffix)
     refuse_overwriting_inputs([out_dir], [f.path for f in src.files])
-    ckpts = src._open()
+    ckpts = src.rank_dicts()
     index = NameIndex(src.layout)
 
     def model_chunk(key, rank):
@@ -358,12 +358,7 @@ class _RankFileWriters:
 
 
 def _split(full: torch.Tensor, world_size: int) -> Tuple[Dict[str, Any], List[torch.Tensor]]:
-    layout = FlatLayout((tuple(full.shape),), world_size, 1)
-    flat = torch.zeros(layout.padded_numel, dtype=full.dtype)
-    flat[:layout.numel] = full.reshape(-1)
-    entry = {"mode": "param", "shapes": [list(full.shape)], "aliases": {}, "padded_numel": layout.padded_numel,
-             "shard_shape": [layout.shard_numel], "requires_grad": True}
-    return entry, [c.clone() for c in flat.chunk(world_size)]
+    return split_entry(param_entry(full.shape), [full], world_size, 1)
 
 
 def _join(prefix: str, name: str) -> str:

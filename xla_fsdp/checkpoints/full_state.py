@@ -12,7 +12,7 @@ import torch
 
 from ..shard_names import clean_name
 from .files import CheckpointError
-from .layout_ops import reshard_entry, unshard_entry
+from ..sharding import split_entry, stitch_entry
 from .metadata import full_optimizer_state_dict, param_order
 
 
@@ -31,13 +31,13 @@ def full_state_dict(model, rank0_only: bool = True) -> Optional[Dict[str, torch.
     for key in metadata["layout"]:
         shard = params[key].detach()
         shard = shard.reshape((-1,) + tuple(shard.shape[1:])).to(comms.device)  # host-offloaded: to the device
-        gathered[key] = comms.all_gather(shard, model._aux_channel)
+        gathered[key] = model.gather_over_ranks(shard)
         comms.sync()  # one control channel: one collective per executed graph
     if rank0_only and model.rank != 0:
         return None
     out: Dict[str, torch.Tensor] = OrderedDict()
     for key, entry in metadata["layout"].items():
-        tensors = unshard_entry(entry, list(gathered[key].cpu().chunk(ws)))
+        tensors = stitch_entry(entry, list(gathered[key].cpu().chunk(ws)))
         for name, t in zip(entry["names"], tensors):
             out[name] = t
             for alias in entry.get("aliases", {}).get(name, []):
@@ -63,7 +63,7 @@ def load_full_state_dict(model, state_dict: Mapping[str, torch.Tensor]) -> None:
         for n, t, shape in zip(entry["names"], tensors, entry["shapes"]):
             if list(t.shape) != list(shape):
                 raise CheckpointError(f"'{n}' has shape {list(t.shape)}, the model expects {shape}")
-        shard = reshard_entry(entry, tensors, model.world_size, multiple)[1][model.rank]
+        shard = split_entry(entry, tensors, model.world_size, multiple)[1][model.rank]
         params[key].copy_(shard.view(params[key].shape).to(params[key].device))
     buffers = {k: v for k, v in model.state_dict().items() if k not in metadata["layout"]}
     for key, value in buffers.items():
@@ -94,7 +94,7 @@ def full_optim_state_dict(model, optimizer, rank0_only: bool = True) -> Optional
         gathered[idx] = {}
         for f, v in st.items():
             if isinstance(v, torch.Tensor) and list(v.shape) == list(entry["shard_shape"]):
-                v = comms.all_gather(v.reshape((-1,) + tuple(v.shape[1:])).to(comms.device), model._aux_channel)
+                v = model.gather_over_ranks(v.reshape((-1,) + tuple(v.shape[1:])))
                 comms.sync()
             gathered[idx][f] = v
     if rank0_only and model.rank != 0:
@@ -106,7 +106,7 @@ def full_optim_state_dict(model, optimizer, rank0_only: bool = True) -> Optional
         for f, v in gathered[idx].items():
             original = osd["state"][idx][f]
             if isinstance(original, torch.Tensor) and list(original.shape) == list(entry["shard_shape"]):
-                per_field[f] = unshard_entry(entry, list(v.cpu().chunk(ws)))
+                per_field[f] = stitch_entry(entry, list(v.cpu().chunk(ws)))
             else:
                 per_field[f] = [v.clone() if isinstance(v, torch.Tensor) else v] * len(entry["names"])
         if not per_field:
@@ -166,7 +166,7 @@ def load_full_optim_state_dict(model, optimizer, full_osd: Mapping[str, Any]) ->
         for f, v in per_name[0].items():
             if _is_per_element(f, v, entry["shapes"][0], per_element):
                 full = [s[f].detach().cpu() for s in per_name]
-                st[f] = reshard_entry(entry, full, model.world_size, multiple)[1][model.rank].view(entry["shard_shape"])
+                st[f] = split_entry(entry, full, model.world_size, multiple)[1][model.rank].view(entry["shard_shape"])
             else:
                 st[f] = v.clone() if isinstance(v, torch.Tensor) else v
         state[idx] = st

@@ -19,7 +19,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from .consolidate import ShardedCheckpoint
+from .reader import ShardedCheckpoint
 from .files import CheckpointError, FileSet, atomic_write, prepare_output, refuse_overwriting_inputs
 from .stream_save import SafetensorsStreamWriter
 

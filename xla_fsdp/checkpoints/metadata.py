@@ -43,7 +43,7 @@ def shard_metadata(root) -> Dict[str, Any]:
         name_prefix = _clean_name(unit_path)
         name_prefix = name_prefix + "." if name_prefix else ""
         shard_info[unit_path] = {}
-        for group, shard_name in zip(unit._groups, unit._shard_names):
+        for shard_name, group in unit.named_gather_groups():
             if group.flat:
                 orig_name = f"{WRAPPED}.{group.flat_name}"
                 orig_size = torch.Size([group.layout.numel])
@@ -76,8 +76,8 @@ def shard_metadata(root) -> Dict[str, Any]:
         "version": METADATA_VERSION,
         "layout": layout,
         "flatten_parameters": bool(root.flatten_parameters),
-        "shard_param_on_dim_0": root._shard_param_on_dim_0,
-        "shard_size_multiple": root._shard_size_multiple,
+        "shard_param_on_dim_0": root.shard_param_on_dim_0,
+        "shard_size_multiple": root.shard_size_multiple,
         "sharding_groups": root.comms.groups,
         "sharding_strategy": root.sharding_strategy.name,
         "replica_groups": root.comms.replica_groups,

@@ -14,7 +14,7 @@ from ..shard_names import clean_name
 
 
 def torch_xla_layout(metadata: Mapping[str, Any], state_dict: Mapping[str, torch.Tensor]) -> Dict[str, Any]:
-    """Layout entries (see layout_ops) for a torch_xla checkpoint."""
+    """Layout entries (see sharding.py) for a torch_xla checkpoint."""
     world_size = metadata["world_size"]
     layout: Dict[str, Any] = {}
     for unit_path, shards in metadata["shard_info"].items():

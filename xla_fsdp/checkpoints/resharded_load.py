@@ -17,7 +17,7 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 import torch
 
 from ..shard_names import clean_name, readable_key
-from .consolidate import MISSING_OPTIMIZER_KEYS, REOPEN_BYTES, ShardedCheckpoint
+from .reader import MISSING_OPTIMIZER_KEYS, REOPEN_BYTES, ShardedCheckpoint
 from .files import CheckpointError, verify_archive
 
 Member = Tuple[str, int, int]  # (original name, offset in the entry's flat buffer, numel)
@@ -110,7 +110,7 @@ class ReshardedLoad:
     def __init__(self, ckpt_prefix: str):
         self.source = ShardedCheckpoint(ckpt_prefix, verify=False)  # rank files checked in verify_share
         self.index = NameIndex(self.source.layout)
-        self._ckpts = self.source._open()
+        self._ckpts = self.source.rank_dicts()
         self._read = 0
 
     def verify_share(self, flat_rank: int, ranks: int) -> None:
@@ -126,7 +126,7 @@ class ReshardedLoad:
         self._read += nbytes
         if self._read > REOPEN_BYTES:
             self.source.release()
-            self._ckpts, self._read = self.source._open(), 0
+            self._ckpts, self._read = self.source.rank_dicts(), 0
 
     def _model_chunk(self, key: str, source_rank: int) -> torch.Tensor:
         return self._ckpts[source_rank]["model"][key].reshape(-1)

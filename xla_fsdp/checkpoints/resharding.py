@@ -8,10 +8,10 @@ from typing import Any, Dict, List
 
 import torch
 
-from .consolidate import MISSING_OPTIMIZER_KEYS, ShardedCheckpoint
+from .reader import MISSING_OPTIMIZER_KEYS, ShardedCheckpoint
 from .files import (DEFAULT_SUFFIX, CheckpointError, FileSet, prepare_output, rank_path, refuse_overwriting_inputs,
                     tensor_checksum)
-from .layout_ops import reshard_entry, unshard_entry
+from ..sharding import split_entry, stitch_entry
 from .migrate import pad_multiple_of
 
 
@@ -35,7 +35,7 @@ def reshard_checkpoint(ckpt_prefix: str, world_size: int, out_prefix: str,
         prepare_output(path, "torch", overwrite)
     multiple = pad_multiple_of(src.metadata)
     run_id = uuid.uuid4().hex[:16]
-    has_opt = all(c.get("optimizer") is not None for c in src._open())
+    has_opt = all(c.get("optimizer") is not None for c in src.rank_dicts())
     opt_keys = src.optimizer_param_keys
     if has_opt and opt_keys is None:
         raise CheckpointError(MISSING_OPTIMIZER_KEYS)
@@ -45,14 +45,14 @@ def reshard_checkpoint(ckpt_prefix: str, world_size: int, out_prefix: str,
             model: Dict[str, torch.Tensor] = {}
             layout: Dict[str, Any] = {}
             for key, entry in src.layout.items():
-                new_entry, shards = reshard_entry(entry, unshard_entry(entry, src.shards(key)), world_size, multiple)
+                new_entry, shards = split_entry(entry, stitch_entry(entry, src.shards(key)), world_size, multiple)
                 model[key] = shards[rank]
                 layout[key] = new_entry
             for key in src.buffer_keys:
                 model[key] = src.shards(key)[0].clone()
             optimizer = None
             if has_opt:
-                osds = [c["optimizer"] for c in src._open()]
+                osds = [c["optimizer"] for c in src.rank_dicts()]
                 state = {}
                 for idx, key in enumerate(opt_keys):
                     entry = src.layout[key]
@@ -60,8 +60,8 @@ def reshard_checkpoint(ckpt_prefix: str, world_size: int, out_prefix: str,
                     st = {}
                     for field, value in per_rank[0].items():
                         if isinstance(value, torch.Tensor) and list(value.shape) == list(entry["shard_shape"]):
-                            full = unshard_entry(entry, [p[field] for p in per_rank])
-                            st[field] = reshard_entry(entry, full, world_size, multiple)[1][rank]
+                            full = stitch_entry(entry, [p[field] for p in per_rank])
+                            st[field] = split_entry(entry, full, world_size, multiple)[1][rank]
                         else:
                             st[field] = value.clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
                     if st:

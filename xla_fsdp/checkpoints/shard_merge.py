@@ -12,7 +12,7 @@ from typing import Any, Dict, Mapping, Sequence
 import torch
 
 from ..shard_names import clean_name
-from ..sharding import Dim0Layout, FlatLayout, consolidate_dim0
+from ..sharding import stitch_entry
 
 
 def consolidate_sharded_state_dicts(state_dict_list: Sequence[Mapping[str, torch.Tensor]],
@@ -26,17 +26,10 @@ def consolidate_sharded_state_dicts(state_dict_list: Sequence[Mapping[str, torch
     full: "OrderedDict[str, torch.Tensor]" = OrderedDict()
     for key, info in layout.items():
         shards = [sd[key].detach().cpu() for sd in state_dict_list]
-        shapes = [tuple(s) for s in info["shapes"]]
-        if info["mode"] == "dim0":
-            tensors = [consolidate_dim0(shards, Dim0Layout(shapes[0], world_size))]
-        else:
-            flat_layout = FlatLayout(tuple(shapes), world_size, 1)
-            stitched = torch.cat([s.reshape(-1) for s in shards])
-            if stitched.numel() != info["padded_numel"]:
-                raise ValueError(f"shards of '{key}' hold {stitched.numel()} elements, metadata says "
-                                 f"{info['padded_numel']}")
-            tensors = [stitched[off:off + n].view(shape).clone() for off, n, shape in
-                       zip(flat_layout.offsets, flat_layout.numels, flat_layout.shapes)]
+        try:
+            tensors = [t.clone() for t in stitch_entry(info, shards)]
+        except ValueError as e:
+            raise ValueError(f"shards of '{key}': {e}") from None
         for name, tensor in zip(info["names"], tensors):
             full[name] = tensor
             for alias in info.get("aliases", {}).get(name, []):

@@ -50,7 +50,7 @@ def _agree_on_run_id(model) -> str:
     # os.urandom, not torch's RNG: seeded runs would otherwise reuse the same id.
     words = [int.from_bytes(os.urandom(4), "little") >> 1 for _ in range(2)] if comms.rank == 0 else [0, 0]
     mine = torch.tensor(words, dtype=torch.int32)
-    gathered = comms.all_gather(mine.to(comms.device), model._aux_channel)
+    gathered = model.gather_over_ranks(mine)
     comms.sync()
     first = gathered.cpu()[:2].tolist()
     return f"{first[0]:08x}{first[1]:08x}"
@@ -220,7 +220,7 @@ def _remove_other_world_sizes(ckpt_prefix: str, world_size: int) -> List[str]:
 def _replica_barrier(model) -> None:
     if model.comms.num_replicas > 1:
         token = torch.zeros(1).to(model.comms.device)
-        model.comms.all_reduce_replicas(token, model._replica_aux_channel)
+        model.sum_over_replicas(token)
         model.comms.sync()
 
 
@@ -335,7 +335,7 @@ def values_over_ranks(model, value: int) -> List[int]:
     sums = comms.start_sum_over_ranks(row)()
     if sums is None:  # processes without a host channel (TPU hosts): the shard group's values on device
         mine = torch.tensor([value], dtype=torch.int32).to(comms.device)
-        gathered = comms.all_gather(mine, model._aux_channel)
+        gathered = model.gather_over_ranks(mine)
         comms.sync()
         return [int(v) for v in gathered.cpu().tolist()]
     return [int(v) for v in sums]
@@ -359,7 +359,7 @@ def messages_over_ranks(model, message: Optional[str]) -> List[Optional[str]]:
         full[at:at + _MESSAGE_BYTES] = row
         sums = comms.start_sum_over_ranks(full)()
         if sums is None:  # processes without a host channel (TPU hosts): the shard group's rows on device
-            gathered = comms.all_gather(torch.tensor(row, dtype=torch.int32).to(comms.device), model._aux_channel)
+            gathered = model.gather_over_ranks(torch.tensor(row, dtype=torch.int32))
             comms.sync()
             sums = [int(v) for v in gathered.cpu().tolist()]
         rows = [sums[i:i + _MESSAGE_BYTES] for i in range(0, len(sums), _MESSAGE_BYTES)]

@@ -15,7 +15,8 @@ import os
 import sys
 from typing import List, Optional
 
-from ..checkpoints.consolidate import ShardedCheckpoint, default_save_path, write_consolidated
+from ..checkpoints.consolidate import default_save_path, write_consolidated
+from ..checkpoints.reader import ShardedCheckpoint
 from ..checkpoints.files import DEFAULT_SUFFIX, run_cli_action
 from ..checkpoints.hf_export import INDEX_NAME, write_hf_safetensors
 

@@ -105,7 +105,7 @@ class Collectives(abc.ABC):
     #: storage does; a lazy transport's views hold the IR value they were cut from)
     views_see_refills: bool = True
 
-    #: whether a unit's groups share one all-gather and one reduce-scatter (see param_group)
+    #: whether a unit's groups share one all-gather and one reduce-scatter (see gather_group)
     coalesces: bool = False
 
     @abc.abstractmethod

@@ -42,14 +42,17 @@ def enable_xla_cpu_devices() -> bool:
     processes ``torch_xla.launch`` / ``xmp.spawn`` / ``pjrt.run_multiprocess`` start from it.
 
     Call it before the XLA runtime starts (before ``torch_xla.launch``); :func:`launch` calls it for
-    you. Does nothing (returns False) unless ``PJRT_DEVICE=CPU``: TPUs need none of it. What it
+    you. Does nothing (returns False) unless ``PJRT_DEVICE=CPU`` (or unset, with ``CPU_NUM_DEVICES``):
+    TPUs need none of it. What it
     changes (see :mod:`xla_fsdp.patches`, which undoes it): XLA:CPU pool settings where unset,
     ``torch_xla.sync``/``xm.mark_step`` (a sync that does not deadlock rank threads),
     ``xm.all_gather``/``reduce_scatter``/``all_reduce``/``rendezvous`` (host exchanges between rank
     threads), ``torch.distributed``'s ``init_process_group``/``get_rank``/``destroy_process_group``
     (one ``xla`` group the threads share), ``torch.serialization.safe_globals`` (safe across threads),
     and the start of the device processes (failures and Ctrl-C stop every rank)."""
-    if os.environ.get("PJRT_DEVICE", "").upper() != "CPU":
+    # torch_xla itself defaults to CPU when PJRT_DEVICE is unset; CPU_NUM_DEVICES then asks for several
+    device = os.environ.get("PJRT_DEVICE") or ("CPU" if os.environ.get("CPU_NUM_DEVICES") else "")
+    if device.upper() != "CPU":
         return False
     try:
         import torch_xla  # noqa: F401

@@ -9,7 +9,7 @@ import torch
 from torch.autograd import Variable
 
 from .offload import barrier_sources, land_gradients
-from .param_group import ParamGroup, start_reduce
+from .gather_group import GatherGroup, start_reduce
 from .schedule import TrainingState
 from .tensor_tree import tensors_in
 from .gradient_usage import GradientPlan, reachable_edges, used_members
@@ -20,14 +20,14 @@ class GradientReduction:
     unit's groups, collectives, schedule and divide factors)."""
 
     _module_id_cache: Optional[Set[int]] = None
-    _shared_groups: List[ParamGroup] = []
+    _shared_groups: List[GatherGroup] = []
 
     # --- which groups get gradients this step (see gradient_usage.py) -----------------------------------
     def _begin_gradient_plan(self) -> None:
         """The root's forward begins."""
         record = self._plans_gradients and torch.is_grad_enabled() and self._require_backward_grad_sync
         for unit in self._units_in_tree:
-            for group in unit._groups:
+            for group in unit.gather_groups:
                 group.begin_forward(record)
 
     def _end_gradient_plan(self, outputs: Any) -> None:
@@ -48,7 +48,8 @@ class GradientReduction:
             if (unit.comms.name == "xla" and self._schedule.ran_forward(unit)
                     and getattr(unit._fsdp_wrapped_module, "_xla_fsdp_checkpointed", False)):
                 hidden |= unit._module_ids()
-        used = [used_members(g, edges, hidden) for unit in self._units_in_tree for g in unit._groups if g.requires_grad]
+        used = [used_members(g, edges, hidden)
+                for unit in self._units_in_tree for g in unit.gather_groups if g.requires_grad]
         for group in self._trainable_groups:
             group.end_edge_record()
         self._schedule.plan = GradientPlan(self._trainable_groups, used, self.comms.start_sum_over_ranks)
@@ -62,7 +63,7 @@ class GradientReduction:
     def _find_shared_groups(self, units: List[Any]) -> None:
         """Groups of units outside this one that this unit's modules hold: tied weights a parent owns."""
         inside = self._module_ids()
-        self._shared_groups = [g for u in units if u is not self and id(u) not in inside for g in u._groups
+        self._shared_groups = [g for u in units if u is not self and id(u) not in inside for g in u.gather_groups
                                if any(id(m) in inside for ref in g.refs for m, _ in ref.slots)]
 
     def _before_recompute(self) -> None:
@@ -90,7 +91,7 @@ class GradientReduction:
         counts = self.comms.start_sum_over_ranks(present)() or present
         index = {id(g): i for i, g in enumerate(plan.groups)}
         for unit in self._units_in_tree:
-            groups = [g for g in unit._groups if g.requires_grad and counts[index[id(g)]] > 0]
+            groups = [g for g in unit.gather_groups if g.requires_grad and counts[index[id(g)]] > 0]
             if not groups:
                 continue
             grads = [held.pop(id(g), None) for g in groups]
@@ -125,7 +126,7 @@ class GradientReduction:
         if self.optimization_barrier_in_backward:
             # Make the re-gather depend on the incoming gradient, so XLA does not hoist every
             # unit's gather to the start of backward.
-            self.comms.optimization_barrier(barrier_sources(self._offload, self._groups) + [grad])
+            self.comms.optimization_barrier(barrier_sources(self._offload, self.gather_groups) + [grad])
         previous = self._prefetch_target(-1)
         if previous is not None and previous._pre_backward_done:
             previous = None  # its backward already ran (the root's, first): nothing left to gather for
@@ -141,7 +142,7 @@ class GradientReduction:
                 and not getattr(self._fsdp_wrapped_module, "_xla_fsdp_checkpointed", False))
 
     @torch.no_grad()
-    def _on_full_grad_ready(self, group: ParamGroup, full: torch.Tensor, final: bool = False) -> None:
+    def _on_full_grad_ready(self, group: GatherGroup, full: torch.Tensor, final: bool = False) -> None:
         """All gradient for ``group`` has been accumulated into ``full.grad``: reduce-scatter it.
         ``final``: the end of backward, where nothing more can arrive."""
         self.training_state = TrainingState.BACKWARD_POST
@@ -196,7 +197,7 @@ class GradientReduction:
         """Runs once at the end of the root's backward: free what backward left gathered."""
         for unit in self._units_in_tree:  # gradients left in full.grad by nested backward passes
             if unit._require_backward_grad_sync:
-                for group in unit._groups:
+                for group in unit.gather_groups:
                     if group.requires_grad and group.full.grad is not None:
                         unit._on_full_grad_ready(group, group.full, final=True)
         self._schedule.backward_task = None
@@ -209,10 +210,10 @@ class GradientReduction:
             unit._reduce_pending()
         self._finish_reduces()
         for unit in self._units_in_tree:
-            unit._finish_unshard()  # a prefetch for a unit that did not run backward
+            unit.finish_unshard()  # a prefetch for a unit that did not run backward
             # Under no_sync a ZeRO-2 unit keeps its parameters for the next micro-batch.
             if unit._require_backward_grad_sync or unit.reshard_after_forward:
-                unit._reshard()
+                unit.reshard()
             unit._pre_backward_done = False
             unit.training_state = TrainingState.IDLE
         # Host offload: gradient shards reach their host .grad (after the full parameters are freed:

@@ -1,15 +1,76 @@
 """What every layer may know about a unit without importing the wrapper (imports run one way: the
 public wrapper imports the layers below it, never the reverse). As PyTorch's FSDP2 keeps its state
-apart from ``fully_shard``, "is this module a unit?" and unit walks ask this base class."""
+apart from ``fully_shard``, "is this module a unit?", unit walks and what the schedule, the gradient
+code and the checkpoint code may use of a unit are declared here; the wrapper implements them.
+``test/test_structure.py`` checks that no other module reaches into a unit's private attributes."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any, List, Tuple
+
+import torch
 import torch.nn as nn
+
+if TYPE_CHECKING:
+    from ..collectives.base import Collectives
+    from .gather_group import GatherGroup
 
 
 class ShardedUnit(nn.Module):
-    """Base of :class:`~xla_fsdp.XlaFullyShardedDataParallel`: a module whose parameters xla_fsdp shards."""
+    """Base of :class:`~xla_fsdp.XlaFullyShardedDataParallel`: a module whose parameters xla_fsdp
+    shards. The attributes and methods below are the interface the other layers use."""
+
+    #: the collectives of the unit's shard group (and replica groups)
+    comms: "Collectives"
+    #: this rank's position in the unit's shard group, and the group's size
+    rank: int
+    world_size: int
+    #: whether forward frees the full parameters (ZeRO-3) or keeps them for backward (ZeRO-2)
+    reshard_after_forward: bool
+    #: whether each parameter is split by rows (dim 0) instead of flattened
+    shard_param_on_dim_0: bool
+    #: the unit's gather groups: what one all-gather fetches (one parameter, or a flat group of them)
+    gather_groups: List["GatherGroup"]
+    #: parameter slots of the wrapped module left to an enclosing unit (a parameter tied across units)
+    tied_slots_left: List[Any]
+
+    @property
+    def shard_size_multiple(self) -> int:
+        """Flat shards are padded to a multiple of this many elements per rank."""
+        raise NotImplementedError
+
+    @property
+    def unshard_pending(self) -> bool:
+        """Whether a gather was started (a prefetch) and not yet waited for."""
+        raise NotImplementedError
+
+    def finish_unshard(self) -> None:
+        """Wait for a started gather."""
+        raise NotImplementedError
+
+    def take_rank_0_values(self) -> None:
+        """Take rank 0's parameters and buffers where construction left them to take (``sync_module_states``)."""
+        raise NotImplementedError
+
+    def reshard(self) -> None:
+        """Free the full parameters; the shards stay."""
+        raise NotImplementedError
+
+    def named_gather_groups(self) -> List[Tuple[str, "GatherGroup"]]:
+        """(the shard parameter's name in the unit's state dict, its gather group)."""
+        raise NotImplementedError
+
+    def gather_over_ranks(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``tensor``, concatenated on dim 0 in rank order (control collectives outside a step)."""
+        raise NotImplementedError
+
+    def sum_over_replicas(self, tensor: torch.Tensor) -> None:
+        """Sum ``tensor`` in place over this rank's replicas (hybrid strategies)."""
+        raise NotImplementedError
+
+    def gather_norms(self, local: torch.Tensor) -> torch.Tensor:
+        """Every rank's one-element gradient-norm term, in rank order."""
+        raise NotImplementedError
 
 
 def is_unit(module: nn.Module) -> bool:
     return isinstance(module, ShardedUnit)
-

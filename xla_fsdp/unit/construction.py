@@ -9,7 +9,7 @@ from typing import Callable, Dict, List, Optional, Set, Tuple
 import torch
 import torch.nn as nn
 
-from .param_group import ParamRef
+from .gather_group import ParamRef
 from .tied import LeftSlot
 from .base import is_unit
 
@@ -130,7 +130,7 @@ def collect_params(module: nn.Module, leave: Set[int] = frozenset(), storage_dty
             else:
                 own(p, prefix + name, m, name)
     for prefix, unit in nested_units(module):
-        for slot in unit._tied_slots_left:
+        for slot in unit.tied_slots_left:
             if id(slot.param) in leave:
                 left.append(LeftSlot(slot.module, slot.attr, slot.param, prefix + slot.fqn))
             else:

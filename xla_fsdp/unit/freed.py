@@ -47,7 +47,7 @@ class FreedParameter(torch.Tensor):
         kwargs = kwargs or {}
         if func is torch.Tensor.requires_grad_ or func == _SET_REQUIRES_GRAD:
             # Freezing or unfreezing through the module's attribute acts on the shard (see
-            # ParamGroup.follow_requires_grad); the stand-in itself is replaced at the next step.
+            # GatherGroup.follow_requires_grad); the stand-in itself is replaced at the next step.
             value = args[1] if len(args) > 1 else kwargs.get("requires_grad", True)
             args[0]._xla_fsdp_shard.requires_grad_(value)
         return super().__torch_function__(func, types, args, kwargs)

@@ -22,10 +22,10 @@ def clip_sharded_grad_norm_(root, max_norm: float, norm_type: float = 2.0) -> to
     norm_type = float(norm_type)
     if norm_type == math.inf:
         local = _local(grads, lambda g: g.abs().max().float(), torch.max, comms.device)
-        total = comms.all_gather(local.view(1), root._norm_channel).max()
+        total = root.gather_norms(local).max()
     else:
         local = _local(grads, lambda g: g.float().abs().pow(norm_type).sum(), torch.sum, comms.device)
-        total = comms.all_gather(local.view(1), root._norm_channel).sum() ** (1.0 / norm_type)
+        total = root.gather_norms(local).sum() ** (1.0 / norm_type)
     # No host sync: clamp on device, as torch's own clip does.
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     coefs: Dict[torch.device, torch.Tensor] = {comms.device: coef}

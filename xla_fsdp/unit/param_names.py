@@ -56,7 +56,7 @@ def named_units(root: ShardedUnit) -> Iterator[Tuple[str, ShardedUnit]]:
 
 def original_names_and_shards(root: ShardedUnit) -> List[Tuple[str, nn.Parameter]]:
     return [(prefix + (g.flat_name if g.flat else g.refs[0].fqn), g.shard)
-            for prefix, unit in named_units(root) for g in unit._groups]
+            for prefix, unit in named_units(root) for g in unit.gather_groups]
 
 
 def names_in_model_order(root: ShardedUnit) -> List[str]:
@@ -70,7 +70,7 @@ def names_in_model_order(root: ShardedUnit) -> List[str]:
         attrs.update((id(m), names) for m, names in getattr(unit, "_param_attrs", {}).items())
     keyed = []
     for prefix, unit in named_units(root):
-        for group in unit._groups:
+        for group in unit.gather_groups:
             for ref in group.refs:
                 module, attr = ref.slots[0]  # the place of the first name (construction sorts them)
                 names = attrs.get(id(module), ())
@@ -85,7 +85,7 @@ def optimizer_param_groups(root: ShardedUnit,
     """See ``XlaFullyShardedDataParallel.optimizer_param_groups``."""
     groups: Dict[Any, Dict[str, Any]] = {}
     for prefix, unit in named_units(root):
-        for group in unit._groups:
+        for group in unit.gather_groups:
             names = [prefix + n for n in group.names]
             options = [options_fn(n) or {} for n in names]
             keys = [hashable(o) for o in options]

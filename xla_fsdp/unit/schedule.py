@@ -51,13 +51,13 @@ class Schedule:
     def release_deferred(self) -> None:
         unit, self.deferred = self.deferred, None
         if unit is not None:
-            unit._reshard()
+            unit.reshard()
 
     def release_kept(self) -> None:
         """A new forward starts: a unit kept for a backward that never ran is freed now."""
         unit, self.kept = self.kept, None
         if unit is not None:
-            unit._reshard()
+            unit.reshard()
 
     def end_forward(self, units: List[ShardedUnit]) -> None:
         """The root's forward has returned: what was recorded becomes the order."""
@@ -67,10 +67,10 @@ class Schedule:
         for index, unit in enumerate(self._order):
             self._position.setdefault(id(unit), index)
         for unit in units:  # gathers started for units that did not run after all
-            if unit._unshard_in_flight is not None:
-                unit._finish_unshard()
+            if unit.unshard_pending:
+                unit.finish_unshard()
                 if unit.reshard_after_forward or not torch.is_grad_enabled():
-                    unit._reshard()
+                    unit.reshard()
 
     def neighbour(self, unit: ShardedUnit, step: int) -> Optional[ShardedUnit]:
         index = self._position.get(id(unit))

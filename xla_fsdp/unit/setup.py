@@ -13,7 +13,7 @@ import torch.nn as nn
 from ..sharding import default_predivide_factor
 from . import construction, tied
 from .options import UnitOptions
-from .param_group import ParamGroup, ReduceInFlight
+from .gather_group import GatherGroup, ReduceInFlight
 from .param_names import SHARD_PREFIX, SHARD_SEPARATOR, WRAPPED, flat_parts
 from .schedule import Schedule, TrainingState
 
@@ -29,7 +29,7 @@ class UnitSetup:
             from .patched_linear import patch_linear_layers
             patch_linear_layers(module)
         self._param_attrs = construction.param_attrs(module)
-        refs, self._tied_slots_left = construction.collect_params(module, tied.escaping(module),
+        refs, self.tied_slots_left = construction.collect_params(module, tied.escaping(module),
                                                                   self.param_storage_dtype)
         self._fsdp_wrapped_module = module
         self._module_view: Optional[nn.Module] = None
@@ -37,10 +37,10 @@ class UnitSetup:
             # Weakly: the module must not keep its unit alive (nor make a reference cycle nn.Module sees).
             unit = weakref.ref(self)
             object.__setattr__(module, "_xla_fsdp_before_recompute", lambda: unit()._before_recompute())
-        self._groups: List[ParamGroup] = self._build_groups(refs)
+        self.gather_groups: List[GatherGroup] = self._build_groups(refs)
         self._watched_groups: Set[int] = set()  # ids of groups whose full parameter has the gradient hook
         self._shard_names: List[str] = []
-        for group in self._groups:
+        for group in self.gather_groups:
             name = self._shard_param_name(group)
             self.register_parameter(name, group.shard)
             group.shard._orig_name = f"{WRAPPED}.{group.flat_name if group.flat else group.refs[0].fqn}"
@@ -52,7 +52,7 @@ class UnitSetup:
         module.to(self.comms.device)
         # (module, name, buffer, its version now, rank 0's value to take) for the floating buffers this unit owns
         # (integer counters are alike anyway); taken now, or at the first forward where the ranks
-        # are threads of one process, as the groups' parameters are (see ParamGroup)
+        # are threads of one process, as the groups' parameters are (see GatherGroup)
         self._rank_0_buffers: List[Tuple[nn.Module, str, torch.Tensor, int, Callable[[], torch.Tensor]]] = []
         if self._sync_module_states:
             for _, m in construction.owned_modules(module):
@@ -60,14 +60,14 @@ class UnitSetup:
                     if b is not None and b.is_floating_point():
                         self._rank_0_buffers.append((m, name, b, b._version, self.comms.start_broadcast_from_rank_0(b)))
             if not self.comms.ranks_share_a_process:
-                self._take_rank_0_values()
+                self.take_rank_0_values()
             else:  # a state_dict before the first forward holds rank 0's values too
                 self.register_state_dict_pre_hook(_take_before_state_dict)
 
-    def _take_rank_0_values(self) -> None:
+    def take_rank_0_values(self) -> None:
         """Rank 0's parameters and buffers where construction left them to take (``sync_module_states``
         with rank threads); what was written since (a checkpoint loaded) is kept."""
-        for group in self._groups:
+        for group in self.gather_groups:
             group.take_rank_0_values()
         buffers, self._rank_0_buffers = self._rank_0_buffers, []
         with torch.no_grad():
@@ -81,12 +81,12 @@ class UnitSetup:
         unfreezing after wrapping); a group that trains gets its gradient hook once. Returns
         whether any group changed."""
         changed = False
-        for group in self._groups:
+        for group in self.gather_groups:
             changed |= group.follow_requires_grad()
             if group.requires_grad and id(group) not in self._watched_groups:
                 group.full.register_post_accumulate_grad_hook(functools.partial(self._on_full_grad_ready, group))
                 self._watched_groups.add(id(group))
-        self._num_grad_groups = sum(g.requires_grad for g in self._groups)
+        self._num_grad_groups = sum(g.requires_grad for g in self.gather_groups)
         return changed
 
     def _init_step_state(self) -> None:
@@ -96,7 +96,7 @@ class UnitSetup:
         self._units_in_tree: List[nn.Module] = []  # the root's units (set in _lazy_init)
         self._require_backward_grad_sync = True
         self._pre_backward_done = False
-        self._pending_grads: List[Tuple[ParamGroup, torch.Tensor]] = []  # waiting for the unit's others
+        self._pending_grads: List[Tuple[GatherGroup, torch.Tensor]] = []  # waiting for the unit's others
         # Reduce-scatters started but not yet waited for; one list shared by the root's tree (set in
         # _lazy_init) so they finish in the order they started, the same on every rank.
         self._reduces_in_flight: List[ReduceInFlight] = []
@@ -110,28 +110,28 @@ class UnitSetup:
         self._aux_channel = self.comms.allocate_channels(1)  # small control collectives (checkpoints)
         self._replica_aux_channel = self.comms.allocate_channels(1)
 
-    def _build_groups(self, refs) -> List[ParamGroup]:
+    def _build_groups(self, refs) -> List[GatherGroup]:
         names: List[Optional[str]]
         if self.flatten_parameters:
             parts, names = flat_parts(refs, self._flatten_group_fn)
         else:
             parts, names = [[r] for r in refs], [None] * len(refs)
-        channel = self.comms.allocate_channels(ParamGroup.CHANNELS * len(parts))
+        channel = self.comms.allocate_channels(GatherGroup.CHANNELS * len(parts))
         groups = []
         for i, (part, flat_name) in enumerate(zip(parts, names)):
-            group = ParamGroup(part, self.comms, flat=self.flatten_parameters,
-                               dim0=self._shard_param_on_dim_0, pad_multiple=self._shard_size_multiple,
-                               compute_dtype=self.compute_dtype, channel=channel + ParamGroup.CHANNELS * i,
+            group = GatherGroup(part, self.comms, flat=self.flatten_parameters,
+                               dim0=self.shard_param_on_dim_0, pad_multiple=self._shard_size_multiple,
+                               compute_dtype=self.compute_dtype, channel=channel + GatherGroup.CHANNELS * i,
                                offload=self._offload, storage_dtype=self.param_storage_dtype,
                                sync_from_rank_0=self._sync_module_states)
             group.flat_name = flat_name
             groups.append(group)
         return groups
 
-    def _shard_param_name(self, group: ParamGroup) -> str:
+    def _shard_param_name(self, group: GatherGroup) -> str:
         path = f"{WRAPPED}.{group.flat_name if group.flat else group.refs[0].fqn}"
         return SHARD_PREFIX + path.replace(".", SHARD_SEPARATOR)
 
 
 def _take_before_state_dict(unit: nn.Module, prefix: str, keep_vars: bool) -> None:
-    unit._take_rank_0_values()
+    unit.take_rank_0_values()

@@ -37,10 +37,10 @@ def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool 
         if unit.training_state is not TrainingState.IDLE:
             raise RuntimeError(f"xla_fsdp: summon_full_params inside forward or backward (a unit is in state "
                                f"{unit.training_state.value}); call it between steps")
-    groups = [g for unit in units for g in unit._groups]
+    groups = [g for unit in units for g in unit.gather_groups]
     for unit in units:
-        unit._take_rank_0_values()  # before the first forward (sync_module_states, rank threads)
-        unit._finish_unshard()  # a prefetch left in flight
+        unit.take_rank_0_values()  # before the first forward (sync_module_states, rank threads)
+        unit.finish_unshard()  # a prefetch left in flight
     gathered = [g.gather_values() for g in groups]  # the same order on every rank
     for group, values in zip(groups, gathered):
         group.set_module_values(values)

@@ -1,6 +1,7 @@
-"""One all-gather unit of parameters: the sharded fp32 master and the full compute-dtype copy.
+"""A gather group: the parameters one all-gather fetches (not an optimizer's param group, not a group
+of ranks), with the sharded fp32 master and the full compute-dtype copy.
 
-A group is either several parameters flattened into one padded buffer (``flatten_parameters``) or
+A gather group is either several parameters flattened into one padded buffer (``flatten_parameters``) or
 a single parameter (padded flat, or split on dim 0). The optimizer sees only ``shard``; the wrapped
 module sees ``full`` (or views of it) through plain attributes that replace its original
 ``nn.Parameter`` registrations, so ``state_dict()`` and ``parameters()`` of the wrapper hold shards.
@@ -38,8 +39,8 @@ class ParamRef:
     aliases: List[str]                           # further names of the same parameter
 
 
-class ParamGroup:
-    """Owns one shard parameter and the matching full parameter for a unit."""
+class GatherGroup:
+    """Owns one shard parameter and the matching full parameter for a unit (``unit.gather_groups``)."""
 
     # forward gather, backward gather, reduce-scatter, replica all-reduce, and the norms and overflow
     # checks the program takes of the shard gradient (see shard_grad.py)
@@ -440,8 +441,8 @@ class ParamGroup:
 SOLO_NUMEL = 1 << 20
 
 
-def split_for_coalescing(groups: List[ParamGroup], solo_numel: int = SOLO_NUMEL
-                         ) -> Tuple[List[ParamGroup], List[ParamGroup]]:
+def split_for_coalescing(groups: List[GatherGroup], solo_numel: int = SOLO_NUMEL
+                         ) -> Tuple[List[GatherGroup], List[GatherGroup]]:
     """(groups with collectives of their own, groups sharing one): only on coalescing transports
     and only groups under ``solo_numel`` elements share, since sharing copies the data once more."""
     if len(groups) == 1 or not groups[0].comms.coalesces:
@@ -452,7 +453,7 @@ def split_for_coalescing(groups: List[ParamGroup], solo_numel: int = SOLO_NUMEL
     return [g for g in groups if g.layout.padded_numel >= solo_numel], shared
 
 
-def start_unshard(groups: List[ParamGroup], backward: bool = False, refill_saved: bool = False,
+def start_unshard(groups: List[GatherGroup], backward: bool = False, refill_saved: bool = False,
                   solo_numel: int = SOLO_NUMEL) -> Callable[[], None]:
     """Begin all-gathering a unit's groups; the returned function waits and installs them.
 
@@ -470,7 +471,7 @@ def start_unshard(groups: List[ParamGroup], backward: bool = False, refill_saved
     return finish_each
 
 
-def _start_shared_unshard(groups: List[ParamGroup], backward: bool, refill_saved: bool) -> Callable[[], None]:
+def _start_shared_unshard(groups: List[GatherGroup], backward: bool, refill_saved: bool) -> Callable[[], None]:
     comms = groups[0].comms
     shards = [g.gather_source().detach().reshape(-1).to(g.compute_dtype) for g in groups]
     channel = groups[0].channel_backward if backward else groups[0].channel_forward
@@ -493,7 +494,7 @@ class ReduceInFlight:
     """A started reduce-scatter of one or more groups' gradients. :meth:`finish` waits for it,
     sums over replicas, divides and accumulates every group's block into its shard gradient."""
 
-    def __init__(self, groups: List[ParamGroup], widths: List[int], wait: Callable[[], torch.Tensor],
+    def __init__(self, groups: List[GatherGroup], widths: List[int], wait: Callable[[], torch.Tensor],
                  post_divide: float):
         self.groups, self.widths, self.wait, self.post_divide = groups, widths, wait, post_divide
 
@@ -510,7 +511,7 @@ class ReduceInFlight:
             offset += n
 
 
-def start_reduce(groups: List[ParamGroup], grads: List[torch.Tensor], pre_divide: float,
+def start_reduce(groups: List[GatherGroup], grads: List[torch.Tensor], pre_divide: float,
                  post_divide: float, fp32_reduce_scatter: bool,
                  solo_numel: int = SOLO_NUMEL) -> List[ReduceInFlight]:
     """Start the reduce-scatters of a unit's full gradients: one per large group, one for the small
@@ -524,7 +525,7 @@ def start_reduce(groups: List[ParamGroup], grads: List[torch.Tensor], pre_divide
     return started
 
 
-def _start_reduce(groups: List[ParamGroup], grads: List[torch.Tensor], pre_divide: float,
+def _start_reduce(groups: List[GatherGroup], grads: List[torch.Tensor], pre_divide: float,
                   post_divide: float, fp32_reduce_scatter: bool) -> ReduceInFlight:
     """One reduce-scatter for the full gradients of ``groups`` (several groups' padded gradients
     side by side, as ``(world_size, total)`` columns, so each rank's block holds its block of every
