@@ -24,7 +24,7 @@ from .unit.base import ShardedUnit
 from .unit.module_view import torch_xla_view
 from .unit.offload import HostOffload, barrier_sources, offload_requested, shards_held_back
 from .unit.options import UnitOptions, defaults as option_defaults
-from .unit.setup import UnitSetup
+from .unit.adoption import ModuleAdoption
 from .unit.gather_group import SOLO_NUMEL, GatherGroup, start_unshard
 from .unit.param_names import WRAPPED
 from .unit.schedule import TrainingState
@@ -81,7 +81,7 @@ class _FlattenFlag(int):
         method()
 
 
-class XlaFullyShardedDataParallel(UnitSetup, GradientReduction, ShardedUnit):
+class XlaFullyShardedDataParallel(ModuleAdoption, GradientReduction, ShardedUnit):
     """Shard a module's parameters, gradients and optimizer state across ranks (ZeRO-3/ZeRO-2).
 
     Drop-in for ``torch_xla.distributed.fsdp.XlaFullyShardedDataParallel``: same keywords and

@@ -1,6 +1,6 @@
 """How a unit takes its module: the parameters it owns become sharded groups, registered as
 shards; and the per-step state a built unit starts from. A mixin of the public wrapper, which plans
-transport, strategy and groups first (``_plan``) and then calls :meth:`UnitSetup._adopt`."""
+transport, strategy and groups first (``_plan``) and then calls :meth:`ModuleAdoption._adopt`."""
 from __future__ import annotations
 
 import functools
@@ -18,7 +18,7 @@ from .param_names import SHARD_PREFIX, SHARD_SEPARATOR, WRAPPED, flat_parts
 from .schedule import Schedule, TrainingState
 
 
-class UnitSetup:
+class ModuleAdoption:
     """Construction steps after planning (see the wrapper's ``_plan``)."""
 
     def _adopt(self, module: nn.Module, options: UnitOptions) -> None:
