@@ -430,7 +430,7 @@ class _null:
 def _inner_units_freed(root: FSDP) -> bool:
     """ZeRO-3 after forward: every nested unit has freed its full parameters, except the one that
     ended forward last (it runs first in backward), which must still hold them."""
-    kept = root._schedule.kept
+    kept = root.step_state.schedule.kept
     units = [m for m in root.modules() if isinstance(m, FSDP) and m is not root and m is not kept]
     # A world-size-1 alias of the shard (torch transport, no cast) owns nothing to free.
     return (bool(units) and kept is not None and all(g.is_unsharded() for g in kept.gather_groups)
@@ -452,7 +452,7 @@ def _record_params_seen(root: FSDP) -> list:
 
 def _seen_params_freed(root: FSDP, seen: list) -> bool:
     # A world-size-1 alias of the shard (torch transport, no cast) owns nothing to free.
-    kept = root._schedule.kept.gather_groups
+    kept = root.step_state.schedule.kept.gather_groups
     return bool(seen) and all(g.comms.aliases_shard(g.full) or not g.comms.is_allocated(t)
                               for g, t in seen if g not in kept)
 

@@ -325,26 +325,26 @@ class XlaFullyShardedDataParallel(ModuleAdoption, GradientReduction, ShardedUnit
 
     # ------------------------------------------------------------------ lazy root set-up
     def _lazy_init(self) -> None:
-        if self._is_root is not None:
+        if self.step_state.is_root is not None:
             return
-        self._is_root = True
-        self._units_in_tree = [m for m in self.modules() if isinstance(m, XlaFullyShardedDataParallel)]
-        for unit in self._units_in_tree:
+        self.step_state.is_root = True
+        self.step_state.units_in_tree = [m for m in self.modules() if isinstance(m, XlaFullyShardedDataParallel)]
+        for unit in self.step_state.units_in_tree:
             if unit is not self:
-                if unit._is_root:
+                if unit.step_state.is_root:
                     raise RuntimeError("xla_fsdp: a nested unit already ran as a root; call the "
                                        "outermost wrapper only")
-                unit._is_root = False
-            unit._reduces_in_flight = self._reduces_in_flight
-            unit._schedule = self._schedule
-        for unit in self._units_in_tree:
+                unit.step_state.is_root = False
+            unit.step_state.reduces_in_flight = self.step_state.reduces_in_flight
+            unit.step_state.schedule = self.step_state.schedule
+        for unit in self.step_state.units_in_tree:
             if getattr(unit._fsdp_wrapped_module, "_xla_fsdp_checkpointed", False):
-                unit._find_shared_groups(self._units_in_tree)
+                unit._find_shared_groups(self.step_state.units_in_tree)
         self._find_trainable_groups()
         if self.disable_reshard_on_root:
             self.reshard_after_forward = False
         self.comms.check_construction()
-        for unit in self._units_in_tree:
+        for unit in self.step_state.units_in_tree:
             unit.take_rank_0_values()
         self._check_same_parameters_on_every_rank()
 
@@ -379,10 +379,20 @@ class XlaFullyShardedDataParallel(ModuleAdoption, GradientReduction, ShardedUnit
         """The root's list of groups that train, and whether each forward must plan which of them
         get gradients: where ranks could disagree, or a flat shard could be only partly used (see
         gradient_usage.py)."""
-        self._trainable_groups = [g for u in self._units_in_tree for g in u.gather_groups if g.requires_grad]
+        state = self.step_state
+        state.trainable_groups = [g for u in state.units_in_tree for g in u.gather_groups if g.requires_grad]
         data_parallel = self.comms.world_size * self.comms.num_replicas
-        self._plans_gradients = bool(self._trainable_groups) and (
-            data_parallel > 1 or any(g.flat and len(g.refs) > 1 for g in self._trainable_groups))
+        self.step_state.plans_gradients = bool(self.step_state.trainable_groups) and (
+            data_parallel > 1 or any(g.flat and len(g.refs) > 1 for g in self.step_state.trainable_groups))
+
+    @property
+    def training_state(self) -> TrainingState:
+        """Where the unit is in its step (torch_xla's attribute; held in ``step_state``)."""
+        return self.step_state.training_state
+
+    @training_state.setter
+    def training_state(self, state: TrainingState) -> None:
+        self.step_state.training_state = state
 
     def assert_state(self, state: Any) -> None:
         """Raise ValueError unless the unit is in ``state`` (one state or a list; this package's
@@ -414,16 +424,16 @@ class XlaFullyShardedDataParallel(ModuleAdoption, GradientReduction, ShardedUnit
         if in_backward:
             self._unshard(backward=True)
         else:
-            if self._is_root:
+            if self.step_state.is_root:
                 # Parameters frozen or unfrozen since the last step: every rank must do the same.
-                if any([unit._follow_requires_grad() for unit in self._units_in_tree]):
+                if any([unit._follow_requires_grad() for unit in self.step_state.units_in_tree]):
                     self._find_trainable_groups()
-                self._schedule.recording = []
-                self._schedule.release_kept()
+                self.step_state.schedule.recording = []
+                self.step_state.schedule.release_kept()
                 self._begin_gradient_plan()
-            if self._schedule.deferred is not self:  # called again: keep what the first call gathered
-                self._schedule.release_deferred()
-            self._schedule.recording.append(self)
+            if self.step_state.schedule.deferred is not self:  # called again: keep what the first call gathered
+                self.step_state.schedule.release_deferred()
+            self.step_state.schedule.recording.append(self)
             self._unshard(prefetch=self._prefetch_target(+1))
         try:
             outputs = self._fsdp_wrapped_module(*args, **kwargs)
@@ -431,15 +441,15 @@ class XlaFullyShardedDataParallel(ModuleAdoption, GradientReduction, ShardedUnit
             if not in_backward:
                 self._abandon_forward()
             raise
-        if self._is_root and not in_backward:
-            self._schedule.end_forward(self._units_in_tree)
+        if self.step_state.is_root and not in_backward:
+            self.step_state.schedule.end_forward(self.step_state.units_in_tree)
             self._end_gradient_plan(outputs)
         if self.output_dtype is not None:
             outputs = map_tensors(lambda t: t.to(self.output_dtype) if t.is_floating_point() else t, outputs)
         if in_backward:  # a checkpoint recompute: parameters stay for this backward
             return outputs
-        if self.reshard_after_forward and torch.is_grad_enabled() and not self._is_root:
-            self._schedule.defer_reshard(self)  # freed when the next unit starts forward
+        if self.reshard_after_forward and torch.is_grad_enabled() and not self.step_state.is_root:
+            self.step_state.schedule.defer_reshard(self)  # freed when the next unit starts forward
         elif self.reshard_after_forward or not torch.is_grad_enabled():
             self.reshard()
         self.training_state = TrainingState.IDLE
@@ -450,14 +460,14 @@ class XlaFullyShardedDataParallel(ModuleAdoption, GradientReduction, ShardedUnit
     def _abandon_forward(self) -> None:
         """The module raised during forward: leave this unit (the root: every unit) idle and
         resharded, so the next forward starts clean instead of failing on a unit stuck in forward."""
-        units = self._units_in_tree if self._is_root else [self]
+        units = self.step_state.units_in_tree if self.step_state.is_root else [self]
         for unit in units:
             unit.finish_unshard()
             unit.reshard()
             unit.training_state = TrainingState.IDLE
-        if self._is_root:
-            self._schedule.recording = []
-            self._schedule.deferred = self._schedule.kept = None
+        if self.step_state.is_root:
+            self.step_state.schedule.recording = []
+            self.step_state.schedule.deferred = self.step_state.schedule.kept = None
 
     def _unshard(self, backward: bool = False, prefetch: Optional["XlaFullyShardedDataParallel"] = None,
                  refill_saved: bool = False) -> None:
@@ -469,29 +479,29 @@ class XlaFullyShardedDataParallel(ModuleAdoption, GradientReduction, ShardedUnit
         self.finish_unshard()
 
     def _start_unshard(self, backward: bool, refill_saved: bool = False) -> None:
-        if self._unshard_in_flight is None:
+        if self.step_state.unshard_in_flight is None:
             if refill_saved:
                 for group in self.gather_groups:
                     if group.is_unsharded():
                         group.refill_freed_members()
             pending = [g for g in self.gather_groups if not g.is_unsharded()]
             if pending:
-                self._unshard_in_flight = start_unshard(pending, backward, refill_saved, self._solo_numel)
+                self.step_state.unshard_in_flight = start_unshard(pending, backward, refill_saved, self._solo_numel)
 
     @property
     def unshard_pending(self) -> bool:
         """Whether a gather of this unit's parameters was started and not yet waited for."""
-        return self._unshard_in_flight is not None
+        return self.step_state.unshard_in_flight is not None
 
     def finish_unshard(self) -> None:
         """Wait for a started gather (nothing if none is pending)."""
-        finish, self._unshard_in_flight = self._unshard_in_flight, None
+        finish, self.step_state.unshard_in_flight = self.step_state.unshard_in_flight, None
         if finish is not None:
             finish()
 
     def _prefetch_target(self, step: int) -> Optional["XlaFullyShardedDataParallel"]:
         """The unit that ran ``step`` places after this one in the last forward (if prefetching)."""
-        return self._schedule.neighbour(self, step) if self.prefetch else None
+        return self.step_state.schedule.neighbour(self, step) if self.prefetch else None
 
     def reshard(self) -> None:
         """Free this unit's full parameters; the shards stay (FSDP2's ``reshard()``)."""
@@ -533,16 +543,16 @@ class XlaFullyShardedDataParallel(ModuleAdoption, GradientReduction, ShardedUnit
         context; the first backward outside it reduces the accumulated sum. Uses full-size
         gradient memory on every rank while active."""
         self._lazy_init()
-        if not self._is_root:
+        if not self.step_state.is_root:
             raise RuntimeError("xla_fsdp: no_sync() must be called on the root unit")
-        old = [(u, u._require_backward_grad_sync) for u in self._units_in_tree]
+        old = [(u, u.step_state.require_backward_grad_sync) for u in self.step_state.units_in_tree]
         for unit, _ in old:
-            unit._require_backward_grad_sync = False
+            unit.step_state.require_backward_grad_sync = False
         try:
             yield
         finally:
             for unit, value in old:
-                unit._require_backward_grad_sync = value
+                unit.step_state.require_backward_grad_sync = value
 
     def set_gradient_divide_factors(self, pre: float, post: float, recursive: bool = True) -> None:
         """Divide gradients by ``pre`` before and ``post`` after the reduce-scatter; the product
@@ -558,7 +568,7 @@ class XlaFullyShardedDataParallel(ModuleAdoption, GradientReduction, ShardedUnit
         """Clip the gradient norm of the whole model, computed over all shards; returns the norm."""
         from .unit.grad_norm import clip_sharded_grad_norm_
         self._lazy_init()
-        if not self._is_root:
+        if not self.step_state.is_root:
             raise RuntimeError("xla_fsdp: clip_grad_norm_() must be called on the root unit")
         return clip_sharded_grad_norm_(self, max_norm, norm_type)
 

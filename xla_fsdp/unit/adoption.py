@@ -13,9 +13,9 @@ import torch.nn as nn
 from ..sharding import default_predivide_factor
 from . import construction, tied
 from .options import UnitOptions
-from .gather_group import GatherGroup, ReduceInFlight
+from .gather_group import GatherGroup
 from .param_names import SHARD_PREFIX, SHARD_SEPARATOR, WRAPPED, flat_parts
-from .schedule import Schedule, TrainingState
+from .step_state import StepState
 
 
 class ModuleAdoption:
@@ -91,17 +91,7 @@ class ModuleAdoption:
 
     def _init_step_state(self) -> None:
         """What the forward/backward life cycle tracks from step to step."""
-        self.training_state = TrainingState.IDLE
-        self._is_root: Optional[bool] = None
-        self._units_in_tree: List[nn.Module] = []  # the root's units (set in _lazy_init)
-        self._require_backward_grad_sync = True
-        self._pre_backward_done = False
-        self._pending_grads: List[Tuple[GatherGroup, torch.Tensor]] = []  # waiting for the unit's others
-        # Reduce-scatters started but not yet waited for; one list shared by the root's tree (set in
-        # _lazy_init) so they finish in the order they started, the same on every rank.
-        self._reduces_in_flight: List[ReduceInFlight] = []
-        self._schedule = Schedule()  # shared by the root's tree too
-        self._unshard_in_flight: Optional[Callable[[], None]] = None  # a started (pre)fetch
+        self.step_state = StepState()  # where the unit is in a step (see step_state.py)
         # Gradients are averaged over every rank that computed one: the shard group and its replicas.
         data_parallel = self.world_size * self.comms.num_replicas
         self.gradient_predivide_factor = default_predivide_factor(data_parallel)

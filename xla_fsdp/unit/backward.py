@@ -25,18 +25,20 @@ class GradientReduction:
     # --- which groups get gradients this step (see gradient_usage.py) -----------------------------------
     def _begin_gradient_plan(self) -> None:
         """The root's forward begins."""
-        record = self._plans_gradients and torch.is_grad_enabled() and self._require_backward_grad_sync
-        for unit in self._units_in_tree:
+        state = self.step_state
+        record = state.plans_gradients and torch.is_grad_enabled() and state.require_backward_grad_sync
+        for unit in self.step_state.units_in_tree:
             for group in unit.gather_groups:
                 group.begin_forward(record)
 
     def _end_gradient_plan(self, outputs: Any) -> None:
         """The root's forward has returned: find the groups its outputs reach and start summing
         that over ranks (the sum is waited for at the first gradient, or at the end of backward)."""
-        if self._schedule.plan is not None:  # the previous forward had no backward
-            self._schedule.plan.discard()
-        self._schedule.plan = None
-        record = self._plans_gradients and torch.is_grad_enabled() and self._require_backward_grad_sync
+        if self.step_state.schedule.plan is not None:  # the previous forward had no backward
+            self.step_state.schedule.plan.discard()
+        self.step_state.schedule.plan = None
+        state = self.step_state
+        record = state.plans_gradients and torch.is_grad_enabled() and state.require_backward_grad_sync
         if not record:
             return
         edges = reachable_edges(outputs)
@@ -44,15 +46,16 @@ class GradientReduction:
         # parameter the modules of a unit that ran under it hold counts as used (its own, and a
         # tied one its parent owns).
         hidden: Set[int] = set()
-        for unit in self._units_in_tree:
-            if (unit.comms.name == "xla" and self._schedule.ran_forward(unit)
+        for unit in self.step_state.units_in_tree:
+            if (unit.comms.name == "xla" and self.step_state.schedule.ran_forward(unit)
                     and getattr(unit._fsdp_wrapped_module, "_xla_fsdp_checkpointed", False)):
                 hidden |= unit._module_ids()
         used = [used_members(g, edges, hidden)
-                for unit in self._units_in_tree for g in unit.gather_groups if g.requires_grad]
-        for group in self._trainable_groups:
+                for unit in self.step_state.units_in_tree for g in unit.gather_groups if g.requires_grad]
+        for group in self.step_state.trainable_groups:
             group.end_edge_record()
-        self._schedule.plan = GradientPlan(self._trainable_groups, used, self.comms.start_sum_over_ranks)
+        self.step_state.schedule.plan = GradientPlan(self.step_state.trainable_groups, used,
+                                                     self.comms.start_sum_over_ranks)
 
     def _module_ids(self) -> Set[int]:
         """Ids of the modules under this unit (nested units' included); fixed once wrapped."""
@@ -76,7 +79,7 @@ class GradientReduction:
 
     def _holds_gradients(self) -> bool:
         """Whether ranks used different groups this step, so gradients wait for the end of backward."""
-        plan = self._schedule.plan
+        plan = self.step_state.schedule.plan
         if plan is None:
             return False
         plan.resolve()
@@ -90,7 +93,7 @@ class GradientReduction:
         present = [int(id(g) in held) for g in plan.groups]
         counts = self.comms.start_sum_over_ranks(present)() or present
         index = {id(g): i for i, g in enumerate(plan.groups)}
-        for unit in self._units_in_tree:
+        for unit in self.step_state.units_in_tree:
             groups = [g for g in unit.gather_groups if g.requires_grad and counts[index[id(g)]] > 0]
             if not groups:
                 continue
@@ -102,10 +105,10 @@ class GradientReduction:
             started = start_reduce(groups, grads, unit.gradient_predivide_factor, unit.gradient_postdivide_factor,
                                    unit.fp32_reduce_scatter, unit._solo_numel)
             self._finish_reduces()
-            self._reduces_in_flight.extend(started)
+            self.step_state.reduces_in_flight.extend(started)
 
     def _register_pre_backward_hooks(self, outputs: Any) -> Any:
-        self._pre_backward_done = False
+        self.step_state.pre_backward_done = False
 
         def hook(grad: torch.Tensor) -> None:
             self._pre_backward(grad)
@@ -116,11 +119,11 @@ class GradientReduction:
         return outputs
 
     def _pre_backward(self, grad: torch.Tensor) -> None:
-        if self._pre_backward_done:
+        if self.step_state.pre_backward_done:
             return
-        self._pre_backward_done = True
-        if self._is_root:
-            self._schedule.backward_task = torch._C._current_graph_task_id()
+        self.step_state.pre_backward_done = True
+        if self.step_state.is_root:
+            self.step_state.schedule.backward_task = torch._C._current_graph_task_id()
             Variable._execution_engine.queue_callback(self._finalize_backward)
         self.training_state = TrainingState.BACKWARD_PRE
         if self.optimization_barrier_in_backward:
@@ -128,7 +131,7 @@ class GradientReduction:
             # unit's gather to the start of backward.
             self.comms.optimization_barrier(barrier_sources(self._offload, self.gather_groups) + [grad])
         previous = self._prefetch_target(-1)
-        if previous is not None and previous._pre_backward_done:
+        if previous is not None and previous.step_state.pre_backward_done:
             previous = None  # its backward already ran (the root's, first): nothing left to gather for
         self._unshard(backward=True, prefetch=previous, refill_saved=True)
 
@@ -137,7 +140,7 @@ class GradientReduction:
         the backward of a module it recomputed) that is not this unit's own recompute: the group
         is shared with a checkpointed unit (a tied weight its parent owns), and the outer backward
         may still add to it. Reducing now would free ``full`` under that second gradient."""
-        task = self._schedule.backward_task
+        task = self.step_state.schedule.backward_task
         return (task is not None and torch._C._current_graph_task_id() != task
                 and not getattr(self._fsdp_wrapped_module, "_xla_fsdp_checkpointed", False))
 
@@ -149,7 +152,7 @@ class GradientReduction:
         grad = full.grad
         if grad is None:
             return
-        if not self._require_backward_grad_sync:
+        if not self.step_state.require_backward_grad_sync:
             return  # no_sync: keep accumulating the full gradient
         if not final and self._more_gradient_may_come():
             return  # stays in full.grad: the outer backward, or the end of backward, reduces it
@@ -161,15 +164,15 @@ class GradientReduction:
             group.reshard()
             return
         if self._holds_gradients():
-            held = self._schedule.plan.held  # twice for a module recomputed twice (reentrant checkpoint)
+            held = self.step_state.schedule.plan.held  # twice for a module recomputed twice (reentrant checkpoint)
             held[id(group)] = held[id(group)] + grad if id(group) in held else grad
             group.reshard()
             return
         if self.optimization_barrier_in_backward:
             self.comms.optimization_barrier([grad])
-        self._pending_grads.append((group, grad))
+        self.step_state.pending_grads.append((group, grad))
         # Coalescing transports wait for the unit's other gradients and reduce them all in one collective.
-        if not self.comms.coalesces or len(self._pending_grads) == self._num_grad_groups:
+        if not self.comms.coalesces or len(self.step_state.pending_grads) == self._num_grad_groups:
             self._reduce_pending()
 
     def _reduce_pending(self) -> None:
@@ -177,47 +180,47 @@ class GradientReduction:
         end of backward those of parameters that got gradients while others of the unit did not),
         free their full parameters, and finish the reduce-scatter started before it: one stays on
         the wire while the next unit's backward computes."""
-        if not self._pending_grads:
+        if not self.step_state.pending_grads:
             return
-        groups, grads = zip(*self._pending_grads)
-        self._pending_grads = []
+        groups, grads = zip(*self.step_state.pending_grads)
+        self.step_state.pending_grads = []
         started = start_reduce(list(groups), list(grads), self.gradient_predivide_factor,
                                self.gradient_postdivide_factor, self.fp32_reduce_scatter, self._solo_numel)
         for group in groups:
             group.reshard()
         self._finish_reduces()
-        self._reduces_in_flight.extend(started)
+        self.step_state.reduces_in_flight.extend(started)
 
     def _finish_reduces(self) -> None:
         """Wait for the started reduce-scatters, oldest first, and accumulate their shard gradients."""
-        while self._reduces_in_flight:
-            self._reduces_in_flight.pop(0).finish()
+        while self.step_state.reduces_in_flight:
+            self.step_state.reduces_in_flight.pop(0).finish()
 
     def _finalize_backward(self) -> None:
         """Runs once at the end of the root's backward: free what backward left gathered."""
-        for unit in self._units_in_tree:  # gradients left in full.grad by nested backward passes
-            if unit._require_backward_grad_sync:
+        for unit in self.step_state.units_in_tree:  # gradients left in full.grad by nested backward passes
+            if unit.step_state.require_backward_grad_sync:
                 for group in unit.gather_groups:
                     if group.requires_grad and group.full.grad is not None:
                         unit._on_full_grad_ready(group, group.full, final=True)
-        self._schedule.backward_task = None
-        plan, self._schedule.plan = self._schedule.plan, None
+        self.step_state.schedule.backward_task = None
+        plan, self.step_state.schedule.plan = self.step_state.schedule.plan, None
         if plan is not None:
             plan.resolve()  # also when no gradient arrived: every rank takes part in the sum
             if not plan.uniform:
                 self._reduce_agreed(plan)
-        for unit in self._units_in_tree:  # same order on every rank: collectives still pair up
+        for unit in self.step_state.units_in_tree:  # same order on every rank: collectives still pair up
             unit._reduce_pending()
         self._finish_reduces()
-        for unit in self._units_in_tree:
+        for unit in self.step_state.units_in_tree:
             unit.finish_unshard()  # a prefetch for a unit that did not run backward
             # Under no_sync a ZeRO-2 unit keeps its parameters for the next micro-batch.
-            if unit._require_backward_grad_sync or unit.reshard_after_forward:
+            if unit.step_state.require_backward_grad_sync or unit.reshard_after_forward:
                 unit.reshard()
-            unit._pre_backward_done = False
+            unit.step_state.pre_backward_done = False
             unit.training_state = TrainingState.IDLE
         # Host offload: gradient shards reach their host .grad (after the full parameters are freed:
         # on XLA this runs the step, and a live full parameter would be one more output of it).
-        land_gradients([u._offload for u in self._units_in_tree if u._offload is not None], self.comms.sync)
+        land_gradients([u._offload for u in self.step_state.units_in_tree if u._offload is not None], self.comms.sync)
         if self.sync_on_finalization:
             self.comms.sync()

@@ -32,6 +32,8 @@ class ShardedUnit(nn.Module):
     gather_groups: List["GatherGroup"]
     #: parameter slots of the wrapped module left to an enclosing unit (a parameter tied across units)
     tied_slots_left: List[Any]
+    #: where the unit is in the current step (``step_state.StepState``: training state, root, schedule, ...)
+    step_state: Any
 
     @property
     def shard_size_multiple(self) -> int:
