@@ -197,3 +197,7 @@ def test_other_modules_use_a_unit_only_through_its_declared_interface():
                         and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))):
                     reached.append(f"{rel}:{node.lineno}: {ast.unparse(node)}")
     assert reached == []
+    from xla_fsdp import XlaFullyShardedDataParallel
+    from xla_fsdp.unit.base import ShardedUnit
+    # the declared methods are abstract: the wrapper implements every one (or it could not be built)
+    assert len(ShardedUnit.__abstractmethods__) == 9 and not XlaFullyShardedDataParallel.__abstractmethods__

@@ -5,6 +5,7 @@ code and the checkpoint code may use of a unit are declared here; the wrapper im
 ``test/test_structure.py`` checks that no other module reaches into a unit's private attributes."""
 from __future__ import annotations
 
+import abc
 from typing import TYPE_CHECKING, Any, List, Tuple
 
 import torch
@@ -15,9 +16,10 @@ if TYPE_CHECKING:
     from .gather_group import GatherGroup
 
 
-class ShardedUnit(nn.Module):
+class ShardedUnit(nn.Module, metaclass=abc.ABCMeta):
     """Base of :class:`~xla_fsdp.XlaFullyShardedDataParallel`: a module whose parameters xla_fsdp
-    shards. The attributes and methods below are the interface the other layers use."""
+    shards. The attributes and methods below are the interface the other layers use; a class that
+    leaves a method out cannot be instantiated."""
 
     #: the collectives of the unit's shard group (and replica groups)
     comms: "Collectives"
@@ -36,42 +38,42 @@ class ShardedUnit(nn.Module):
     step_state: Any
 
     @property
+    @abc.abstractmethod
     def shard_size_multiple(self) -> int:
         """Flat shards are padded to a multiple of this many elements per rank."""
-        raise NotImplementedError
 
     @property
+    @abc.abstractmethod
     def unshard_pending(self) -> bool:
         """Whether a gather was started (a prefetch) and not yet waited for."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def finish_unshard(self) -> None:
         """Wait for a started gather."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def take_rank_0_values(self) -> None:
         """Take rank 0's parameters and buffers where construction left them to take (``sync_module_states``)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def reshard(self) -> None:
         """Free the full parameters; the shards stay."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def named_gather_groups(self) -> List[Tuple[str, "GatherGroup"]]:
         """(the shard parameter's name in the unit's state dict, its gather group)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def gather_over_ranks(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every rank's ``tensor``, concatenated on dim 0 in rank order (control collectives outside a step)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def sum_over_replicas(self, tensor: torch.Tensor) -> None:
         """Sum ``tensor`` in place over this rank's replicas (hybrid strategies)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def gather_norms(self, local: torch.Tensor) -> torch.Tensor:
         """Every rank's one-element gradient-norm term, in rank order."""
-        raise NotImplementedError
 
 
 def is_unit(module: nn.Module) -> bool:
