@@ -32,6 +32,18 @@ class XlaCpuAccelerator(XLAAccelerator):
         return [torch.device("xla", i) for i in range(int(devices))]
 
 
+class XLAFSDPStrategyCheckedFirst(XLAFSDPStrategy):
+    """Lightning's ``save_checkpoint`` checks on every rank that the folder is empty, then writes with no
+    barrier between: a fast rank's shard file fails a slow rank's check (seen once in CI,
+    where the ranks are threads; on TPU ranks are processes on a shared disk and the race is the same).
+    A barrier before each rank writes closes it (its parallel save only; not with sequential_save)."""
+
+    def _save_checkpoint_shard(self, *args, **kwargs):
+        if not self._sequential_save:
+            self.barrier("every-rank-checked-the-folder")
+        super()._save_checkpoint_shard(*args, **kwargs)
+
+
 def batches(rank: int, steps: int):
     g = torch.Generator().manual_seed(rank)
     return [(torch.randn(4, 8, generator=g), torch.randint(0, 3, (4,), generator=g)) for _ in range(steps)]
@@ -76,5 +88,5 @@ if __name__ == "__main__":
     fabric = Fabric(accelerator=XlaCpuAccelerator(), devices=XlaCpuAccelerator.auto_device_count(),
                     # the device threads build their models from the CPU generator they share:
                     # xla_fsdp would stop at the first forward; this takes rank 0's parameters
-                    strategy=XLAFSDPStrategy(state_dict_type="sharded", sync_module_states=True))
+                    strategy=XLAFSDPStrategyCheckedFirst(state_dict_type="sharded", sync_module_states=True))
     fabric.launch(run, sys.argv[1])
