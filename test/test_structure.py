@@ -165,9 +165,9 @@ def test_the_suites_litter_check_counts_only_its_own_processes(leaves, tmp_path)
     assert tempfile.gettempdir() != str(system)
 
 
-#: the unit class's own files (the wrapper and its two mixins): the only ones that touch a unit's private state
+#: the unit class's own files (the wrapper and its three mixins): the only ones that touch a unit's private state
 UNIT_CLASS_FILES = {"fully_sharded_data_parallel.py", os.path.join("unit", "adoption.py"),
-                    os.path.join("unit", "backward.py")}
+                    os.path.join("unit", "forward.py"), os.path.join("unit", "backward.py")}
 
 
 @pytest.mark.fast

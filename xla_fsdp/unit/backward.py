@@ -9,7 +9,8 @@ import torch
 from torch.autograd import Variable
 
 from .offload import barrier_sources, land_gradients
-from .gather_group import GatherGroup, start_reduce
+from .coalesce import start_reduce
+from .gather_group import GatherGroup
 from .schedule import TrainingState
 from .tensor_tree import tensors_in
 from .gradient_usage import GradientPlan, reachable_edges, used_members

@@ -9,9 +9,8 @@ module sees ``full`` (or views of it) through plain attributes that replace its 
 from __future__ import annotations
 
 import enum
-import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Set, Tuple, Union
+from typing import Callable, List, Optional, Set, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -20,6 +19,7 @@ from ..collectives import Collectives
 from .gradient_usage import Edge, tensor_edge
 from .freed import FreedParameter
 from .offload import HostOffload
+from .optimizer_check import install_optimizer_check
 from .shard_grad import as_shard_grad, run_post_accumulate_hooks, run_shard_hooks
 from ..sharding import Dim0Layout, FlatLayout, flatten_and_pad, pad_dim0, shard_of, unflatten, unpad_dim0
 
@@ -125,7 +125,7 @@ class GatherGroup:
         # Every set of members handed out since the root's forward began: a unit called twice with
         # another unit in between gathers twice, and backward must refill what both calls saved.
         self._member_sets: List[List[torch.Tensor]] = []
-        _install_optimizer_check()
+        install_optimizer_check()
         #: per member, the gradient hooks the program registered on the original parameter
         self._member_hooks = [_hooks_kept_from(ref) for ref in refs]
         if not flat:
@@ -435,113 +435,6 @@ class GatherGroup:
         return self.comms.aliases_shard(self.full) and self.full.data_ptr() == self.shard.data_ptr()
 
 
-# --- several groups of one unit in one collective (fewer, larger messages) -------------------------
-#: a group whose full size reaches this many elements (4 MiB in fp32) gets collectives of its own:
-#: coalescing costs a copy of the full data (rank-major columns), dearer than one more call
-SOLO_NUMEL = 1 << 20
-
-
-def split_for_coalescing(groups: List[GatherGroup], solo_numel: int = SOLO_NUMEL
-                         ) -> Tuple[List[GatherGroup], List[GatherGroup]]:
-    """(groups with collectives of their own, groups sharing one): only on coalescing transports
-    and only groups under ``solo_numel`` elements share, since sharing copies the data once more."""
-    if len(groups) == 1 or not groups[0].comms.coalesces:
-        return list(groups), []
-    shared = [g for g in groups if g.layout.padded_numel < solo_numel]
-    if len(shared) < 2:
-        return list(groups), []
-    return [g for g in groups if g.layout.padded_numel >= solo_numel], shared
-
-
-def start_unshard(groups: List[GatherGroup], backward: bool = False, refill_saved: bool = False,
-                  solo_numel: int = SOLO_NUMEL) -> Callable[[], None]:
-    """Begin all-gathering a unit's groups; the returned function waits and installs them.
-
-    Small groups on transports that coalesce share one collective: their shards are concatenated
-    (cast to the compute dtype), gathered as ``(world_size, total)`` and each group's columns
-    copied into its full parameter in rank order. The others gather straight into their own."""
-    solo, shared = split_for_coalescing(groups, solo_numel)
-    finishes = [g.start_unshard(backward, refill_saved) for g in solo]
-    if shared:
-        finishes.append(_start_shared_unshard(shared, backward, refill_saved))
-
-    def finish_each() -> None:
-        for finish in finishes:
-            finish()
-    return finish_each
-
-
-def _start_shared_unshard(groups: List[GatherGroup], backward: bool, refill_saved: bool) -> Callable[[], None]:
-    comms = groups[0].comms
-    shards = [g.gather_source().detach().reshape(-1).to(g.compute_dtype) for g in groups]
-    channel = groups[0].channel_backward if backward else groups[0].channel_forward
-    versions = [g.shard._version for g in groups]
-    wait = comms.start_all_gather(torch.cat(shards), channel)
-
-    def finish() -> None:
-        gathered = wait().view(comms.world_size, -1)
-        offset = 0
-        for group, shard, version in zip(groups, shards, versions):
-            n = shard.numel()
-            comms.fill_full(group.full, gathered[:, offset:offset + n], group.padded_shape, group._unpad)
-            offset += n
-            group.mark_unsharded(version)
-            group.install(refill_saved)
-    return finish
-
-
-class ReduceInFlight:
-    """A started reduce-scatter of one or more groups' gradients. :meth:`finish` waits for it,
-    sums over replicas, divides and accumulates every group's block into its shard gradient."""
-
-    def __init__(self, groups: List[GatherGroup], widths: List[int], wait: Callable[[], torch.Tensor],
-                 post_divide: float):
-        self.groups, self.widths, self.wait, self.post_divide = groups, widths, wait, post_divide
-
-    def finish(self) -> None:
-        group0 = self.groups[0]
-        reduced = group0.comms.all_reduce_replicas(self.wait(), group0.channel_replicas)
-        if len(self.groups) == 1:
-            group0.accumulate_shard_grad(group0.finish_grad(reduced, self.post_divide))
-            return
-        reduced = reduced.reshape(-1)
-        offset = 0
-        for group, n in zip(self.groups, self.widths):
-            group.accumulate_shard_grad(group.finish_grad(reduced[offset:offset + n], self.post_divide))
-            offset += n
-
-
-def start_reduce(groups: List[GatherGroup], grads: List[torch.Tensor], pre_divide: float,
-                 post_divide: float, fp32_reduce_scatter: bool,
-                 solo_numel: int = SOLO_NUMEL) -> List[ReduceInFlight]:
-    """Start the reduce-scatters of a unit's full gradients: one per large group, one for the small
-    groups together (see :func:`split_for_coalescing`)."""
-    solo, shared = split_for_coalescing(groups, solo_numel)
-    grad_of = dict(zip(map(id, groups), grads))
-    started = [_start_reduce([g], [grad_of[id(g)]], pre_divide, post_divide, fp32_reduce_scatter) for g in solo]
-    if shared:
-        started.append(_start_reduce(shared, [grad_of[id(g)] for g in shared], pre_divide, post_divide,
-                                     fp32_reduce_scatter))
-    return started
-
-
-def _start_reduce(groups: List[GatherGroup], grads: List[torch.Tensor], pre_divide: float,
-                  post_divide: float, fp32_reduce_scatter: bool) -> ReduceInFlight:
-    """One reduce-scatter for the full gradients of ``groups`` (several groups' padded gradients
-    side by side, as ``(world_size, total)`` columns, so each rank's block holds its block of every
-    group)."""
-    comms = groups[0].comms
-    padded = [g.prepare_grad(grad, pre_divide, fp32_reduce_scatter) for g, grad in zip(groups, grads)]
-    if len(groups) == 1:
-        return ReduceInFlight(groups, [padded[0].numel() // comms.world_size],
-                              comms.start_reduce_scatter(padded[0], groups[0].channel_reduce), post_divide)
-    blocks = [p.reshape(comms.world_size, -1) for p in padded]
-    dtype = torch.float32 if any(b.dtype == torch.float32 for b in blocks) else blocks[0].dtype
-    joined = torch.cat([b.to(dtype) for b in blocks], dim=1).reshape(-1)
-    return ReduceInFlight(groups, [b.shape[1] for b in blocks],
-                          comms.start_reduce_scatter(joined, groups[0].channel_reduce), post_divide)
-
-
 class _SplitFlat(torch.autograd.Function):
     """A padded flat buffer cut into parameters that are tensors of their own, not views (so
     they can be refilled in place); their gradients join back with one concatenation."""
@@ -604,48 +497,3 @@ def _hooks_kept_from(ref: ParamRef) -> List[Callable]:
             "the original parameter gets no gradient once sharded. Register it after wrapping on the shard "
             "(a parameter of model.parameters()): it then runs once the reduced gradient block is in shard.grad.")
     return list((ref.param._backward_hooks or {}).values())
-
-
-#: optimizers whose update of a parameter depends on its shape or on its values as a whole, not element by element
-_SHAPE_DEPENDENT = ("Adafactor", "LBFGS", "Lamb", "LAMB", "Lars", "LARS", "Shampoo", "Muon")
-
-
-def _warn_if_shape_dependent(optimizer: torch.optim.Optimizer) -> None:
-    """An optimizer that factors a matrix by its rows and columns (Adafactor), scales a whole
-    parameter by its norm (LAMB, LARS) or works on whole matrices (Shampoo, Muon) sees 1-D (or dim-0)
-    shards here, so its steps differ from unsharded training: said once, at its first step."""
-    name = type(optimizer).__name__
-    holds_shards = any(getattr(p, "_xla_fsdp_reduced", False) for g in optimizer.param_groups for p in g["params"])
-    if holds_shards and any(n in name for n in _SHAPE_DEPENDENT):
-        warnings.warn(
-            f"xla_fsdp: {name} updates a parameter from its shape or its values as a whole, but it holds xla_fsdp's "
-            "shards (1-D or dim-0 blocks of each parameter), so its steps differ from unsharded training. Use an "
-            "element-wise optimizer (SGD, Adam, AdamW, RMSprop, Adagrad, ...), which are exact; see docs/usage.md.",
-            stacklevel=3)
-
-
-def _install_optimizer_check() -> None:
-    """Once per process: every optimizer step first makes sure the optimizer does not hold
-    parameters that xla_fsdp replaced with shards. An optimizer built before wrapping holds the
-    emptied originals: its steps would change nothing, and training would go on, silently wrong."""
-    from torch.optim.optimizer import register_optimizer_step_pre_hook
-
-    from .. import patches
-
-    def check(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        count = sum(len(g["params"]) for g in optimizer.param_groups)
-        if getattr(optimizer, "_xla_fsdp_checked", None) == count:
-            return
-        stale = sum(1 for g in optimizer.param_groups for p in g["params"] if getattr(p, "_xla_fsdp_sharded", False))
-        if stale:
-            raise RuntimeError(
-                f"xla_fsdp: this {type(optimizer).__name__} was built before the model was wrapped: {stale} of its "
-                f"{count} parameters are originals that XlaFullyShardedDataParallel replaced with shards, so step() "
-                "would change nothing. Build the optimizer after wrapping, from the wrapped model: "
-                "optimizer = torch.optim.AdamW(fsdp_model.parameters(), ...)")
-        _warn_if_shape_dependent(optimizer)
-        optimizer._xla_fsdp_checked = count
-
-    patches.add_hook("hook: torch.optim optimizer step pre-hook (xla_fsdp optimizer check)",
-                     lambda: register_optimizer_step_pre_hook(check),
-                       "an optimizer built before wrapping holds emptied originals: refuse its step")

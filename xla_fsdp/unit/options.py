@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 from .offload import check_storage_dtype, offload_requested
-from .gather_group import SOLO_NUMEL
+from .coalesce import SOLO_NUMEL
 
 _FLOAT_DTYPES = (None, torch.float32, torch.float16, torch.bfloat16)
 

@@ -8,7 +8,8 @@ from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
-from .gather_group import GatherGroup, ReduceInFlight
+from .coalesce import ReduceInFlight
+from .gather_group import GatherGroup
 from .schedule import Schedule, TrainingState
 
 

@@ -1,0 +1,116 @@
+"""Starting a unit's collectives over several gather groups at once: small groups share one
+all-gather and one reduce-scatter on transports that coalesce (fewer, larger messages); large ones get
+their own. What is started here is finished by the returned function (gathers) or
+:class:`ReduceInFlight` (reduce-scatters)."""
+from __future__ import annotations
+
+from typing import Callable, List, Tuple
+
+import torch
+
+from .gather_group import GatherGroup
+
+#: a group whose full size reaches this many elements (4 MiB in fp32) gets collectives of its own:
+#: coalescing costs a copy of the full data (rank-major columns), dearer than one more call
+SOLO_NUMEL = 1 << 20
+
+
+def split_for_coalescing(groups: List[GatherGroup], solo_numel: int = SOLO_NUMEL
+                         ) -> Tuple[List[GatherGroup], List[GatherGroup]]:
+    """(groups with collectives of their own, groups sharing one): only on coalescing transports
+    and only groups under ``solo_numel`` elements share, since sharing copies the data once more."""
+    if len(groups) == 1 or not groups[0].comms.coalesces:
+        return list(groups), []
+    shared = [g for g in groups if g.layout.padded_numel < solo_numel]
+    if len(shared) < 2:
+        return list(groups), []
+    return [g for g in groups if g.layout.padded_numel >= solo_numel], shared
+
+
+def start_unshard(groups: List[GatherGroup], backward: bool = False, refill_saved: bool = False,
+                  solo_numel: int = SOLO_NUMEL) -> Callable[[], None]:
+    """Begin all-gathering a unit's groups; the returned function waits and installs them.
+
+    Small groups on transports that coalesce share one collective: their shards are concatenated
+    (cast to the compute dtype), gathered as ``(world_size, total)`` and each group's columns
+    copied into its full parameter in rank order. The others gather straight into their own."""
+    solo, shared = split_for_coalescing(groups, solo_numel)
+    finishes = [g.start_unshard(backward, refill_saved) for g in solo]
+    if shared:
+        finishes.append(_start_shared_unshard(shared, backward, refill_saved))
+
+    def finish_each() -> None:
+        for finish in finishes:
+            finish()
+    return finish_each
+
+
+def _start_shared_unshard(groups: List[GatherGroup], backward: bool, refill_saved: bool) -> Callable[[], None]:
+    comms = groups[0].comms
+    shards = [g.gather_source().detach().reshape(-1).to(g.compute_dtype) for g in groups]
+    channel = groups[0].channel_backward if backward else groups[0].channel_forward
+    versions = [g.shard._version for g in groups]
+    wait = comms.start_all_gather(torch.cat(shards), channel)
+
+    def finish() -> None:
+        gathered = wait().view(comms.world_size, -1)
+        offset = 0
+        for group, shard, version in zip(groups, shards, versions):
+            n = shard.numel()
+            comms.fill_full(group.full, gathered[:, offset:offset + n], group.padded_shape, group._unpad)
+            offset += n
+            group.mark_unsharded(version)
+            group.install(refill_saved)
+    return finish
+
+
+class ReduceInFlight:
+    """A started reduce-scatter of one or more groups' gradients. :meth:`finish` waits for it,
+    sums over replicas, divides and accumulates every group's block into its shard gradient."""
+
+    def __init__(self, groups: List[GatherGroup], widths: List[int], wait: Callable[[], torch.Tensor],
+                 post_divide: float):
+        self.groups, self.widths, self.wait, self.post_divide = groups, widths, wait, post_divide
+
+    def finish(self) -> None:
+        group0 = self.groups[0]
+        reduced = group0.comms.all_reduce_replicas(self.wait(), group0.channel_replicas)
+        if len(self.groups) == 1:
+            group0.accumulate_shard_grad(group0.finish_grad(reduced, self.post_divide))
+            return
+        reduced = reduced.reshape(-1)
+        offset = 0
+        for group, n in zip(self.groups, self.widths):
+            group.accumulate_shard_grad(group.finish_grad(reduced[offset:offset + n], self.post_divide))
+            offset += n
+
+
+def start_reduce(groups: List[GatherGroup], grads: List[torch.Tensor], pre_divide: float,
+                 post_divide: float, fp32_reduce_scatter: bool,
+                 solo_numel: int = SOLO_NUMEL) -> List[ReduceInFlight]:
+    """Start the reduce-scatters of a unit's full gradients: one per large group, one for the small
+    groups together (see :func:`split_for_coalescing`)."""
+    solo, shared = split_for_coalescing(groups, solo_numel)
+    grad_of = dict(zip(map(id, groups), grads))
+    started = [_start_reduce([g], [grad_of[id(g)]], pre_divide, post_divide, fp32_reduce_scatter) for g in solo]
+    if shared:
+        started.append(_start_reduce(shared, [grad_of[id(g)] for g in shared], pre_divide, post_divide,
+                                     fp32_reduce_scatter))
+    return started
+
+
+def _start_reduce(groups: List[GatherGroup], grads: List[torch.Tensor], pre_divide: float,
+                  post_divide: float, fp32_reduce_scatter: bool) -> ReduceInFlight:
+    """One reduce-scatter for the full gradients of ``groups`` (several groups' padded gradients
+    side by side, as ``(world_size, total)`` columns, so each rank's block holds its block of every
+    group)."""
+    comms = groups[0].comms
+    padded = [g.prepare_grad(grad, pre_divide, fp32_reduce_scatter) for g, grad in zip(groups, grads)]
+    if len(groups) == 1:
+        return ReduceInFlight(groups, [padded[0].numel() // comms.world_size],
+                              comms.start_reduce_scatter(padded[0], groups[0].channel_reduce), post_divide)
+    blocks = [p.reshape(comms.world_size, -1) for p in padded]
+    dtype = torch.float32 if any(b.dtype == torch.float32 for b in blocks) else blocks[0].dtype
+    joined = torch.cat([b.to(dtype) for b in blocks], dim=1).reshape(-1)
+    return ReduceInFlight(groups, [b.shape[1] for b in blocks],
+                          comms.start_reduce_scatter(joined, groups[0].channel_reduce), post_divide)

@@ -1,0 +1,216 @@
+"""The forward half of a unit: the root's lazy set-up at its first forward (the units in its tree,
+the same-parameters check across ranks, which groups train), then each forward: gather (and prefetch
+the next unit), run the module, free or keep the full parameters, and hook the outputs for backward
+(the backward half is backward.py)."""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from .base import is_unit
+from .coalesce import start_unshard
+from .offload import barrier_sources
+from .param_names import named_units
+from .schedule import TrainingState
+from .tensor_tree import map_tensors
+
+
+def _job_size(comms: Any) -> int:
+    """How many ranks ``start_sum_over_ranks`` sums over: every rank of the job."""
+    if comms.name == "xla":
+        import torch_xla.runtime as xr
+        return xr.world_size()
+    import torch.distributed as dist
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+
+class ForwardPass:
+    """Forward of :class:`~xla_fsdp.XlaFullyShardedDataParallel` (a mixin: it uses the unit's
+    settings, groups, collectives and step state)."""
+
+    # ------------------------------------------------------------------ lazy root set-up
+    def _lazy_init(self) -> None:
+        if self.step_state.is_root is not None:
+            return
+        self.step_state.is_root = True
+        self.step_state.units_in_tree = [m for m in self.modules() if is_unit(m)]
+        for unit in self.step_state.units_in_tree:
+            if unit is not self:
+                if unit.step_state.is_root:
+                    raise RuntimeError("xla_fsdp: a nested unit already ran as a root; call the "
+                                       "outermost wrapper only")
+                unit.step_state.is_root = False
+            unit.step_state.reduces_in_flight = self.step_state.reduces_in_flight
+            unit.step_state.schedule = self.step_state.schedule
+        for unit in self.step_state.units_in_tree:
+            if getattr(unit._fsdp_wrapped_module, "_xla_fsdp_checkpointed", False):
+                unit._find_shared_groups(self.step_state.units_in_tree)
+        self._find_trainable_groups()
+        if self.disable_reshard_on_root:
+            self.reshard_after_forward = False
+        self.comms.check_construction()
+        for unit in self.step_state.units_in_tree:
+            unit.take_rank_0_values()
+        self._check_same_parameters_on_every_rank()
+
+    def _check_same_parameters_on_every_rank(self) -> None:
+        """Ranks that built different parameters (a model made before seeding, or from a random
+        generator the ranks share, as XLA:CPU device threads do) would train a different model on
+        each rank, and replicas (NO_SHARD, hybrid) would drift apart silently. Each group's
+        fingerprint, taken at construction, is summed over every rank: equal only if all agree."""
+        named = [(prefix + group.names[0], group) for prefix, unit in named_units(self)
+                 for group in unit.gather_groups]
+        if not named:
+            return
+        prints = [group.current_fingerprint() for _, group in named]
+        zero = torch.zeros((), dtype=torch.float32)
+        bits = torch.stack([(p if p is not None else zero).to(self.comms.device) for p in prints]).cpu()
+        # small numbers (sums over ranks stay in int32); 0 for a group loaded since it was built
+        own = [b & 0xFFFFF if p is not None else 0 for b, p in zip(bits.view(torch.int32).tolist(), prints)]
+        totals = self.comms.start_sum_over_ranks(own)()
+        if totals is None:  # no cheap host channel (XLA across processes): ranks are assumed alike
+            return
+        everyone = _job_size(self.comms)
+        for (name, _), mine, total in zip(named, own, totals):
+            if total != mine * everyone:
+                raise RuntimeError(
+                    f"xla_fsdp: the ranks built different values for parameter '{name}' (and maybe others): each "
+                    "would train a different model. Build the model the same way on every rank "
+                    "(torch.manual_seed(N) right before building it; XLA:CPU device threads share one CPU random "
+                    "generator, so build under a lock), or wrap with sync_module_states=True to take rank 0's "
+                    "parameters and buffers.")
+
+    def _find_trainable_groups(self) -> None:
+        """The root's list of groups that train, and whether each forward must plan which of them
+        get gradients: where ranks could disagree, or a flat shard could be only partly used (see
+        gradient_usage.py)."""
+        state = self.step_state
+        state.trainable_groups = [g for u in state.units_in_tree for g in u.gather_groups if g.requires_grad]
+        data_parallel = self.comms.world_size * self.comms.num_replicas
+        self.step_state.plans_gradients = bool(self.step_state.trainable_groups) and (
+            data_parallel > 1 or any(g.flat and len(g.refs) > 1 for g in self.step_state.trainable_groups))
+
+    @property
+    def training_state(self) -> TrainingState:
+        """Where the unit is in its step (torch_xla's attribute; held in ``step_state``)."""
+        return self.step_state.training_state
+
+    @training_state.setter
+    def training_state(self, state: TrainingState) -> None:
+        self.step_state.training_state = state
+
+    def assert_state(self, state: Any) -> None:
+        """Raise ValueError unless the unit is in ``state`` (one state or a list; this package's
+        ``TrainingState`` or torch_xla's, compared by name), as torch_xla's method does."""
+        states = state if isinstance(state, (list, tuple)) else [state]
+        if self.training_state.name not in {getattr(s, "name", s) for s in states}:
+            raise ValueError(f"xla_fsdp: unit in state {self.training_state.name}, expected one of "
+                             f"{[getattr(s, 'name', s) for s in states]}")
+
+    def _assert_state(self, *states: TrainingState) -> None:
+        if self.training_state not in states:
+            raise RuntimeError(f"xla_fsdp: unit in state {self.training_state.value}, expected one of "
+                               f"{[s.value for s in states]}")
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._lazy_init()
+        # Called from inside backward: a checkpoint recompute. Use the backward gather and keep
+        # the parameters until their gradients are reduced.
+        in_backward = torch._C._current_graph_task_id() != -1
+        if not in_backward:
+            self._assert_state(TrainingState.IDLE)
+            self.training_state = TrainingState.FORWARD
+        if self.compute_dtype != torch.float32:
+            cast = lambda t: t.to(self.compute_dtype) if t.is_floating_point() else t
+            args, kwargs = map_tensors(cast, args), map_tensors(cast, kwargs)
+        if self.optimization_barrier_in_forward:
+            self.comms.optimization_barrier(barrier_sources(self._offload, self.gather_groups))
+        if in_backward:
+            self._unshard(backward=True)
+        else:
+            if self.step_state.is_root:
+                # Parameters frozen or unfrozen since the last step: every rank must do the same.
+                if any([unit._follow_requires_grad() for unit in self.step_state.units_in_tree]):
+                    self._find_trainable_groups()
+                self.step_state.schedule.recording = []
+                self.step_state.schedule.release_kept()
+                self._begin_gradient_plan()
+            if self.step_state.schedule.deferred is not self:  # called again: keep what the first call gathered
+                self.step_state.schedule.release_deferred()
+            self.step_state.schedule.recording.append(self)
+            self._unshard(prefetch=self._prefetch_target(+1))
+        try:
+            outputs = self._fsdp_wrapped_module(*args, **kwargs)
+        except BaseException:
+            if not in_backward:
+                self._abandon_forward()
+            raise
+        if self.step_state.is_root and not in_backward:
+            self.step_state.schedule.end_forward(self.step_state.units_in_tree)
+            self._end_gradient_plan(outputs)
+        if self.output_dtype is not None:
+            outputs = map_tensors(lambda t: t.to(self.output_dtype) if t.is_floating_point() else t, outputs)
+        if in_backward:  # a checkpoint recompute: parameters stay for this backward
+            return outputs
+        if self.reshard_after_forward and torch.is_grad_enabled() and not self.step_state.is_root:
+            self.step_state.schedule.defer_reshard(self)  # freed when the next unit starts forward
+        elif self.reshard_after_forward or not torch.is_grad_enabled():
+            self.reshard()
+        self.training_state = TrainingState.IDLE
+        if torch.is_grad_enabled():
+            outputs = self._register_pre_backward_hooks(outputs)
+        return outputs
+
+    def _abandon_forward(self) -> None:
+        """The module raised during forward: leave this unit (the root: every unit) idle and
+        resharded, so the next forward starts clean instead of failing on a unit stuck in forward."""
+        units = self.step_state.units_in_tree if self.step_state.is_root else [self]
+        for unit in units:
+            unit.finish_unshard()
+            unit.reshard()
+            unit.training_state = TrainingState.IDLE
+        if self.step_state.is_root:
+            self.step_state.schedule.recording = []
+            self.step_state.schedule.deferred = self.step_state.schedule.kept = None
+
+    def _unshard(self, backward: bool = False, prefetch: Optional["ForwardPass"] = None,
+                 refill_saved: bool = False) -> None:
+        """Gather this unit's parameters; start ``prefetch``'s gather behind it before waiting.
+        ``refill_saved``: for the backward of the last forward (see ``GatherGroup.install``)."""
+        self._start_unshard(backward, refill_saved)
+        if prefetch is not None:
+            prefetch._start_unshard(backward, refill_saved)
+        self.finish_unshard()
+
+    def _start_unshard(self, backward: bool, refill_saved: bool = False) -> None:
+        if self.step_state.unshard_in_flight is None:
+            if refill_saved:
+                for group in self.gather_groups:
+                    if group.is_unsharded():
+                        group.refill_freed_members()
+            pending = [g for g in self.gather_groups if not g.is_unsharded()]
+            if pending:
+                self.step_state.unshard_in_flight = start_unshard(pending, backward, refill_saved, self._solo_numel)
+
+    @property
+    def unshard_pending(self) -> bool:
+        """Whether a gather of this unit's parameters was started and not yet waited for."""
+        return self.step_state.unshard_in_flight is not None
+
+    def finish_unshard(self) -> None:
+        """Wait for a started gather (nothing if none is pending)."""
+        finish, self.step_state.unshard_in_flight = self.step_state.unshard_in_flight, None
+        if finish is not None:
+            finish()
+
+    def _prefetch_target(self, step: int) -> Optional["ForwardPass"]:
+        """The unit that ran ``step`` places after this one in the last forward (if prefetching)."""
+        return self.step_state.schedule.neighbour(self, step) if self.prefetch else None
+
+    def reshard(self) -> None:
+        """Free this unit's full parameters; the shards stay (FSDP2's ``reshard()``)."""
+        for group in self.gather_groups:
+            group.reshard()
