@@ -3,6 +3,7 @@ Block / ResNet BasicBlock) and then the root, like the peers' recommended recipe
 from __future__ import annotations
 
 import functools
+import threading
 from typing import Callable, Tuple
 
 import torch
@@ -54,6 +55,43 @@ def wrap_gloo(name: str, model: nn.Module, w: Workload, ws: int, flatten_paramet
     raise ValueError(name)
 
 
+# torch_xla's FSDP issues its all-gathers and reduce-scatters without a channel id. On XLA:CPU rank threads
+# such collectives abort (each thread compiles its own module, and XLA pairs them by module id), so
+# xla_fsdp.enable_xla_cpu_devices runs them as host exchanges: a sync and host copies per collective,
+# nothing like torch_xla on a TPU, where they stay in the compiled step. xla_fsdp's own collectives carry
+# channel ids and stay in the step. For a like-for-like comparison the benchmark gives torch_xla's FSDP
+# channel ids too: each rank thread numbers its collectives from the start of each step, so ranks and steps
+# agree (the same compiled graphs), and they stay in the step as ours do.
+_CHANNELS = threading.local()
+_CHANNEL_BASE = 1 << 20  # far above the ids xla_fsdp's units use (none exist in a torch_xla contender's process)
+_IN_GRAPH_LOCK = threading.Lock()
+_IN_GRAPH = False
+
+
+def torch_xla_collectives_in_graph() -> None:
+    """Before torch_xla's FSDP is built (it binds ``xm.all_gather`` then): its collectives get channel ids."""
+    global _IN_GRAPH
+    import torch_xla.core.xla_model as xm
+    with _IN_GRAPH_LOCK:
+        if _IN_GRAPH:
+            return
+        _IN_GRAPH = True
+        for op in ("all_gather", "reduce_scatter"):
+            original = getattr(xm, op)
+
+            def numbered(*args, _original=original, channel_id=None, **kwargs):
+                if channel_id is None:
+                    _CHANNELS.next = getattr(_CHANNELS, "next", _CHANNEL_BASE) + 1
+                    channel_id = _CHANNELS.next
+                return _original(*args, channel_id=channel_id, **kwargs)
+            setattr(xm, op, functools.wraps(original)(numbered))
+
+
+def new_step() -> None:
+    """A step starts: this rank thread numbers its collectives from the start again."""
+    _CHANNELS.next = _CHANNEL_BASE
+
+
 def wrap_xla(name: str, model: nn.Module, w: Workload, device, flatten_parameters: bool = True) -> nn.Module:
     classes = set(unit_classes(w))
     if name.endswith(PER_PARAM):
@@ -61,6 +99,7 @@ def wrap_xla(name: str, model: nn.Module, w: Workload, device, flatten_parameter
     if name == "xla_plain":
         return model.to(device)
     if name == "torchxla_fsdp":
+        torch_xla_collectives_in_graph()
         from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel
         from torch_xla.distributed.fsdp.wrap import transformer_auto_wrap_policy
         return XlaFullyShardedDataParallel(model, auto_wrap_policy=functools.partial(

@@ -147,3 +147,14 @@ def xla_compiles() -> int:
         return 0
     data = met.metric_data("CompileTime")
     return int(data[0]) if data else 0
+
+
+def xla_transfers_to_host() -> int:
+    """Device-to-host copies so far in this process (every rank thread's): a collective run as a host
+    exchange makes one per rank, one in the compiled step makes none."""
+    try:
+        import torch_xla.debug.metrics as met
+    except ImportError:
+        return 0
+    data = met.metric_data("TransferFromDeviceTime")
+    return int(data[0]) if data else 0

@@ -116,6 +116,8 @@ def summarize(contender: str, ws: int, runs: List[Dict[str, Any]]) -> Dict[str, 
         "peak_rss_mib_max": max(rank["peak_rss_mib"] for rank in ranks),
         "collective_bytes_per_step": max(coll) if all(c is not None for c in coll) else None,
         # XLA compilations after the second step, the most any round saw (one process: rank 0 counts all).
+        # device-to-host copies per step (XLA): one per rank for loss.item(); a host-exchanged collective adds more
+        "host_transfers_per_step": max(rank.get("host_transfers_per_step", 0) for rank in ranks),
         "new_compiles_after_step2": max(r["ranks"][0]["compiles_end"] - r["ranks"][0]["compiles_step2"] for r in ok),
     })
     return row

@@ -28,13 +28,15 @@ def train_loop(model, opt, w: Workload, spec: Dict[str, Any], rank: int, device,
     per_rank = per_rank or w.batch
     warmup, steps = spec["warmup"], spec["steps"]
     times, losses = [], []
-    compiles_step2 = 0
+    compiles_step2 = transfers_start = 0
     for step in range(warmup + steps):
         if step == 2:  # the target: no new XLA compilation after the second step
             compiles_step2 = measure.xla_compiles()
         if step == warmup:
             measure.reset_collective_bytes(device)
+            transfers_start = measure.xla_transfers_to_host()
         x, y = batch(w, step, rank, per_rank)
+        contenders.new_step()
         barrier()
         t0 = time.perf_counter()
         x, y = shard_batch(x.to(device)), shard_batch(y.to(device))
@@ -50,6 +52,8 @@ def train_loop(model, opt, w: Workload, spec: Dict[str, Any], rank: int, device,
         "rank": rank, "times": times[warmup:], "losses": losses, "state_bytes": measure.state_bytes(model, opt),
         "peak_rss_mib": measure.peak_rss_mib(), "collective_bytes_per_step": measure.collective_bytes(device) / steps,
         "compiles_step2": compiles_step2, "compiles_end": measure.xla_compiles(),
+        # every rank thread's device-to-host copies per measured step (XLA): loss.item() makes one per rank
+        "host_transfers_per_step": (measure.xla_transfers_to_host() - transfers_start) / steps,
         "param_bytes": spec["param_bytes"],
     }
 
