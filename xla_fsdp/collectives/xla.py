@@ -290,9 +290,11 @@ class XlaCollectives(Collectives):
     def new_full(self, shape: Tuple[int, ...], padded_numel: int, dtype: torch.dtype) -> torch.Tensor:
         # Born at its real shape from host data: a tensor born with the placeholder's shape keeps
         # reporting that shape to some ops (mm), and one born as a device-side constant
-        # (torch.zeros(device=xla)) ignores later _replace_xla_tensor calls. The host buffer is
-        # transient (one group at a time); the caller frees the device copy right away.
-        return torch.empty(shape, dtype=dtype).to(self._device)
+        # (torch.zeros(device=xla)) ignores later _replace_xla_tensor calls. It is a broadcast view
+        # of one host element, not a real-shape buffer: the caller wraps it in nn.Parameter, whose
+        # functional storage keeps its birth data for the parameter's life, past every
+        # _replace_xla_tensor (a real-shape birth held one whole model per rank).
+        return torch.zeros((), dtype=dtype).to(self._device).expand(shape)
 
     def gather_into(self, full: torch.Tensor, shard: torch.Tensor, channel: int,
                     padded_shape: Tuple[int, ...], unpad: Callable[[torch.Tensor], torch.Tensor]) -> None:
