@@ -92,7 +92,9 @@ def new_step() -> None:
     _CHANNELS.next = _CHANNEL_BASE
 
 
-def wrap_xla(name: str, model: nn.Module, w: Workload, device, flatten_parameters: bool = True) -> nn.Module:
+def wrap_xla(name: str, model: nn.Module, w: Workload, device, flatten_parameters: bool = True,
+             **extra) -> nn.Module:
+    """``extra``: more constructor keywords, the same for both packages (``param_init_fn``)."""
     classes = set(unit_classes(w))
     if name.endswith(PER_PARAM):
         name, flatten_parameters = name[:-len(PER_PARAM)], False
@@ -104,13 +106,13 @@ def wrap_xla(name: str, model: nn.Module, w: Workload, device, flatten_parameter
         from torch_xla.distributed.fsdp.wrap import transformer_auto_wrap_policy
         return XlaFullyShardedDataParallel(model, auto_wrap_policy=functools.partial(
             transformer_auto_wrap_policy, transformer_layer_cls=classes),
-            **dict(XLA_KWARGS, flatten_parameters=flatten_parameters))
+            **dict(XLA_KWARGS, flatten_parameters=flatten_parameters), **extra)
     if name == "xla_fsdp_xla":
         from xla_fsdp import XlaFullyShardedDataParallel
         from xla_fsdp.wrap import transformer_auto_wrap_policy
         return XlaFullyShardedDataParallel(model, auto_wrap_policy=functools.partial(
             transformer_auto_wrap_policy, transformer_layer_cls=classes),
-            **dict(XLA_KWARGS, flatten_parameters=flatten_parameters))
+            **dict(XLA_KWARGS, flatten_parameters=flatten_parameters), **extra)
     raise ValueError(name)
 
 

@@ -42,6 +42,29 @@ def _ratio(a: Optional[Dict], b: Optional[Dict]) -> Optional[float]:
     return a["median_step_s"] / b["median_step_s"]
 
 
+def _peak_ratio(a: Optional[Dict], b: Optional[Dict]) -> Optional[float]:
+    """Peak memory of ``a`` over ``b``: XLA:CPU exposes no live device-buffer statistics
+    (GetAllocatorStats is unimplemented), and its devices' buffers are host memory, so the peak RSS
+    of the one process that holds every device stands for peak device memory."""
+    if a is None or b is None:
+        return None
+    return a["peak_rss_mib_max"] / b["peak_rss_mib_max"]
+
+
+def floor(data: Dict) -> List[Tuple[str, int, Optional[float], Optional[float]]]:
+    """(workload, ws, unwrapped model / torch_xla per parameter, ours per parameter / unwrapped):
+    ``xla_plain`` trains the unwrapped model on every device with no communication, the least step
+    time any XLA FSDP could have on this machine, so it bounds what a step-time target can ask."""
+    out = []
+    for wl, rows in data["rows"].items():
+        for ws in (2, 4):
+            plain = _row(rows, "xla_plain", ws)
+            if plain is not None:
+                out.append((wl, ws, _ratio(plain, _row(rows, "torchxla_fsdp" + PER_PARAM, ws)),
+                            _ratio(_row(rows, "xla_fsdp_xla" + PER_PARAM, ws), plain)))
+    return out
+
+
 #: step-time comparisons whose round-to-round spread the report shows (ours, then the reference)
 ROUND_PAIRS = (("xla_fsdp_xla", "torchxla_fsdp"), ("xla_fsdp_spmd", "torchxla_spmd"),
                ("xla_fsdp_xla" + PER_PARAM, "torchxla_fsdp" + PER_PARAM),
@@ -83,12 +106,17 @@ def targets(data: Dict) -> List[Tuple[str, str, Optional[float], str, bool]]:
         for ws in (2, 4):
             # The second pair goes beyond the issue: the default layout of both packages
             # (flatten_parameters=False).
-            for suffix, layout in (("", ""), (PER_PARAM, ", default per-parameter layout")):
+            # (flat: issue 6's step bound; per parameter: issue 41's step and peak-memory bounds)
+            for suffix, layout, step_bound in (("", "", 0.95), (PER_PARAM, ", default per-parameter layout", 0.90)):
                 pair = ("xla_fsdp_xla" + suffix, "torchxla_fsdp" + suffix)
                 if _in_run(rows, pair, ws):
-                    r = _ratio(_row(rows, pair[0], ws), _row(rows, pair[1], ws))
-                    out.append((wl, f"XLA:CPU ws{ws} step time / torch_xla XlaFSDP{layout}", r, "<= 0.95",
-                                r is not None and r <= 0.95))
+                    a, b = _row(rows, pair[0], ws), _row(rows, pair[1], ws)
+                    r = _ratio(a, b)
+                    out.append((wl, f"XLA:CPU ws{ws} step time / torch_xla XlaFSDP{layout}", r,
+                                f"<= {step_bound:.2f}", r is not None and r <= step_bound))
+                    m = _peak_ratio(a, b)
+                    out.append((wl, f"XLA:CPU ws{ws} peak memory / torch_xla XlaFSDP{layout}", m, "<= 1.00",
+                                m is not None and m <= 1.0))
         for ws in (2, 4):  # issue 27: our SPMD mode against torch_xla's FSDPv2, and the faster of our modes
             if _in_run(rows, ("xla_fsdp_spmd", "torchxla_spmd"), ws):
                 r = _ratio(_row(rows, "xla_fsdp_spmd", ws), _row(rows, "torchxla_spmd", ws))
@@ -249,6 +277,16 @@ def markdown(data: Dict) -> str:
                 lines.append(f"| {name} | {p['layers']} | {p['params'] / 1e6:.0f} | {p['result']} | "
                              f"{_fmt(p.get('step_s'), '.1f')} | {_fmt(p.get('peak_tree_rss_gib'), '.2f')} |")
         lines.append("")
+    floors = floor(data)
+    if floors:
+        lines += ["## The floor: the same model with no FSDP", "",
+                  "`xla_plain` trains the unwrapped model on every XLA:CPU device with no communication: no "
+                  "XLA FSDP can step faster on this machine. A step-time bound below its ratio cannot be met "
+                  "by any sharding.", "",
+                  "| workload | ws | xla_plain / torchxla_fsdp_perparam | xla_fsdp_xla_perparam / xla_plain |",
+                  "|---|---|---|---|"]
+        lines += [f"| {wl} | {ws} | {_fmt(a)} | {_fmt(b)} |" for wl, ws, a, b in floors]
+        lines.append("")
     lines += ["## Targets", "", "| workload | target | measured | bound | met |", "|---|---|---|---|---|"]
     for wl, name, value, bound, met in targets(data):
         lines.append(
@@ -263,30 +301,31 @@ def is_ours(contender: str) -> bool:
 
 
 def chart(data: Dict, path: str) -> None:
-    """One panel per workload and world size, horizontal bars (ours red, peers grey) sorted by step
-    time, so each panel holds one world size's dozen rows and every label reads."""
+    """One row of panels per workload and world size: median step time on the left, peak memory
+    (RSS per process) on the right, horizontal bars (ours red, peers grey) sorted by step time, so a
+    reader sees at a glance who is faster and who holds less."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     panels = [(wl, ws, sorted((r for r in data["rows"][wl] if "median_step_s" in r and r["ws"] == ws),
                               key=lambda r: r["median_step_s"]))
               for wl in data["rows"] for ws in sorted({r["ws"] for r in data["rows"][wl] if "median_step_s" in r})]
-    width = max(1, len({ws for _, ws, _ in panels}))
-    height = max(1, -(-len(panels) // width))
     tallest = max([len(rows) for _, _, rows in panels] + [1])
-    fig, axes = plt.subplots(height, width, figsize=(6.5 * width, 0.9 + 0.32 * tallest * height), squeeze=False)
-    for ax in axes.flat[len(panels):]:
-        ax.set_visible(False)
-    for ax, (wl, ws, rows) in zip(axes.flat, panels):
-        ax.barh(range(len(rows)), [r["median_step_s"] for r in rows],
-                color=["tab:red" if is_ours(r["contender"]) else "tab:gray" for r in rows])
-        ax.set_yticks(range(len(rows)))
-        ax.set_yticklabels([r["contender"] for r in rows], fontsize=8)
-        ax.invert_yaxis()  # fastest on top
-        ax.set_xlabel("median step time, s (shorter is better)")
-        ax.set_title(f"{wl}, world size {ws}: xla_fsdp (red) vs peers (grey)", fontsize=10)
+    fig, axes = plt.subplots(max(1, len(panels)), 2, figsize=(13, 0.9 + 0.32 * tallest * max(1, len(panels))),
+                             squeeze=False)
+    for (ax_step, ax_mem), (wl, ws, rows) in zip(axes, panels):
+        colors = ["tab:red" if is_ours(r["contender"]) else "tab:gray" for r in rows]
+        for ax, key, label in ((ax_step, "median_step_s", "median step time, s"),
+                               (ax_mem, "peak_rss_mib_max", "peak memory (RSS per process), MiB")):
+            ax.barh(range(len(rows)), [r[key] for r in rows], color=colors)
+            ax.set_yticks(range(len(rows)))
+            ax.set_yticklabels([r["contender"] for r in rows], fontsize=8)
+            ax.invert_yaxis()  # fastest on top
+            ax.set_xlabel(label + " (shorter is better)")
+            ax.set_title(f"{wl}, world size {ws}: {label.split(' (')[0].split(',')[0]}", fontsize=10)
+    fig.suptitle("xla_fsdp (red) vs peers (grey)", fontsize=11)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 

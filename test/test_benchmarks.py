@@ -68,11 +68,11 @@ def test_compared_contenders_run_adjacent_and_alternate_who_goes_first():
 
 
 def test_targets_leave_out_comparisons_not_run_but_show_failed_ones_as_missed():
-    from benchmarks.report import targets
+    from benchmarks.report import floor, targets
 
-    def row(contender, ws, step_s=None):
+    def row(contender, ws, step_s=None, peak_mib=1000.0):
         r = {"contender": contender, "ws": ws, "param_bytes": 400, "state_bytes_max": 600,
-             "collective_bytes_per_step": 1000, "new_compiles_after_step2": 0}
+             "collective_bytes_per_step": 1000, "new_compiles_after_step2": 0, "peak_rss_mib_max": peak_mib}
         if step_s is None:
             r["error"] = "timed out after 900 s"
         else:
@@ -80,14 +80,29 @@ def test_targets_leave_out_comparisons_not_run_but_show_failed_ones_as_missed():
         return r
 
     # a subset run: XLA contenders only, torch_xla failed at ws 4
-    rows = [row("xla_fsdp_xla", 2, 0.9), row("torchxla_fsdp", 2, 1.0), row("xla_fsdp_xla", 4, 2.0),
+    rows = [row("xla_fsdp_xla", 2, 0.9, peak_mib=1100.0), row("torchxla_fsdp", 2, 1.0), row("xla_fsdp_xla", 4, 2.0),
             row("torchxla_fsdp", 4)]
     found = {name: (value, met) for _, name, value, _, met in
              targets({"rows": {"resnet18": rows}, "workloads": {"resnet18": {"kind": "resnet"}}})}
     assert abs(found["XLA:CPU ws2 step time / torch_xla XlaFSDP"][0] - 0.9) < 1e-12
     assert found["XLA:CPU ws2 step time / torch_xla XlaFSDP"][1]
+    # peak memory is a target of its own: 10 % more than torch_xla misses it though the step is faster
+    assert found["XLA:CPU ws2 peak memory / torch_xla XlaFSDP"] == (1.1, False)
     assert found["XLA:CPU ws4 step time / torch_xla XlaFSDP"] == (None, False)
+    assert found["XLA:CPU ws4 peak memory / torch_xla XlaFSDP"] == (None, False)
     assert not any("gloo" in name or "per-parameter" in name or "ws1" in name for name in found)
+
+    # the default layout's step bound is 0.90; the floor (no FSDP at all) is reported beside it
+    rows = [row("xla_fsdp_xla_perparam", 2, 0.92, peak_mib=950.0), row("torchxla_fsdp_perparam", 2, 1.0),
+            row("xla_plain", 2, 0.88)]
+    data = {"rows": {"resnet18": rows}, "workloads": {"resnet18": {"kind": "resnet"}}}
+    found = {name: (value, bound, met) for _, name, value, bound, met in targets(data)}
+    step = found["XLA:CPU ws2 step time / torch_xla XlaFSDP, default per-parameter layout"]
+    assert step[1:] == ("<= 0.90", False) and abs(step[0] - 0.92) < 1e-12
+    assert found["XLA:CPU ws2 peak memory / torch_xla XlaFSDP, default per-parameter layout"] == (0.95, "<= 1.00", True)
+    [(wl, ws, plain_over_peer, ours_over_plain)] = floor(data)
+    assert (wl, ws) == ("resnet18", 2)
+    assert abs(plain_over_peer - 0.88) < 1e-12 and abs(ours_over_plain - 0.92 / 0.88) < 1e-12
 
 
 def test_round_by_round_ratios_pair_each_rounds_steps_and_skip_rows_with_a_failed_round():
@@ -100,7 +115,8 @@ def test_round_by_round_ratios_pair_each_rounds_steps_and_skip_rows_with_a_faile
 
 
 def test_the_chart_draws_every_contender_of_ours_red_one_world_size_per_panel(tmp_path):
-    """Before: our SPMD contender was grey under a title saying ours are red, and a panel held 28 bars."""
+    """Before: our SPMD contender was grey under a title saying ours are red, and a panel held 28 bars.
+    Each workload and world size is a row of two panels: step time and peak memory."""
     from benchmarks.report import FAMILY, chart, is_ours
     assert sorted(c for c in FAMILY if is_ours(c)) == ["xla_fsdp", "xla_fsdp_spmd", "xla_fsdp_xla",
                                                        "xla_fsdp_xla_perparam"]
