@@ -72,6 +72,10 @@ ROUND_PAIRS = (("xla_fsdp_xla", "torchxla_fsdp"), ("xla_fsdp_spmd", "torchxla_sp
                ("torchxla_fsdp", "xla_plain"), ("xla_fsdp", "fsdp1"), ("xla_fsdp", "fsdp2"))
 
 
+#: peak-memory comparisons shown round by round (XLA:CPU against torch_xla, both layouts)
+MEMORY_PAIRS = (("xla_fsdp_xla", "torchxla_fsdp"), ("xla_fsdp_xla" + PER_PARAM, "torchxla_fsdp" + PER_PARAM))
+
+
 def per_round_ratios(a: Dict, b: Dict, steps: int) -> Optional[List[float]]:
     """Round-by-round ratio of two rows' median step times (each round's contenders ran back to
     back); None unless every round of both succeeded, since a failed round shifts the steps."""
@@ -236,6 +240,18 @@ def markdown(data: Dict) -> str:
                         lines.append(f"| {wl} | {ws} | {ours} / {ref} | {_ratio(a, b):.3f} | "
                                      + ", ".join(f"{x:.3f}" for x in rounds) + " |")
         lines.append("")
+        memory = [(wl, ws, ours, ref, _peak_ratio(a, b), [x / y for x, y in zip(a["peak_rss_mib_rounds"],
+                                                                                 b["peak_rss_mib_rounds"])])
+                  for wl, rows in data["rows"].items() for ws in sorted({r["ws"] for r in rows})
+                  for ours, ref in MEMORY_PAIRS
+                  for a, b in [(_row(rows, ours, ws), _row(rows, ref, ws))]
+                  if a and b and "peak_rss_mib_rounds" in a and "peak_rss_mib_rounds" in b]
+        if memory:
+            lines += ["Peak memory, the same way: the ratio of the rows' medians over rounds, and each round's.", "",
+                      "| workload | ws | peak memory of / over | median | per round |", "|---|---|---|---|---|"]
+            lines += [f"| {wl} | {ws} | {ours} / {ref} | {r:.3f} | " + ", ".join(f"{x:.3f}" for x in rounds) + " |"
+                      for wl, ws, ours, ref, r, rounds in memory]
+            lines.append("")
     interleaved = data.get("ws1_interleaved")
     if interleaved:
         lines += ["## World size 1: every contender in one process, steps interleaved", "",

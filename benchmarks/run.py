@@ -113,7 +113,10 @@ def summarize(contender: str, ws: int, runs: List[Dict[str, Any]]) -> Dict[str, 
         "losses": [statistics.fmean(x) for x in zip(*[rank["losses"] for rank in ranks])],
         "state_bytes_max": max(rank["state_bytes"] for rank in ranks),
         "param_bytes": param_bytes,
-        "peak_rss_mib_max": max(rank["peak_rss_mib"] for rank in ranks),
+        # the most any rank's process held, per round; the row's figure is the median over rounds,
+        # since one process's peak moves by ~200 MiB from run to run (compiles, allocator)
+        "peak_rss_mib_rounds": [max(rank["peak_rss_mib"] for rank in r["ranks"]) for r in ok],
+        "peak_rss_mib_max": statistics.median(max(rank["peak_rss_mib"] for rank in r["ranks"]) for r in ok),
         "collective_bytes_per_step": max(coll) if all(c is not None for c in coll) else None,
         # XLA compilations after the second step, the most any round saw (one process: rank 0 counts all).
         # device-to-host copies per step (XLA): one per rank for loss.item(); a host-exchanged collective adds more

@@ -159,3 +159,26 @@ def test_torch_xlas_fsdp_collectives_stay_in_the_compiled_step_as_ours_do(tmp_pa
         assert rank["compiles_end"] == rank["compiles_step2"]  # the same graphs every step
     for a, b in zip(theirs, ours):
         assert max(abs(x - y) for x, y in zip(a["losses"], b["losses"])) < 1e-5
+
+
+def test_peak_memory_is_the_median_over_rounds_and_shown_round_by_round():
+    """One process's peak moves by ~200 MiB from run to run: the row's figure is the median of its
+    rounds' peaks, and the report lists each round's ratio beside it."""
+    from benchmarks.report import markdown
+    from benchmarks.run import summarize
+
+    def run(peak, step_s=1.0):
+        rank = {"times": [step_s] * 2, "losses": [1.0, 0.9], "state_bytes": 10, "param_bytes": 40,
+                "peak_rss_mib": peak, "collective_bytes_per_step": 100, "compiles_step2": 3, "compiles_end": 3}
+        return {"ranks": [rank, dict(rank, peak_rss_mib=peak - 50)], "error": None}
+
+    ours = summarize("xla_fsdp_xla_perparam", 2, [run(1000), run(1300), run(1100)])
+    peer = summarize("torchxla_fsdp_perparam", 2, [run(1000), run(1000), run(1250)])
+    assert ours["peak_rss_mib_rounds"] == [1000, 1300, 1100] and ours["peak_rss_mib_max"] == 1100
+    data = {"date": "today", "quick": False, "machine": {"cpus": 2}, "steps": 2, "rounds": 3, "warmup": 1,
+            "workloads": {"resnet18": {"kind": "resnet", "batch": 8, "image": 64, "classes": 100}},
+            "rows": {"resnet18": [ours, peer]}}
+    text = markdown(data)
+    assert "| resnet18 | 2 | xla_fsdp_xla_perparam / torchxla_fsdp_perparam | 1.100 | 1.000, 1.300, 0.880 |" in text
+    assert ("| resnet18 | XLA:CPU ws2 peak memory / torch_xla XlaFSDP, default per-parameter layout | 1.100 | "
+            "<= 1.00 | NO |") in text
