@@ -106,6 +106,9 @@ def summarize(contender: str, ws: int, runs: List[Dict[str, Any]]) -> Dict[str, 
         return row
     step_times = [max(t) for r in ok for t in zip(*[rank["times"] for rank in r["ranks"]])]
     ranks = ok[-1]["ranks"]
+    # the most any rank's process held, per round; the row's figure is the median over rounds,
+    # since one process's peak moves by ~200 MiB from run to run (compiles, allocator)
+    peaks = [max(rank["peak_rss_mib"] for rank in r["ranks"]) for r in ok]
     param_bytes = ranks[0]["param_bytes"]
     coll = [rank["collective_bytes_per_step"] for rank in ranks]
     row.update({
@@ -113,10 +116,8 @@ def summarize(contender: str, ws: int, runs: List[Dict[str, Any]]) -> Dict[str, 
         "losses": [statistics.fmean(x) for x in zip(*[rank["losses"] for rank in ranks])],
         "state_bytes_max": max(rank["state_bytes"] for rank in ranks),
         "param_bytes": param_bytes,
-        # the most any rank's process held, per round; the row's figure is the median over rounds,
-        # since one process's peak moves by ~200 MiB from run to run (compiles, allocator)
-        "peak_rss_mib_rounds": [max(rank["peak_rss_mib"] for rank in r["ranks"]) for r in ok],
-        "peak_rss_mib_max": statistics.median(max(rank["peak_rss_mib"] for rank in r["ranks"]) for r in ok),
+        "peak_rss_mib_rounds": peaks,
+        "peak_rss_mib_max": statistics.median(peaks),
         "collective_bytes_per_step": max(coll) if all(c is not None for c in coll) else None,
         # XLA compilations after the second step, the most any round saw (one process: rank 0 counts all).
         # device-to-host copies per step (XLA): one per rank for loss.item(); a host-exchanged collective adds more

@@ -288,7 +288,7 @@ class XlaCollectives(Collectives):
         return total
 
     def new_full(self, shape: Tuple[int, ...], padded_numel: int, dtype: torch.dtype) -> torch.Tensor:
-        # Born at its real shape from host data: a tensor born with the placeholder's shape keeps
+        # Born reporting its real shape, from host data: a tensor born with the placeholder's shape keeps
         # reporting that shape to some ops (mm), and one born as a device-side constant
         # (torch.zeros(device=xla)) ignores later _replace_xla_tensor calls. It is a broadcast view
         # of one host element, not a real-shape buffer: the caller wraps it in nn.Parameter, whose
