@@ -428,12 +428,15 @@ class _null:
 
 
 def _inner_units_freed(root: FSDP) -> bool:
-    """ZeRO-3 after forward: every nested unit has freed its full parameters, except the one that
-    ended forward last (it runs first in backward), which must still hold them."""
+    """ZeRO-3 after forward: every nested unit has freed its full parameters, except, on eager
+    transports, the one that ended forward last (it runs first in backward), which must still hold
+    them. On XLA none is kept: the compiled step gathers it again right before its backward."""
     kept = root.step_state.schedule.kept
     units = [m for m in root.modules() if isinstance(m, FSDP) and m is not root and m is not kept]
+    kept_right = (kept is None if root.comms.compiles_step else
+                  kept is not None and all(g.is_unsharded() for g in kept.gather_groups))
     # A world-size-1 alias of the shard (torch transport, no cast) owns nothing to free.
-    return (bool(units) and kept is not None and all(g.is_unsharded() for g in kept.gather_groups)
+    return (bool(units) and kept_right
             and all(g.comms.aliases_shard(g.full) or (not g.is_unsharded() and not g.comms.is_allocated(g.full))
                     for u in units for g in u.gather_groups))
 
@@ -452,7 +455,8 @@ def _record_params_seen(root: FSDP) -> list:
 
 def _seen_params_freed(root: FSDP, seen: list) -> bool:
     # A world-size-1 alias of the shard (torch transport, no cast) owns nothing to free.
-    kept = root.step_state.schedule.kept.gather_groups
+    kept_unit = root.step_state.schedule.kept
+    kept = kept_unit.gather_groups if kept_unit is not None else []
     return bool(seen) and all(g.comms.aliases_shard(g.full) or not g.comms.is_allocated(t)
                               for g, t in seen if g not in kept)
 

@@ -108,6 +108,11 @@ class Collectives(abc.ABC):
     #: whether a unit's groups share one all-gather and one reduce-scatter (see gather_group)
     coalesces: bool = False
 
+    #: whether the step is traced into one compiled program (XLA), whose scheduler puts each
+    #: gather next to its use: a unit's parameters kept from forward for backward (see
+    #: ``Schedule.end_forward``) then only live longer and raise the peak
+    compiles_step: bool = False
+
     @abc.abstractmethod
     def free(self, full: torch.Tensor) -> None:
         """Release the memory behind ``full``; the next ``gather_into`` refills it."""

@@ -101,6 +101,7 @@ class XlaCollectives(Collectives):
 
     name = "xla"
     views_see_refills = False
+    compiles_step = True
 
     def __init__(self, groups: Optional[Sequence[Sequence[int]]] = None,
                  rank: Optional[int] = None, world_size: Optional[int] = None,

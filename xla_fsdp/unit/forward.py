@@ -149,7 +149,8 @@ class ForwardPass:
                 self._abandon_forward()
             raise
         if self.step_state.is_root and not in_backward:
-            self.step_state.schedule.end_forward(self.step_state.units_in_tree)
+            self.step_state.schedule.end_forward(self.step_state.units_in_tree,
+                                                 keep_last=not self.comms.compiles_step)
             self._end_gradient_plan(outputs)
         if self.output_dtype is not None:
             outputs = map_tensors(lambda t: t.to(self.output_dtype) if t.is_floating_point() else t, outputs)

@@ -29,7 +29,8 @@ class Schedule:
         self._position: Dict[int, int] = {}
         self._order: List[ShardedUnit] = []
         # ZeRO-3 units free their parameters when the next unit starts forward, not when they end
-        # theirs: the unit that ends forward last is the first in backward and keeps them.
+        # theirs: on eager transports the unit that ends forward last is the first in backward
+        # and keeps them (one all-gather fewer, at no cost to the peak).
         self.deferred: Optional[ShardedUnit] = None
         self.kept: Optional[ShardedUnit] = None
         #: which groups get gradients in this step, agreed by the ranks (usage.GradientPlan)
@@ -59,10 +60,17 @@ class Schedule:
         if unit is not None:
             unit.reshard()
 
-    def end_forward(self, units: List[ShardedUnit]) -> None:
-        """The root's forward has returned: what was recorded becomes the order."""
+    def end_forward(self, units: List[ShardedUnit], keep_last: bool) -> None:
+        """The root's forward has returned: what was recorded becomes the order. ``keep_last``:
+        the last unit keeps its parameters for backward; False where one compiled program runs
+        the step (XLA), which gathers them again right before their use: kept, they stayed live
+        from forward to backward, one unit's full parameters more at the peak (ResNet-18 on 4
+        XLA:CPU devices: 87 MiB of buffers per device instead of 78)."""
         self._order, self.recording = self.recording, []
-        self.kept, self.deferred = self.deferred, None
+        if keep_last:
+            self.kept, self.deferred = self.deferred, None
+        else:
+            self.release_deferred()
         self._position = {}
         for index, unit in enumerate(self._order):
             self._position.setdefault(id(unit), index)
