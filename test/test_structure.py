@@ -89,6 +89,7 @@ LAYERS = [
     ("entry points", ["xla_fsdp", "xla_fsdp.cli", "xla_fsdp.compat", "xla_fsdp.integrations",
                       "xla_fsdp.consolidate_sharded_ckpts", "xla_fsdp.reshard", "xla_fsdp.convert",
                       "xla_fsdp.inspect", "xla_fsdp.spmd"]),
+    ("FSDP2's API", ["xla_fsdp.fsdp2"]),
     ("public API", ["xla_fsdp.fully_sharded_data_parallel", "xla_fsdp.wrap", "xla_fsdp.remat", "xla_fsdp.strategy"]),
     ("checkpoints", ["xla_fsdp.checkpoints"]),
     ("unit life cycle", ["xla_fsdp.unit"]),

@@ -16,11 +16,16 @@ from .remat import checkpoint_module
 from .strategy import ShardingStrategy
 
 __all__ = [
+    "CPUOffloadPolicy",
+    "FSDPModule",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
     "ShardingStrategy",
     "XlaFullyShardedDataParallel",
     "checkpoint_module",
     "consolidate_sharded_model_checkpoints",
     "enable_xla_cpu_devices",
+    "fully_shard",
     "latest_checkpoint",
     "launch",
     "load_sharded_checkpoint",
@@ -32,3 +37,15 @@ __all__ = [
     "sync",
     "__version__",
 ]
+
+
+#: FSDP2's names (:mod:`xla_fsdp.fsdp2`), imported on first use: importing torch.distributed.fsdp
+#: costs ~70 ms and makes a temp folder (torch.distributed.nn's) in every process
+_FSDP2_NAMES = ("CPUOffloadPolicy", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy", "fully_shard")
+
+
+def __getattr__(name: str):
+    if name in _FSDP2_NAMES:
+        from . import fsdp2
+        return getattr(fsdp2, name)
+    raise AttributeError(f"module 'xla_fsdp' has no attribute {name!r}")

@@ -210,7 +210,7 @@ class XlaFullyShardedDataParallel(ModuleAdoption, ForwardPass, GradientReduction
     ):
         keywords = {k: v for k, v in locals().items() if k not in ("self", "module", "__class__")}
         resolve_torch_group_keywords(keywords)
-        super().__init__()
+        nn.Module.__init__(self)  # not super(): under fully_shard the module's own class follows in the MRO
         construction.validate_module(module)
         construction.warn_untied_embeddings(module)
         options = _options_from_keywords(keywords)
@@ -239,6 +239,8 @@ class XlaFullyShardedDataParallel(ModuleAdoption, ForwardPass, GradientReduction
         self.rank, self.world_size = self.comms.rank, self.comms.world_size
         self.reshard_after_forward = reshard_after_forward
         self.output_dtype = options.output_dtype
+        #: cast floating forward inputs to ``compute_dtype`` (FSDP2's ``cast_forward_inputs``)
+        self.cast_forward_inputs = True
         self._flatten_group_fn = options.flatten_group_fn
         self.flatten_parameters = _FlattenFlag(options.flatten_parameters, self)
         self.optimization_barrier_in_forward = options.optimization_barrier_in_forward

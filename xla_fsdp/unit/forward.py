@@ -123,7 +123,7 @@ class ForwardPass:
         if not in_backward:
             self._assert_state(TrainingState.IDLE)
             self.training_state = TrainingState.FORWARD
-        if self.compute_dtype != torch.float32:
+        if self.compute_dtype != torch.float32 and self.cast_forward_inputs:
             cast = lambda t: t.to(self.compute_dtype) if t.is_floating_point() else t
             args, kwargs = map_tensors(cast, args), map_tensors(cast, kwargs)
         if self.optimization_barrier_in_forward:

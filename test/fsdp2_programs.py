@@ -1,0 +1,208 @@
+"""FSDP2-style training programs written against ``xla_fsdp``'s ``fully_shard``, run on XLA:CPU
+devices (threads of one process) and on gloo ranks (where ``fully_shard`` is PyTorch's own), and the
+same model trained unsharded in one process for comparison (test_fsdp2)."""
+import os
+import sys
+import tempfile
+import threading
+from typing import Any, Callable, Dict, List
+
+import torch
+import torch.nn as nn
+
+import harness
+import xla_fsdp
+from xla_fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+STEPS, PER_RANK, WIDTH = 3, 4, 16
+_LOCK = threading.Lock()
+
+
+class Block(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.up = nn.Linear(d, 2 * d)
+        self.down = nn.Linear(2 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+class Net(nn.Module):
+    def __init__(self, d: int = WIDTH, layers: int = 3):
+        super().__init__()
+        self.embed = nn.Linear(4, d)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(layers))
+        self.head = nn.Linear(d, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def build() -> Net:
+    with _LOCK:  # XLA:CPU rank threads share the CPU random generator
+        torch.manual_seed(0)
+        return Net()
+
+
+def batch(step: int, world_size: int):
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(PER_RANK * world_size, 4, generator=g), torch.randn(PER_RANK * world_size, 2, generator=g)
+
+
+#: program name -> (micro-batches per step, optimizer, settings)
+PROGRAMS: Dict[str, Dict[str, Any]] = {
+    # the tutorial's loop: blocks then root, prefetch lists, unshard() before the batch, clipping on
+    # parameters, an LR scheduler
+    "tutorial": dict(micro=1, opt="adamw"),
+    # gradient accumulation: no gradient sync on the first of two micro-batches
+    "accumulate": dict(micro=2, opt="adamw"),
+    # ZeRO-2 blocks: parameters stay gathered from forward to backward
+    "zero2": dict(micro=1, opt="adamw", reshard_after_forward=False),
+    # summed, not averaged, gradients: SGD sees world-size times the mean gradient
+    "sum_gradients": dict(micro=1, opt="sgd", divide_factor=1.0),
+    "bf16": dict(micro=1, opt="adamw", mp=dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)),
+}
+
+
+def _optimizer(name: str, params) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-2) if name == "adamw" else torch.optim.SGD(params, lr=0.05)
+
+
+def train_sharded(name: str, rank: int, world_size: int, device, sync: Callable[[], None]) -> Dict[str, Any]:
+    cfg = PROGRAMS[name]
+    model = build()
+    kw: Dict[str, Any] = {}
+    if "mp" in cfg:
+        kw["mp_policy"] = MixedPrecisionPolicy(**cfg["mp"])
+    for block in model.blocks:
+        fully_shard(block, reshard_after_forward=cfg.get("reshard_after_forward", True), **kw)
+    fully_shard(model, **kw)
+    model.to(device)
+    blocks: List[FSDPModule] = list(model.blocks)
+    for before, after in zip(blocks, blocks[1:]):
+        before.set_modules_to_forward_prefetch([after])
+        after.set_modules_to_backward_prefetch([before])
+    if "divide_factor" in cfg:
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_gradient_divide_factor(cfg["divide_factor"])
+                module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+    opt = _optimizer(cfg["opt"], model.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
+    losses, kept_after_forward = [], []
+    for step in range(STEPS):
+        x, y = batch(step, world_size * cfg["micro"])
+        opt.zero_grad()
+        total = 0.0
+        for k in range(cfg["micro"]):
+            model.set_requires_gradient_sync(k == cfg["micro"] - 1)
+            model.unshard()
+            lo = (k * world_size + rank) * PER_RANK
+            out = model(x[lo:lo + PER_RANK].to(device))
+            kept_after_forward.append(_blocks_gathered(blocks))
+            loss = ((out.float() - y[lo:lo + PER_RANK].to(device)) ** 2).mean() / cfg["micro"]
+            loss.backward()
+            total += loss.detach()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        scheduler.step()
+        sync()
+        losses.append(float(total))
+    return {"losses": losses, "full": _full_params(model), "class": type(model).__name__,
+            "is_net": isinstance(model, Net), "kept_after_forward": kept_after_forward}
+
+
+def _blocks_gathered(blocks) -> List[bool]:
+    """Whether each block holds its full parameters (XLA units; None on gloo)."""
+    if not hasattr(blocks[0], "gather_groups"):
+        return []
+    return [all(g.is_unsharded() for g in b.gather_groups) for b in blocks]
+
+
+def _full_params(model: nn.Module) -> Dict[str, torch.Tensor]:
+    if hasattr(model, "gather_groups"):  # xla_fsdp's unit (XLA)
+        from xla_fsdp.checkpoints.full_state import full_state_dict
+        return {k: v.cpu() for k, v in (full_state_dict(model) or {}).items()}  # rank 0 only
+    return {n: p.full_tensor().detach().cpu() for n, p in model.named_parameters()}  # FSDP2's DTensors
+
+
+def train_unsharded(name: str, world_size: int) -> Dict[str, Any]:
+    """The same program on the unwrapped model, fed every rank's samples at once."""
+    cfg = PROGRAMS[name]
+    model = build()
+    opt = _optimizer(cfg["opt"], model.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
+    scale = world_size / cfg.get("divide_factor", world_size)  # summed gradients: world size x the mean
+    losses = []
+    for step in range(STEPS):
+        x, y = batch(step, world_size * cfg["micro"])
+        opt.zero_grad()
+        total = 0.0
+        for k in range(cfg["micro"]):
+            lo, hi = k * world_size * PER_RANK, (k + 1) * world_size * PER_RANK
+            loss = ((model(x[lo:hi]) - y[lo:hi]) ** 2).mean() / cfg["micro"]
+            (loss * scale).backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        scheduler.step()
+        losses.append(total)
+    return {"losses": losses, "full": {n: p.detach() for n, p in model.named_parameters()}}
+
+
+# ----------------------------------------------------------------------------- runners
+def _xla_entry(names: List[str]) -> Dict[str, Any]:
+    import torch_xla
+    import torch_xla.runtime as xr
+    return {n: train_sharded(n, xr.global_ordinal(), xr.world_size(), torch_xla.device(), xla_fsdp.sync)
+            for n in names}
+
+
+def run_xla(names: List[str], world_size: int) -> Dict[str, List[Dict[str, Any]]]:
+    """Every program on ``world_size`` XLA:CPU devices (threads of one spawned process)."""
+    saved = {k: os.environ.get(k) for k in ("PJRT_DEVICE", "CPU_NUM_DEVICES")}
+    os.environ.update(PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(world_size))
+    try:
+        results = harness.run_multiprocess(_xla_entry, names)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return {n: [results[r][n] for r in range(world_size)] for n in names}
+
+
+def _gloo_entry(rank: int, world_size: int, port: int, names: List[str], out_dir: str) -> None:
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        result = {n: train_sharded(n, rank, world_size, torch.device("cpu"), lambda: None) for n in names}
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        harness.end_process_group()
+    # FSDP2's gloo tensors may be freed by gloo's thread during teardown (see fsdp2_runs.py), so this
+    # process leaves without it; os._exit skips the finalizer of the temp folder torch.distributed.nn
+    # makes at import
+    instantiator = sys.modules.get("torch.distributed.nn.jit.instantiator")
+    temp_dir = getattr(instantiator, "_TEMP_DIR", None)  # torch 2.9 makes it at import; newer ones do not
+    if temp_dir is not None:
+        temp_dir.cleanup()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def run_gloo(names: List[str], world_size: int) -> Dict[str, List[Dict[str, Any]]]:
+    """Every program on ``world_size`` gloo processes (PyTorch's own ``fully_shard``)."""
+    import torch.multiprocessing as mp
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.spawn(_gloo_entry, args=(world_size, harness._free_port(), names, out_dir), nprocs=world_size)
+        ranks = [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=True) for r in range(world_size)]
+    return {n: [ranks[r][n] for r in range(world_size)] for n in names}

@@ -1,0 +1,254 @@
+"""PyTorch FSDP2's API (``fully_shard``, ``FSDPModule``, ``MixedPrecisionPolicy``, ``CPUOffloadPolicy``)
+on XLA devices, so a program written for ``torch.distributed.fsdp`` runs on torch_xla with only
+that import changed.
+
+On the torch transport (a gloo/NCCL group is initialized) ``fully_shard`` *is* PyTorch's: the
+program gets upstream FSDP2 exactly, DTensor parameters included. On XLA devices it shards the
+module in place with xla_fsdp's unit (the default per-parameter layout, rows split on dim 0 as
+FSDP2's ``Shard(0)``): the module stays the same object, keeps its class (``FSDP<Class>``, a
+subclass of its class and of :class:`FSDPModule`) and stays where it is in its parent, so
+``fully_shard`` on each block and then on the root nests as in FSDP2. What differs on XLA, and
+why, is in docs/fsdp2.md; every setting this cannot honour is an error that names the way that
+works, never a silent difference.
+"""
+from __future__ import annotations
+
+import abc
+from typing import Any, Callable, Dict, Iterable, List, Optional, Union
+
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+from .collectives import resolve_transport
+from .fully_sharded_data_parallel import XlaFullyShardedDataParallel
+from .unit.base import is_unit
+
+__all__ = ["CPUOffloadPolicy", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy", "UnshardHandle",
+           "fully_shard"]
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_DEFAULT_MP, _NO_OFFLOAD = MixedPrecisionPolicy(), OffloadPolicy()  # FSDP2's defaults (frozen dataclasses)
+
+
+class UnshardHandle:
+    """What ``unshard(async_op=True)`` returns. On XLA the gather is part of the traced step and
+    the compiler orders it, so there is nothing to wait for."""
+
+    def wait(self) -> None:
+        return None
+
+
+class FSDPModule(metaclass=abc.ABCMeta):  # noqa: B024 - an ABC for register(), no abstract method
+    """A module sharded by ``fully_shard``. PyTorch's ``FSDPModule`` is registered as a virtual
+    subclass, so ``isinstance(m, xla_fsdp.FSDPModule)`` holds on either transport.
+
+    On XLA the methods act on xla_fsdp's unit (the module itself); ``reshard()`` is the unit's."""
+
+    def unshard(self, async_op: bool = False) -> Optional[UnshardHandle]:
+        """Gather this module's parameters now (not its children's); its next forward uses them
+        without gathering again, then frees them as ``reshard_after_forward`` says."""
+        self._start_unshard(backward=False)
+        self.finish_unshard()
+        return UnshardHandle() if async_op else None
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """``False``: backward accumulates unsharded gradients locally, with no reduce-scatter
+        (gradient accumulation); the first backward after ``True`` reduces the sum."""
+        for unit in _units(self, recurse):
+            unit.step_state.require_backward_grad_sync = requires_gradient_sync
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        """Whether forward frees the full parameters (re-gathered in backward)."""
+        _check_reshard_value(reshard_after_forward, self.world_size)
+        for unit in _units(self, recurse):
+            unit.reshard_after_forward = bool(reshard_after_forward)
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """Only ``True`` (FSDP2's default) on XLA: the step's one compiled program holds full
+        parameters only where it uses them."""
+        if not reshard_after_backward:
+            raise NotImplementedError(
+                "xla_fsdp.fully_shard on XLA: set_reshard_after_backward(False) is not supported (parameters "
+                "are re-gathered per use inside the compiled step); for gradient accumulation use "
+                "set_requires_gradient_sync(False) on the micro-batches before the last")
+
+    def set_modules_to_forward_prefetch(self, modules: List["FSDPModule"]) -> None:
+        """Accepted and checked. On XLA the step is one compiled program whose scheduler places
+        every all-gather itself, so the list changes neither the gathers nor their order."""
+        self._prefetch_forward = _check_prefetch_list(modules, "set_modules_to_forward_prefetch")
+
+    def set_modules_to_backward_prefetch(self, modules: List["FSDPModule"]) -> None:
+        """As :meth:`set_modules_to_forward_prefetch`, for backward."""
+        self._prefetch_backward = _check_prefetch_list(modules, "set_modules_to_backward_prefetch")
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide this module's reduced gradients by ``factor`` instead of the world size."""
+        if not factor > 0:
+            raise ValueError(f"xla_fsdp.fully_shard: the gradient divide factor must be positive, got {factor}")
+        self.gradient_predivide_factor = 1.0
+        self.gradient_postdivide_factor = float(factor)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Accepted: on XLA the reduce-scatter always sums and the division is applied apart (gloo
+        needs this call with a gradient divide factor; PyTorch's FSDP2 would use PREMUL_SUM)."""
+        self._force_sum_reduction = bool(enable)
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Accepted. xla_fsdp finishes every backward's reduction within that backward, so there is
+        no deferred work for the last one to wait for."""
+        self._is_last_backward = bool(is_last_backward)
+
+
+FSDPModule.register(torch.distributed.fsdp.FSDPModule)
+
+
+def fully_shard(module: Union[nn.Module, List[nn.Module]], *, mesh: Optional[Any] = None,
+                reshard_after_forward: Optional[Union[bool, int]] = None,
+                shard_placement_fn: Optional[Callable[[nn.Parameter], Any]] = None,
+                mp_policy: MixedPrecisionPolicy = _DEFAULT_MP,
+                offload_policy: OffloadPolicy = _NO_OFFLOAD,
+                ignored_params: Optional[set] = None) -> nn.Module:
+    """PyTorch's ``torch.distributed.fsdp.fully_shard``: same signature and meaning.
+
+    Torch transport: PyTorch's own function. XLA: the module's parameters not owned by an inner
+    ``fully_shard`` are sharded on dim 0; the module is converted in place and returned."""
+    if resolve_transport(None) == "torch":
+        from torch.distributed.fsdp import fully_shard as upstream
+        return upstream(module, mesh=mesh, reshard_after_forward=reshard_after_forward,
+                        shard_placement_fn=shard_placement_fn, mp_policy=mp_policy,
+                        offload_policy=offload_policy, ignored_params=ignored_params)
+    if not isinstance(module, nn.Module):
+        raise NotImplementedError("xla_fsdp.fully_shard on XLA takes one module; call it on each module "
+                                  "(a list of modules sharing one group is not supported)")
+    if is_unit(module):
+        raise ValueError(f"xla_fsdp.fully_shard: {type(module).__name__} is already sharded; call "
+                         "fully_shard once per module")
+    options = _unit_options(module, mesh, reshard_after_forward, shard_placement_fn, mp_policy, offload_policy,
+                            ignored_params)
+    return _shard_in_place(module, options, mp_policy.cast_forward_inputs)
+
+
+# ----------------------------------------------------------------------------- the settings
+def _unit_options(module: nn.Module, mesh: Any, reshard_after_forward: Any, shard_placement_fn: Any,
+                  mp_policy: MixedPrecisionPolicy, offload_policy: OffloadPolicy,
+                  ignored_params: Any) -> Dict[str, Any]:
+    """FSDP2's arguments as the unit's keywords, or an error naming what works instead."""
+    _check_mesh(mesh)
+    if ignored_params:
+        raise NotImplementedError("xla_fsdp.fully_shard on XLA: ignored_params is not supported; keep those "
+                                  "parameters in a module that fully_shard is not called on, outside the "
+                                  "sharded root, or use XlaFullyShardedDataParallel")
+    if shard_placement_fn is not None:
+        _check_placements(module, shard_placement_fn)
+    if reshard_after_forward is not None:
+        _check_reshard_value(reshard_after_forward, None)
+    param_dtype = mp_policy.param_dtype or torch.float32
+    reduce_dtype = mp_policy.reduce_dtype or param_dtype
+    for name, dtype in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype),
+                        ("output_dtype", mp_policy.output_dtype or torch.float32)):
+        if dtype not in _FLOAT_DTYPES:
+            raise ValueError(f"xla_fsdp.fully_shard: MixedPrecisionPolicy.{name} must be float32, bfloat16 or "
+                             f"float16, got {dtype}")
+    if reduce_dtype not in (param_dtype, torch.float32):
+        raise NotImplementedError(
+            f"xla_fsdp.fully_shard on XLA: reduce_dtype={reduce_dtype} with param_dtype={param_dtype} is not "
+            "supported; reduce in param_dtype (reduce_dtype=None) or in float32")
+    return dict(
+        reshard_after_forward=None if reshard_after_forward is None else bool(reshard_after_forward),
+        # FSDP2 keeps the root's parameters after forward only when reshard_after_forward is unset
+        disable_reshard_on_root=reshard_after_forward is None,
+        flatten_parameters=False, shard_param_on_dim_0=True,
+        compute_dtype=param_dtype, fp32_reduce_scatter=reduce_dtype == torch.float32 != param_dtype,
+        buffer_dtype=torch.float32,  # FSDP2 leaves buffers as they are; xla_fsdp's default casts them
+        output_dtype=mp_policy.output_dtype,
+        cpu_offload=offload_policy if isinstance(offload_policy, CPUOffloadPolicy) else False,
+    )
+
+
+def _check_mesh(mesh: Any) -> None:
+    if mesh is None:
+        return
+    if getattr(mesh, "ndim", 1) != 1:
+        raise NotImplementedError(
+            "xla_fsdp.fully_shard on XLA: a 2-D mesh (HSDP) is not supported; use "
+            "XlaFullyShardedDataParallel(sharding_strategy='HYBRID_SHARD', hybrid_shard_size=N)")
+    import torch_xla.runtime as xr
+    if mesh.size() != xr.world_size():
+        raise NotImplementedError(
+            f"xla_fsdp.fully_shard on XLA: the mesh has {mesh.size()} devices, the job {xr.world_size()}; a 1-D "
+            "mesh over every device (or mesh=None) is supported")
+
+
+def _check_placements(module: nn.Module, fn: Callable[[nn.Parameter], Any]) -> None:
+    from torch.distributed.tensor import Shard
+    for name, param in module.named_parameters():
+        placement = fn(param)
+        if placement is not None and placement != Shard(0):
+            raise NotImplementedError(
+                f"xla_fsdp.fully_shard on XLA: shard_placement_fn gave {placement} for {name}; only Shard(0) "
+                "(the default) is supported")
+
+
+def _check_reshard_value(value: Any, world_size: Optional[int]) -> None:
+    if isinstance(value, bool):
+        return
+    raise NotImplementedError(
+        f"xla_fsdp.fully_shard on XLA: reshard_after_forward={value!r}; only True or False are supported "
+        "(an int, resharding to a smaller group after forward, is not)")
+
+
+def _check_prefetch_list(modules: Iterable[Any], method: str) -> List[nn.Module]:
+    modules = list(modules)
+    for m in modules:
+        if not isinstance(m, FSDPModule):
+            raise ValueError(f"xla_fsdp: {method} takes modules that fully_shard converted; got "
+                             f"{type(m).__name__}")
+    return modules
+
+
+def _units(module: nn.Module, recurse: bool) -> List[nn.Module]:
+    return [m for m in module.modules() if is_unit(m)] if recurse else [module]
+
+
+# ----------------------------------------------------------------------------- in place
+_CLASSES: Dict[type, type] = {}
+
+
+def _fsdp_class(cls: type) -> type:
+    """``FSDP<Class>``: the unit first (its forward, state dict and hooks), then FSDP2's methods,
+    then the module's own class (``isinstance`` holds; its other methods and properties stay)."""
+    if cls not in _CLASSES:
+        # containers (nn.Sequential, nn.ModuleList) iterate and count their own contents
+        namespace = {name: _delegate(name) for name in ("__iter__", "__len__") if hasattr(cls, name)}
+        _CLASSES[cls] = type(f"FSDP{cls.__name__}", (_InPlaceUnit, FSDPModule, cls), namespace)
+    return _CLASSES[cls]
+
+
+def _delegate(name: str) -> Callable[..., Any]:
+    return lambda self, *args: getattr(self._fsdp_wrapped_module, name)(*args)
+
+
+class _InPlaceUnit(XlaFullyShardedDataParallel):
+    """The unit when it is the module itself: its original contents live in ``_fsdp_wrapped_module``
+    (the same class, unconverted). A public attribute the program sets on the module afterwards
+    goes there too (unless the unit has it), so the module's own forward sees it."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if (name.startswith("_") or name in self.__dict__ or not self.__dict__.get("_fsdp2_ready")
+                or hasattr(XlaFullyShardedDataParallel, name) or hasattr(FSDPModule, name)):
+            super().__setattr__(name, value)
+        else:
+            setattr(self._fsdp_wrapped_module, name, value)
+
+
+def _shard_in_place(module: nn.Module, options: Dict[str, Any], cast_forward_inputs: bool) -> nn.Module:
+    cls = type(module)
+    inner = cls.__new__(cls)
+    inner.__dict__ = module.__dict__  # the module's parameters, buffers, children, hooks, attributes
+    module.__dict__ = {}
+    module.__class__ = _fsdp_class(cls)
+    XlaFullyShardedDataParallel.__init__(module, inner, **options)
+    module.cast_forward_inputs = cast_forward_inputs
+    module._fsdp2_ready = True
+    return module
