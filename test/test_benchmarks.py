@@ -182,3 +182,19 @@ def test_peak_memory_is_the_median_over_rounds_and_shown_round_by_round():
     assert "| resnet18 | 2 | xla_fsdp_xla_perparam / torchxla_fsdp_perparam | 1.100 | 1.000, 1.300, 0.880 |" in text
     assert ("| resnet18 | XLA:CPU ws2 peak memory / torch_xla XlaFSDP, default per-parameter layout | 1.100 | "
             "<= 1.00 | NO |") in text
+
+
+@pytest.mark.xla
+def test_step_buffers_per_device_default_layout_at_most_torch_xlas():
+    """benchmarks.step_buffers reads XLA's buffer assignment of each contender's compiled step (the
+    device memory a TPU would hold). ResNet-18 (quick shapes) at ws 2 in the default layout: xla_fsdp
+    holds no more than torch_xla's XlaFSDP. Keeping the unit that ends forward last gathered for
+    backward (what eager transports do) made it hold one unit more."""
+    from benchmarks.step_buffers import largest_program_bytes, measure, table
+    from benchmarks.workloads import QUICK
+    rows = [measure(c, 2, "resnet18", QUICK) for c in ("xla_fsdp_xla_perparam", "torchxla_fsdp_perparam")]
+    assert all(r["error"] is None and r["step_bytes_per_device"] for r in rows), rows
+    ours, theirs = (r["step_bytes_per_device"] for r in rows)
+    assert ours <= theirs, (ours, theirs)
+    assert "| resnet18 | 2 | per-parameter (default) |" in table(rows)
+    assert largest_program_bytes("/nonexistent") is None
