@@ -139,7 +139,18 @@ def _release_semaphores() -> None:
         pass
 
 
+_STOPPING = threading.Event()
+
+
 def _stop_now(signum, frame) -> None:
+    # Under a terminal's Ctrl-C this process gets SIGINT twice (its process group's, and the one the
+    # launching process passes on). A second handler run inside the first (Python runs handlers
+    # between any two bytecodes) exited between a semaphore's unlink and its unregistering, and the
+    # resource tracker then warned of a leaked semaphore.
+    if _STOPPING.is_set():
+        return
+    _STOPPING.set()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _release_semaphores()
     removed = remove_unfinished_writes()
     # a save's files take their names only once every rank has written its own: what was in
