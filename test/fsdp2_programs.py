@@ -66,6 +66,8 @@ PROGRAMS: Dict[str, Dict[str, Any]] = {
     # summed, not averaged, gradients: SGD sees world-size times the mean gradient
     "sum_gradients": dict(micro=1, opt="sgd", divide_factor=1.0),
     "bf16": dict(micro=1, opt="adamw", mp=dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)),
+    # set_reshard_after_forward(True) on the root: it frees its own parameters after forward too
+    "root_reshard": dict(micro=1, opt="adamw", root_reshard=True),
 }
 
 
@@ -92,9 +94,14 @@ def train_sharded(name: str, rank: int, world_size: int, device, sync: Callable[
             if isinstance(module, FSDPModule):
                 module.set_gradient_divide_factor(cfg["divide_factor"])
                 module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+    if cfg.get("root_reshard"):
+        model.set_reshard_after_forward(True, recurse=False)
     opt = _optimizer(cfg["opt"], model.parameters())
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
     losses, kept_after_forward = [], []
+    # XLA units only (empty on gloo): what unshard() and the root's forward left gathered, whether a
+    # micro-batch without gradient sync left the shards without gradients, the output's dtype
+    root_after_unshard, root_after_forward, shard_grads_after_no_sync, out_dtypes = [], [], [], []
     for step in range(STEPS):
         x, y = batch(step, world_size * cfg["micro"])
         opt.zero_grad()
@@ -102,11 +109,17 @@ def train_sharded(name: str, rank: int, world_size: int, device, sync: Callable[
         for k in range(cfg["micro"]):
             model.set_requires_gradient_sync(k == cfg["micro"] - 1)
             model.unshard()
+            root_after_unshard += _blocks_gathered([model])
             lo = (k * world_size + rank) * PER_RANK
             out = model(x[lo:lo + PER_RANK].to(device))
+            out_dtypes.append(str(out.dtype))
             kept_after_forward.append(_blocks_gathered(blocks))
+            root_after_forward += _blocks_gathered([model])
             loss = ((out.float() - y[lo:lo + PER_RANK].to(device)) ** 2).mean() / cfg["micro"]
             loss.backward()
+            if k < cfg["micro"] - 1 and hasattr(model, "gather_groups"):
+                units = [m for m in model.modules() if hasattr(m, "gather_groups")]
+                shard_grads_after_no_sync.append(all(g.shard.grad is None for u in units for g in u.gather_groups))
             total += loss.detach()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
         opt.step()
@@ -114,7 +127,9 @@ def train_sharded(name: str, rank: int, world_size: int, device, sync: Callable[
         sync()
         losses.append(float(total))
     return {"losses": losses, "full": _full_params(model), "class": type(model).__name__,
-            "is_net": isinstance(model, Net), "kept_after_forward": kept_after_forward}
+            "is_net": isinstance(model, Net), "kept_after_forward": kept_after_forward,
+            "root_after_unshard": root_after_unshard, "root_after_forward": root_after_forward,
+            "shard_grads_after_no_sync": shard_grads_after_no_sync, "out_dtypes": out_dtypes}
 
 
 def _blocks_gathered(blocks) -> List[bool]:
@@ -135,6 +150,8 @@ def train_unsharded(name: str, world_size: int) -> Dict[str, Any]:
     """The same program on the unwrapped model, fed every rank's samples at once."""
     cfg = PROGRAMS[name]
     model = build()
+    if cfg.get("root_reshard"):
+        model.set_reshard_after_forward(True, recurse=False)
     opt = _optimizer(cfg["opt"], model.parameters())
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
     scale = world_size / cfg.get("divide_factor", world_size)  # summed gradients: world size x the mean

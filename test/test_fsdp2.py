@@ -15,6 +15,7 @@ TOL = 1e-5
 # tiny gradient whose sign bf16 flips can land 2 lr away per step (0.06 in 3 steps); measured 0.027 on both.
 BF16_LOSS_TOL, BF16_PARAM_TOL = 5e-3, 0.06
 FP32 = [n for n in programs.PROGRAMS if n != "bf16"]
+_REFERENCE_OF = {"bf16": "tutorial", "root_reshard": "tutorial"}  # the same training, other settings
 _RUNS = {}
 
 
@@ -29,7 +30,7 @@ def _run(transport: str, world_size: int):
 def _reference(name: str, world_size: int):
     key = ("ref", name, world_size)
     if key not in _RUNS:
-        _RUNS[key] = programs.train_unsharded(name if name != "bf16" else "tutorial", world_size)
+        _RUNS[key] = programs.train_unsharded(_REFERENCE_OF.get(name, name), world_size)
     return _RUNS[key]
 
 
@@ -55,6 +56,30 @@ def test_fp32_programs_equal_unsharded_training(transport, world_size, name):
 @pytest.mark.parametrize("transport,world_size", CASES)
 def test_bf16_mixed_precision_tracks_fp32_training(transport, world_size):
     _compare(_run(transport, world_size)["bf16"], _reference("bf16", world_size), BF16_LOSS_TOL, BF16_PARAM_TOL)
+
+
+@pytest.mark.parametrize("transport,world_size", CASES)
+def test_bf16_param_dtype_computes_in_bf16(transport, world_size):
+    """The policy acts: the root's output (no output_dtype) is bf16, as FSDP2's is; fp32 stays fp32."""
+    runs = _run(transport, world_size)
+    assert all(d == "torch.bfloat16" for r in runs["bf16"] for d in r["out_dtypes"])
+    assert all(d == "torch.float32" for r in runs["tutorial"] for d in r["out_dtypes"])
+
+
+@pytest.mark.xla
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_unshard_accumulation_and_root_resharding_act_on_xla(world_size):
+    """unshard() gathers the root's parameters; a micro-batch with set_requires_gradient_sync(False)
+    reduces nothing (no shard has a gradient yet); the root keeps its parameters after forward unless
+    set_reshard_after_forward(True) was called on it (FSDP2's rule)."""
+    runs = _run("xla", world_size)
+    for r in runs["tutorial"]:
+        assert r["root_after_unshard"] and all(r["root_after_unshard"])
+        assert r["root_after_forward"] and all(r["root_after_forward"])
+    for r in runs["accumulate"]:
+        assert r["shard_grads_after_no_sync"] == [True] * programs.STEPS
+    for r in runs["root_reshard"]:
+        assert r["root_after_forward"] and not any(r["root_after_forward"])
 
 
 @pytest.mark.parametrize("transport,world_size", [("xla", 2), ("torch", 2)])
@@ -102,7 +127,11 @@ def _errors() -> dict:
     attempt("twice", lambda: fully_shard(twice))
     attempt("prefetch", lambda: twice.set_modules_to_forward_prefetch([nn.Linear(4, 4)]))
     attempt("after_backward", lambda: twice.set_reshard_after_backward(False))
+    attempt("unsupported_method", lambda: twice.set_requires_all_reduce(False))
     got["isinstance"] = isinstance(twice, (FSDPModule, nn.Linear)) and type(twice).__name__ == "FSDPLinear"
+    # buffers keep their dtype under a bf16 param_dtype (FSDP2 does not cast them)
+    norm = fully_shard(nn.BatchNorm1d(4), mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    got["buffer_dtype"] = str(norm.running_mean.dtype)
     # an attribute the program sets afterwards reaches the module's own forward
     model = fully_shard(programs.Net(layers=1))
     model.scale = 3.0
@@ -129,4 +158,6 @@ def test_what_xla_cannot_honour_is_a_clear_error():
     assert "already sharded" in got["twice"]
     assert "set_modules_to_forward_prefetch" in got["prefetch"]
     assert "set_requires_gradient_sync" in got["after_backward"]
+    assert "set_requires_all_reduce is not supported" in got["unsupported_method"]
     assert got["isinstance"] and got["attribute_on_inner"]
+    assert got["buffer_dtype"] == "torch.float32"

@@ -63,6 +63,7 @@ class FSDPModule(metaclass=abc.ABCMeta):  # noqa: B024 - an ABC for register(), 
         _check_reshard_value(reshard_after_forward, self.world_size)
         for unit in _units(self, recurse):
             unit.reshard_after_forward = bool(reshard_after_forward)
+            unit.disable_reshard_on_root = False  # an explicit value holds for the root too, as in FSDP2
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """Only ``True`` (FSDP2's default) on XLA: the step's one compiled program holds full
@@ -99,6 +100,19 @@ class FSDPModule(metaclass=abc.ABCMeta):  # noqa: B024 - an ABC for register(), 
         no deferred work for the last one to wait for."""
         self._is_last_backward = bool(is_last_backward)
 
+
+def _not_on_xla(name: str) -> Callable[..., None]:
+    def method(self, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError(f"xla_fsdp.fully_shard on XLA: FSDPModule.{name} is not supported (it tunes "
+                                  "PyTorch's own collectives and streams, which XLA's compiled step replaces)")
+    method.__name__ = name
+    return method
+
+
+for _name in ("set_all_reduce_hook", "set_allocate_memory_from_process_group_for_comm", "set_custom_all_gather",
+              "set_custom_reduce_scatter", "set_post_optim_event", "set_reduce_scatter_divide_factor",
+              "set_requires_all_reduce", "set_unshard_in_backward"):
+    setattr(FSDPModule, _name, _not_on_xla(_name))
 
 FSDPModule.register(torch.distributed.fsdp.FSDPModule)
 
@@ -160,7 +174,6 @@ def _unit_options(module: nn.Module, mesh: Any, reshard_after_forward: Any, shar
         disable_reshard_on_root=reshard_after_forward is None,
         flatten_parameters=False, shard_param_on_dim_0=True,
         compute_dtype=param_dtype, fp32_reduce_scatter=reduce_dtype == torch.float32 != param_dtype,
-        buffer_dtype=torch.float32,  # FSDP2 leaves buffers as they are; xla_fsdp's default casts them
         output_dtype=mp_policy.output_dtype,
         cpu_offload=offload_policy if isinstance(offload_policy, CPUOffloadPolicy) else False,
     )
@@ -233,6 +246,14 @@ class _InPlaceUnit(XlaFullyShardedDataParallel):
     """The unit when it is the module itself: its original contents live in ``_fsdp_wrapped_module``
     (the same class, unconverted). A public attribute the program sets on the module afterwards
     goes there too (unless the unit has it), so the module's own forward sees it."""
+
+    def _plan(self, options: Any) -> None:
+        super()._plan(options)
+        self.buffer_dtype = None  # FSDP2 leaves buffers as they are (the wrapper casts them to compute_dtype)
+        self._prefetch_forward: List[nn.Module] = []
+        self._prefetch_backward: List[nn.Module] = []
+        self._is_last_backward = True
+        self._force_sum_reduction = False
 
     def __setattr__(self, name: str, value: Any) -> None:
         if (name.startswith("_") or name in self.__dict__ or not self.__dict__.get("_fsdp2_ready")
