@@ -20,7 +20,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-import os
 import queue
 import socket
 import threading
@@ -634,15 +633,7 @@ def _xla_rank(programs_: List[Program]) -> List[Any]:
 def run_xla(programs_: List[Program], world_size: int) -> List[List[Any]]:
     """Every program on ``world_size`` XLA:CPU devices (threads of one spawned process); per
     program, the list of rank results."""
-    saved = {k: os.environ.get(k) for k in ("PJRT_DEVICE", "CPU_NUM_DEVICES")}
-    os.environ.update(PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(world_size))
-    try:
+    with harness.xla_cpu_devices(world_size):
         per_rank = harness.run_multiprocess(_xla_rank, programs_)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     return [[per_rank[r][i] if i < len(per_rank[r]) else "did not run" for r in range(world_size)]
             for i in range(len(programs_))]

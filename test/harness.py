@@ -3,6 +3,7 @@ and unsharded in one process, so tests can compare the two."""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import glob
 import functools
 import os
@@ -10,7 +11,7 @@ import shutil
 import socket
 import tempfile
 import threading
-from typing import Any, Callable, Collection, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Collection, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -595,18 +596,26 @@ def run_multiprocess(fn: Callable[..., Any], *args: Any) -> Dict[int, Any]:
         return pjrt.run_multiprocess(fn, *args)
 
 
-def run_xla(names: List[str], world_size: int, **kwargs: Any) -> Dict[str, List[Dict[str, Any]]]:
-    """Run the configs on ``world_size`` XLA:CPU devices (threads of one spawned process)."""
+@contextlib.contextmanager
+def xla_cpu_devices(world_size: int) -> Iterator[None]:
+    """``PJRT_DEVICE=CPU CPU_NUM_DEVICES=world_size`` for the processes spawned inside; the
+    environment is left as found (later subprocesses must not inherit the device count)."""
     saved = {k: os.environ.get(k) for k in ("PJRT_DEVICE", "CPU_NUM_DEVICES")}
     os.environ.update(PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(world_size))
     try:
-        results = run_multiprocess(_xla_worker, names, kwargs)
-    finally:  # leave the environment as found: later subprocesses must not inherit the device count
+        yield
+    finally:
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def run_xla(names: List[str], world_size: int, **kwargs: Any) -> Dict[str, List[Dict[str, Any]]]:
+    """Run the configs on ``world_size`` XLA:CPU devices (threads of one spawned process)."""
+    with xla_cpu_devices(world_size):
+        results = run_multiprocess(_xla_worker, names, kwargs)
     return {n: [results[r][n] for r in range(world_size)] for n in names}
 
 

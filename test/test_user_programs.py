@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from harness import _free_port, end_process_group, run_multiprocess
+from harness import _free_port, end_process_group, run_multiprocess, xla_cpu_devices
 from xla_fsdp import XlaFullyShardedDataParallel as FSDP
 from xla_fsdp.checkpoints import full_state_dict
 
@@ -214,18 +214,10 @@ def test_xla_device_threads_that_built_different_models_stop_or_sync():
     and sync_module_states=True (the default under python -m xla_fsdp.compat, test_compat) trains rank
     0's model, also when the threads wrap under their build lock (before: that hung until the 600 s
     exchange timeout, CI's test_torch_xla_style_training_script_on_digits[4])."""
-    saved = {k: os.environ.get(k) for k in ("PJRT_DEVICE", "CPU_NUM_DEVICES")}
-    os.environ.update(PJRT_DEVICE="CPU", CPU_NUM_DEVICES="2")
-    try:
+    with xla_cpu_devices(2):
         refused = run_multiprocess(_xla_built_per_rank, False)
         synced = run_multiprocess(_xla_built_per_rank, True)
         locked = run_multiprocess(_xla_built_per_rank, True, True)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     for text in refused.values():
         assert isinstance(text, str) and "ranks built different values for parameter 'fc1.weight'" in text, text
     torch.manual_seed(0)
