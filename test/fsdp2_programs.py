@@ -49,6 +49,17 @@ def build() -> Net:
         return Net()
 
 
+def init_weights(model: nn.Module) -> None:
+    """The program's own init, as FSDP2 programs run it after ``to_empty``: every Linear and
+    LayerNorm drawn from a CPU generator, so the sharded and the unsharded run start alike."""
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, (nn.Linear, nn.LayerNorm)):
+                m.weight.copy_(torch.randn(m.weight.shape, generator=g) * 0.3 + isinstance(m, nn.LayerNorm))
+                m.bias.copy_(torch.randn(m.bias.shape, generator=g) * 0.1)
+
+
 def batch(step: int, world_size: int):
     g = torch.Generator().manual_seed(100 + step)
     return torch.randn(PER_RANK * world_size, 4, generator=g), torch.randn(PER_RANK * world_size, 2, generator=g)
@@ -68,6 +79,10 @@ PROGRAMS: Dict[str, Dict[str, Any]] = {
     "bf16": dict(micro=1, opt="adamw", mp=dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)),
     # set_reshard_after_forward(True) on the root: it frees its own parameters after forward too
     "root_reshard": dict(micro=1, opt="adamw", root_reshard=True),
+    # FSDP2's meta-device init: build on meta, fully_shard, to_empty, the program's init_weights.
+    # XLA only: upstream FSDP2 on CPU draws each rank's shard from the same generator state, so its
+    # init is not the unsharded model's (test_fsdp2::test_meta_init_draws_full_tensors_on_xla)
+    "meta_init": dict(micro=1, opt="adamw", meta=True, xla_only=True),
 }
 
 
@@ -77,13 +92,20 @@ def _optimizer(name: str, params) -> torch.optim.Optimizer:
 
 def train_sharded(name: str, rank: int, world_size: int, device, sync: Callable[[], None]) -> Dict[str, Any]:
     cfg = PROGRAMS[name]
-    model = build()
+    if cfg.get("meta"):
+        with torch.device("meta"):
+            model = Net()
+    else:
+        model = build()
     kw: Dict[str, Any] = {}
     if "mp" in cfg:
         kw["mp_policy"] = MixedPrecisionPolicy(**cfg["mp"])
     for block in model.blocks:
         fully_shard(block, reshard_after_forward=cfg.get("reshard_after_forward", True), **kw)
     fully_shard(model, **kw)
+    if cfg.get("meta"):
+        model.to_empty(device=device)
+        init_weights(model)
     model.to(device)
     blocks: List[FSDPModule] = list(model.blocks)
     for before, after in zip(blocks, blocks[1:]):
@@ -150,8 +172,8 @@ def train_unsharded(name: str, world_size: int) -> Dict[str, Any]:
     """The same program on the unwrapped model, fed every rank's samples at once."""
     cfg = PROGRAMS[name]
     model = build()
-    if cfg.get("root_reshard"):
-        model.set_reshard_after_forward(True, recurse=False)
+    if cfg.get("meta"):
+        init_weights(model)
     opt = _optimizer(cfg["opt"], model.parameters())
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
     scale = world_size / cfg.get("divide_factor", world_size)  # summed gradients: world size x the mean
@@ -172,6 +194,72 @@ def train_unsharded(name: str, world_size: int) -> Dict[str, Any]:
     return {"losses": losses, "full": {n: p.detach() for n, p in model.named_parameters()}}
 
 
+# ----------------------------------------------------------------------------- meta-device init on XLA
+def meta_init_facts(rank: int, world_size: int, device) -> Dict[str, Any]:
+    """What FSDP2's meta-init order gives on XLA devices, beyond training equality: the errors for a
+    forward before ``to_empty`` and for another device; a random init draws each full tensor (rank
+    blocks differ, the ranks agree); a state dict before the first forward holds the init; a
+    checkpoint loaded after the init and before the first forward wins."""
+    from xla_fsdp.checkpoints.full_state import full_state_dict
+    from xla_fsdp.checkpoints.state_dict_api import StateDictOptions, set_model_state_dict
+
+    def meta_net() -> Net:
+        with torch.device("meta"):
+            model = Net(layers=1)
+        for block in model.blocks:
+            fully_shard(block)
+        return fully_shard(model)
+
+    facts: Dict[str, Any] = {}
+    x = torch.ones(2, 4, device=device)
+    model = meta_net()
+    for key, call in (("forward_before_to_empty", lambda: model(x)),
+                      ("other_device", lambda: model.to_empty(device="cuda"))):
+        try:
+            call()
+        except (RuntimeError, ValueError) as e:
+            facts[key] = str(e)
+    # random init on the device: the full (16, 32)-weight is drawn, each rank keeps its rows
+    model.to_empty(device=device)
+    torch.manual_seed(0)
+    init_weights(model)
+    nn.init.normal_(model.blocks[0].down.weight)
+    facts["parameters_are_shards"] = sorted(tuple(p.shape) for p in model.parameters()) == sorted(
+        (-(-p.shape[0] // world_size),) + tuple(p.shape[1:]) for p in Net(layers=1).parameters())
+    before = full_state_dict(model)  # a state dict before the first forward
+    model(x)
+    after = full_state_dict(model)
+    if rank == 0:
+        facts["state_dict_before_forward_holds_init"] = all(torch.equal(before[k], after[k]) for k in after)
+        down = after["blocks.0.down.weight"]
+        blocks = down.chunk(world_size)
+        facts["rank_blocks_differ"] = all(not torch.equal(blocks[0], b) for b in blocks[1:])
+        facts["down_std"] = float(down.std())
+    # a checkpoint loaded after init, before the first forward, is what trains
+    model = meta_net()
+    model.to_empty(device=device)
+    init_weights(model)
+    loaded = {k: torch.full_like(v, 0.25) for k, v in Net(layers=1).state_dict().items()}
+    set_model_state_dict(model, loaded, options=StateDictOptions(full_state_dict=True))
+    model(x)
+    final = full_state_dict(model)
+    if rank == 0:
+        facts["loaded_wins"] = all(torch.equal(final[k], loaded[k]) for k in loaded)
+    return facts
+
+
+def _meta_entry(_) -> Dict[str, Any]:
+    import torch_xla
+    import torch_xla.runtime as xr
+    return meta_init_facts(xr.global_ordinal(), xr.world_size(), torch_xla.device())
+
+
+def run_meta_init_facts(world_size: int) -> List[Dict[str, Any]]:
+    with harness.xla_cpu_devices(world_size):
+        results = harness.run_multiprocess(_meta_entry, None)
+    return [results[r] for r in range(world_size)]
+
+
 # ----------------------------------------------------------------------------- runners
 def _xla_entry(names: List[str]) -> Dict[str, Any]:
     import torch_xla
@@ -182,16 +270,8 @@ def _xla_entry(names: List[str]) -> Dict[str, Any]:
 
 def run_xla(names: List[str], world_size: int) -> Dict[str, List[Dict[str, Any]]]:
     """Every program on ``world_size`` XLA:CPU devices (threads of one spawned process)."""
-    saved = {k: os.environ.get(k) for k in ("PJRT_DEVICE", "CPU_NUM_DEVICES")}
-    os.environ.update(PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(world_size))
-    try:
+    with harness.xla_cpu_devices(world_size):
         results = harness.run_multiprocess(_xla_entry, names)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     return {n: [results[r][n] for r in range(world_size)] for n in names}
 
 
@@ -219,6 +299,7 @@ def _gloo_entry(rank: int, world_size: int, port: int, names: List[str], out_dir
 def run_gloo(names: List[str], world_size: int) -> Dict[str, List[Dict[str, Any]]]:
     """Every program on ``world_size`` gloo processes (PyTorch's own ``fully_shard``)."""
     import torch.multiprocessing as mp
+    names = [n for n in names if not PROGRAMS[n].get("xla_only")]
     with tempfile.TemporaryDirectory() as out_dir:
         mp.spawn(_gloo_entry, args=(world_size, harness._free_port(), names, out_dir), nprocs=world_size)
         ranks = [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=True) for r in range(world_size)]

@@ -22,7 +22,9 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 
 from .collectives import resolve_transport
 from .fully_sharded_data_parallel import XlaFullyShardedDataParallel
+from .unit import construction, summon
 from .unit.base import is_unit
+from .unit.schedule import TrainingState
 
 __all__ = ["CPUOffloadPolicy", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy", "UnshardHandle",
            "fully_shard"]
@@ -48,6 +50,7 @@ class FSDPModule(metaclass=abc.ABCMeta):  # noqa: B024 - an ABC for register(), 
     def unshard(self, async_op: bool = False) -> Optional[UnshardHandle]:
         """Gather this module's parameters now (not its children's); its next forward uses them
         without gathering again, then frees them as ``reshard_after_forward`` says."""
+        self.take_deferred_values()  # what an init after to_empty wrote
         self._start_unshard(backward=False)
         self.finish_unshard()
         return UnshardHandle() if async_op else None
@@ -140,7 +143,24 @@ def fully_shard(module: Union[nn.Module, List[nn.Module]], *, mesh: Optional[Any
                          "fully_shard once per module")
     options = _unit_options(module, mesh, reshard_after_forward, shard_placement_fn, mp_policy, offload_policy,
                             ignored_params)
-    return _shard_in_place(module, options, mp_policy.cast_forward_inputs)
+    on_meta = any(t.is_meta for _, m in construction.owned_modules(module)
+                  for t in list(m._parameters.values()) + list(m._buffers.values()) if t is not None)
+    if on_meta:  # as FSDP2: storage only; the program's to_empty + init give the values
+        options["param_init_fn"] = _storage_only
+    module = _shard_in_place(module, options, mp_policy.cast_forward_inputs)
+    module._awaiting_to_empty = on_meta
+    return module
+
+
+def _storage_only(module: nn.Module) -> None:
+    """Uninitialized host storage for the meta parameters and buffers this unit owns."""
+    for _, m in construction.owned_modules(module):
+        for name, p in list(m._parameters.items()):
+            if p is not None and p.is_meta:
+                m._parameters[name] = nn.Parameter(torch.empty_like(p, device="cpu"), requires_grad=p.requires_grad)
+        for name, b in list(m._buffers.items()):
+            if b is not None and b.is_meta:
+                m._buffers[name] = torch.empty_like(b, device="cpu")
 
 
 # ----------------------------------------------------------------------------- the settings
@@ -254,6 +274,49 @@ class _InPlaceUnit(XlaFullyShardedDataParallel):
         self._prefetch_backward: List[nn.Module] = []
         self._is_last_backward = True
         self._force_sum_reduction = False
+        self._late_init_units: List[nn.Module] = []  # to_empty's units, until their init is sharded
+        self._init_checked = False  # whether a first forward found every meta-built unit given values
+        self._awaiting_to_empty = False  # built from the meta device, not yet to_empty'd
+
+    def to_empty(self, *, device: Union[str, torch.device], recurse: bool = True) -> "_InPlaceUnit":
+        """FSDP2's meta-device init: ``fully_shard`` on the meta module, then ``to_empty`` and the
+        program's own init (``reset_parameters()``, ``init_weights()``). Here the module's parameter
+        attributes become full-size uninitialized parameters on the device, so the init sees the
+        shapes and draws the values the unsharded model would; the next forward (or a state dict,
+        or ``summon_full_params``) keeps each rank's rows. ``model.parameters()`` stays the shards,
+        for the optimizer. On XLA the full tensors are lazy: computed and cut in one graph."""
+        self._check_init_device(torch.device(device))
+        units = summon.units_under(self, recurse)
+        for unit in units:
+            if unit.training_state is not TrainingState.IDLE:
+                raise RuntimeError("xla_fsdp.fully_shard: to_empty inside forward or backward; call it before "
+                                   "training, as FSDP2's meta-device init does")
+            unit.begin_late_init()
+            unit._awaiting_to_empty = False
+        self._late_init_units = units
+        return self
+
+    def _check_init_device(self, device: torch.device) -> None:
+        ours = self.comms.device
+        if device.type not in (ours.type, "cpu") or device.type == "cpu" and self._offload is None:
+            raise ValueError(f"xla_fsdp.fully_shard: to_empty(device={str(device)!r}) but this module is sharded on "
+                             f"{ours}; pass device=torch_xla.device() (the XLA device this rank trains on)")
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if not self._init_checked:
+            unset = [name or "the root" for name, m in self.named_modules() if getattr(m, "_awaiting_to_empty", False)]
+            if unset:
+                raise RuntimeError(
+                    f"xla_fsdp.fully_shard: {unset[0]} was sharded on the meta device and has no values yet; call "
+                    "model.to_empty(device=torch_xla.device()) and then the model's init (reset_parameters(), "
+                    "init_weights()) before the first forward, as with FSDP2")
+            self._init_checked = True
+        if self._late_init_units:  # what the program's init wrote after to_empty becomes the shards
+            units, self._late_init_units = self._late_init_units, []
+            for unit in units:
+                unit.take_deferred_values()
+            self.comms.sync()  # on XLA: the init and its cut run now, apart from the step
+        return super().forward(*args, **kwargs)
 
     def __setattr__(self, name: str, value: Any) -> None:
         if (name.startswith("_") or name in self.__dict__ or not self.__dict__.get("_fsdp2_ready")

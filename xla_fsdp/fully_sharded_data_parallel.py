@@ -422,7 +422,7 @@ class XlaFullyShardedDataParallel(ModuleAdoption, ForwardPass, GradientReduction
         """
         from .checkpoints.metadata import shard_metadata
         for _, unit in param_names.named_units(self):  # a save before the first forward: rank 0's values
-            unit.take_rank_0_values()
+            unit.take_deferred_values()
         return shard_metadata(self)
 
 

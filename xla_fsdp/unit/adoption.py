@@ -60,14 +60,18 @@ class ModuleAdoption:
                     if b is not None and b.is_floating_point():
                         self._rank_0_buffers.append((m, name, b, b._version, self.comms.start_broadcast_from_rank_0(b)))
             if not self.comms.ranks_share_a_process:
-                self.take_rank_0_values()
-            else:  # a state_dict before the first forward holds rank 0's values too
-                self.register_state_dict_pre_hook(_take_before_state_dict)
+                self.take_deferred_values()
+        # a state_dict before the first forward holds the deferred values too
+        self.register_state_dict_pre_hook(_take_before_state_dict)
 
-    def take_rank_0_values(self) -> None:
-        """Rank 0's parameters and buffers where construction left them to take (``sync_module_states``
-        with rank threads); what was written since (a checkpoint loaded) is kept."""
+    def take_deferred_values(self) -> None:
+        """The values left to take since construction: what the program's own init wrote after
+        ``to_empty`` (FSDP2's meta-init order, :meth:`begin_late_init`), and rank 0's parameters and
+        buffers (``sync_module_states`` with rank threads). What was written since (a checkpoint
+        loaded into the shards) is kept. Called before anything reads the shards: the root's first
+        forward, ``summon_full_params``, ``state_dict``."""
         for group in self.gather_groups:
+            group.finish_late_init()
             group.take_rank_0_values()
         buffers, self._rank_0_buffers = self._rank_0_buffers, []
         with torch.no_grad():
@@ -75,6 +79,19 @@ class ModuleAdoption:
                 value, now = take(), m._buffers.get(name)
                 if now is not None and not (now is built and now._version != version):
                     now.copy_(value)
+
+    def begin_late_init(self) -> None:
+        """``to_empty`` on a sharded module (FSDP2's meta-init order: shard on the meta device, then
+        ``to_empty`` and the program's init): the module's parameter attributes become full-size
+        uninitialized parameters on the device until :meth:`take_deferred_values` shards what the
+        init wrote; its buffers get uninitialized storage there, as ``nn.Module.to_empty`` gives.
+        On XLA the full tensors are lazy: the device computes each one where its shard is cut."""
+        for group in self.gather_groups:
+            group.begin_late_init()
+        for _, m in construction.owned_modules(self._fsdp_wrapped_module):
+            for name, b in list(m._buffers.items()):
+                if b is not None:
+                    m._buffers[name] = torch.empty_like(b, device=self.comms.device)
 
     def _follow_requires_grad(self) -> bool:
         """Take up ``requires_grad`` changes the program made since the last forward (freezing or
@@ -124,4 +141,4 @@ class ModuleAdoption:
 
 
 def _take_before_state_dict(unit: nn.Module, prefix: str, keep_vars: bool) -> None:
-    unit.take_rank_0_values()
+    unit.take_deferred_values()

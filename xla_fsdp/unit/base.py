@@ -52,8 +52,9 @@ class ShardedUnit(nn.Module, metaclass=abc.ABCMeta):
         """Wait for a started gather."""
 
     @abc.abstractmethod
-    def take_rank_0_values(self) -> None:
-        """Take rank 0's parameters and buffers where construction left them to take (``sync_module_states``)."""
+    def take_deferred_values(self) -> None:
+        """Take the values left since construction: the program's init after ``to_empty``, rank 0's
+        parameters and buffers (``sync_module_states``)."""
 
     @abc.abstractmethod
     def reshard(self) -> None:

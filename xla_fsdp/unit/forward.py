@@ -52,7 +52,7 @@ class ForwardPass:
             self.reshard_after_forward = False
         self.comms.check_construction()
         for unit in self.step_state.units_in_tree:
-            unit.take_rank_0_values()
+            unit.take_deferred_values()
         self._check_same_parameters_on_every_rank()
 
     def _check_same_parameters_on_every_rank(self) -> None:

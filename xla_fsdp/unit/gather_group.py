@@ -69,6 +69,7 @@ class GatherGroup:
         # taken at the root's first forward (take_rank_0_values), since a rank building under the
         # program's lock cannot wait here for a peer still waiting for that lock.
         self._rank_0_takes: Optional[List[Callable[[], torch.Tensor]]] = None
+        self._late_init_version: Optional[int] = None  # the shard's version at to_empty (begin_late_init)
         if sync_from_rank_0:
             takes = [comms.start_broadcast_from_rank_0(s) for s in sources]
             if comms.ranks_share_a_process:
@@ -405,6 +406,29 @@ class GatherGroup:
         self.write_back(values)
         self.init_fingerprint = fingerprint(values)
         self._fingerprint_version = self.shard._version
+
+    def begin_late_init(self) -> None:
+        """``to_empty`` after sharding (FSDP2's meta-init order): every place that refers to a member
+        gets a full-size uninitialized Parameter on the device, for the program's own init
+        (``reset_parameters``, ``init_weights``) to fill; :meth:`finish_late_init` shards it."""
+        shapes = [self.full_shape] if not self.flat else self.layout.shapes
+        self.set_module_values([nn.Parameter(torch.empty(shape, dtype=self.shard.dtype, device=self.comms.device),
+                                             requires_grad=self.shard.requires_grad) for shape in shapes])
+        self._late_init_version = self.shard._version
+
+    def finish_late_init(self) -> None:
+        """Make the shard this rank's block of what the program's init left in the module (not if
+        a checkpoint was loaded into the shard since), and fingerprint it for the ranks' check."""
+        version, self._late_init_version = self._late_init_version, None
+        if version is None:
+            return
+        if self.shard._version == version:
+            values = self.module_values()
+            self.write_back(values)
+            self.init_fingerprint = fingerprint(values)
+            self._fingerprint_version = self.shard._version
+        self.reshard()  # a full copy kept gathered (ZeRO-2, the root) is stale now
+        self.install()
 
     def current_fingerprint(self) -> Optional[torch.Tensor]:
         """The construction fingerprint, or None if the shard was written since (a checkpoint loaded

@@ -39,7 +39,7 @@ def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool 
                                f"{unit.training_state.value}); call it between steps")
     groups = [g for unit in units for g in unit.gather_groups]
     for unit in units:
-        unit.take_rank_0_values()  # before the first forward (sync_module_states, rank threads)
+        unit.take_deferred_values()  # before the first forward (to_empty + init, sync_module_states)
         unit.finish_unshard()  # a prefetch left in flight
     gathered = [g.gather_values() for g in groups]  # the same order on every rank
     for group, values in zip(groups, gathered):
