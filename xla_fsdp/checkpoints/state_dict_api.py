@@ -3,6 +3,9 @@ FSDP2 tutorials (``get_state_dict(model, optimizer, options=StateDictOptions(ful
 cpu_offload=True))``, ``set_state_dict(...)``, ``dcp.save``/``dcp.load`` of those dicts) runs
 with ``from xla_fsdp.checkpoints.state_dict_api import ...`` in place of torch's module.
 
+A model that holds no xla_fsdp unit (PyTorch's own ``fully_shard``, which ``xla_fsdp.fully_shard``
+is on the torch transport) goes to PyTorch's functions unchanged, so one program serves both.
+
 Same signatures and semantics for full state dicts: tensors keyed by the original parameter names,
 optimizer state and param_groups keyed by them too, on every rank (``cpu_offload=True``: on rank 0
 only, the others get ``{}``); ``set_*`` takes a full dict on every rank, or on rank 0 only with
@@ -13,13 +16,16 @@ world size, or a DCP folder written offline (``python -m xla_fsdp.convert --to d
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Sequence, Tuple, Union
+import functools
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple, TypeVar, Union
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint.state_dict as upstream
 from torch.distributed.checkpoint.state_dict import StateDictOptions, _init_optim_state
 from torch.nn.modules.module import _IncompatibleKeys
 
+from ..unit.base import is_unit
 from .files import CheckpointError
 from .full_state import full_optim_state_dict, full_state_dict, load_full_optim_state_dict, load_full_state_dict
 
@@ -27,6 +33,19 @@ Optimizers = Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]]
 
 __all__ = ["StateDictOptions", "get_model_state_dict", "get_optimizer_state_dict", "get_state_dict",
            "set_model_state_dict", "set_optimizer_state_dict", "set_state_dict"]
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _upstream_unless_ours(fn: F) -> F:
+    """PyTorch's function of the same name for a model without xla_fsdp units."""
+    @functools.wraps(fn)
+    def call(model, *args: Any, **kwargs: Any) -> Any:
+        if not any(is_unit(m) for m in model.modules()):
+            return getattr(upstream, fn.__name__)(model, *args, **kwargs)
+        return fn(model, *args, **kwargs)
+    return call  # type: ignore[return-value]
 
 
 def _options(options: Optional[StateDictOptions]) -> StateDictOptions:
@@ -48,6 +67,7 @@ def _one(optimizers: Optimizers) -> torch.optim.Optimizer:
     return optimizers[0]
 
 
+@_upstream_unless_ours
 def get_model_state_dict(model, *, submodules=None, options: Optional[StateDictOptions] = None
                          ) -> Dict[str, torch.Tensor]:
     """The full model state dict (CPU tensors), on every rank or, with ``cpu_offload``, rank 0."""
@@ -56,6 +76,7 @@ def get_model_state_dict(model, *, submodules=None, options: Optional[StateDictO
     return {} if state is None else dict(state)
 
 
+@_upstream_unless_ours
 def get_optimizer_state_dict(model, optimizers: Optimizers, *, submodules=None,
                              options: Optional[StateDictOptions] = None) -> Dict[str, Any]:
     """The full optimizer state dict keyed by parameter names. A fresh optimizer's state is
@@ -74,6 +95,7 @@ def get_optimizer_state_dict(model, optimizers: Optimizers, *, submodules=None,
     return state
 
 
+@_upstream_unless_ours
 def get_state_dict(model, optimizers: Optimizers, *, submodules=None, options: Optional[StateDictOptions] = None
                    ) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
     return (get_model_state_dict(model, options=options),
@@ -91,6 +113,7 @@ def _from_rank0(model, value: Any, options: StateDictOptions) -> Any:
     return box[0]
 
 
+@_upstream_unless_ours
 def set_model_state_dict(model, model_state_dict: Dict[str, torch.Tensor], *,
                          options: Optional[StateDictOptions] = None) -> _IncompatibleKeys:
     options = _options(options)
@@ -98,12 +121,14 @@ def set_model_state_dict(model, model_state_dict: Dict[str, torch.Tensor], *,
     return _IncompatibleKeys([], [])
 
 
+@_upstream_unless_ours
 def set_optimizer_state_dict(model, optimizers: Optimizers, optim_state_dict: Dict[str, Any], *,
                              options: Optional[StateDictOptions] = None) -> None:
     options = _options(options)
     load_full_optim_state_dict(model, _one(optimizers), _from_rank0(model, optim_state_dict, options))
 
 
+@_upstream_unless_ours
 def set_state_dict(model, optimizers: Optimizers, *, model_state_dict: Dict[str, torch.Tensor],
                    optim_state_dict: Dict[str, Any], options: Optional[StateDictOptions] = None) -> _IncompatibleKeys:
     keys = set_model_state_dict(model, model_state_dict, options=options)
