@@ -248,6 +248,41 @@ def meta_init_facts(rank: int, world_size: int, device) -> Dict[str, Any]:
     return facts
 
 
+def dtensor_facts(rank: int, world_size: int, device) -> Dict[str, Any]:
+    """FSDP2's DTensor calls on XLA shards, after one training step: each parameter's placements,
+    its local rows (``to_local``, no padding) and ``full_tensor()`` beside the full state dict."""
+    from torch.distributed.tensor import Shard
+
+    from xla_fsdp.checkpoints.full_state import full_state_dict
+    model = build()
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x, y = batch(0, world_size)
+    loss = ((model(x[rank * PER_RANK:(rank + 1) * PER_RANK].to(device)) - y[:PER_RANK].to(device)) ** 2).mean()
+    loss.backward()
+    opt.step()
+    named = model.get_original_names_and_sharded_parameters()
+    assert len(named) == len(list(model.parameters()))
+    return {"placements": all(p.placements == (Shard(0),) for _, p in named),
+            "local_rows": {n: p.to_local().shape[0] for n, p in named},
+            "full": {n: p.full_tensor().cpu() for n, p in named},
+            "state": {k: v.cpu() for k, v in (full_state_dict(model) or {}).items()}}
+
+
+def run_dtensor_facts(world_size: int) -> List[Dict[str, Any]]:
+    with harness.xla_cpu_devices(world_size):
+        results = harness.run_multiprocess(_dtensor_entry, None)
+    return [results[r] for r in range(world_size)]
+
+
+def _dtensor_entry(_) -> Dict[str, Any]:
+    import torch_xla
+    import torch_xla.runtime as xr
+    return dtensor_facts(xr.global_ordinal(), xr.world_size(), torch_xla.device())
+
+
 def _meta_entry(_) -> Dict[str, Any]:
     import torch_xla
     import torch_xla.runtime as xr

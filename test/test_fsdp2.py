@@ -79,6 +79,23 @@ def test_meta_init_draws_full_tensors_on_xla():
     assert ranks[0]["loaded_wins"]
 
 
+@pytest.mark.xla
+def test_dtensor_calls_on_xla_shards():
+    """placements is (Shard(0),); to_local() is this rank's rows without padding (head.weight has 2
+    rows: at 4 devices ranks 0 and 1 hold one each, ranks 2 and 3 none); full_tensor() is the whole
+    parameter on every rank, equal to the full state dict's, after a training step."""
+    ranks = programs.run_dtensor_facts(4)
+    state = ranks[0]["state"]
+    for facts in ranks:
+        assert facts["placements"]
+        assert sorted(facts["full"]) == sorted(state)
+        for name, want in state.items():
+            assert torch.equal(facts["full"][name], want), name
+    for name, want in state.items():
+        assert sum(f["local_rows"][name] for f in ranks) == want.shape[0], name
+    assert [f["local_rows"]["head.weight"] for f in ranks] == [1, 1, 0, 0]
+
+
 @pytest.mark.parametrize("transport,world_size", CASES)
 def test_bf16_mixed_precision_tracks_fp32_training(transport, world_size):
     _compare(_run(transport, world_size)["bf16"], _reference("bf16", world_size), BF16_LOSS_TOL, BF16_PARAM_TOL)

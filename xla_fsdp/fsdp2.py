@@ -14,6 +14,7 @@ works, never a silent difference.
 from __future__ import annotations
 
 import abc
+import weakref
 from typing import Any, Callable, Dict, Iterable, List, Optional, Union
 
 import torch
@@ -333,6 +334,22 @@ def _shard_in_place(module: nn.Module, options: Dict[str, Any], cast_forward_inp
     module.__dict__ = {}
     module.__class__ = _fsdp_class(cls)
     XlaFullyShardedDataParallel.__init__(module, inner, **options)
+    for group in module.gather_groups:
+        _give_dtensor_calls(group)
     module.cast_forward_inputs = cast_forward_inputs
     module._fsdp2_ready = True
     return module
+
+
+def _give_dtensor_calls(group: Any) -> None:
+    """The calls FSDP2 programs make on a sharded parameter (a DTensor there), on the shard:
+    ``placements`` (``Shard(0)``), ``to_local()`` (this rank's rows, without the padding rows) and
+    ``full_tensor()`` (a collective, as DTensor's: every rank gets the whole parameter)."""
+    from torch.distributed.tensor import Shard
+    shard, layout, rank = group.shard, group.layout, group.comms.rank
+    rows_each = layout.shard_shape[0]
+    own_rows = max(0, min(rows_each, layout.rows - rank * rows_each))
+    unit_group, param = weakref.ref(group), weakref.ref(shard)  # no reference cycle through the shard
+    shard.placements = (Shard(0),)
+    shard.to_local = lambda: param()[:own_rows]
+    shard.full_tensor = lambda: unit_group().gather_values()[0]
