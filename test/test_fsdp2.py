@@ -179,6 +179,12 @@ def _errors() -> dict:
     model = fully_shard(programs.Net(layers=1))
     model.scale = 3.0
     got["attribute_on_inner"] = model._fsdp_wrapped_module.scale == 3.0 and model.scale == 3.0
+    # the usual loop over modules() meets each converted block's contents (a Block too) right after it
+    looped = programs.Net()
+    for m in looped.modules():
+        if isinstance(m, programs.Block):
+            fully_shard(m)
+    got["looped"] = [type(b).__name__ for b in looped.blocks]
     got["device"] = str(torch_xla.device())
     return got
 
@@ -198,3 +204,4 @@ def test_what_xla_cannot_honour_is_a_clear_error():
     assert "set_requires_all_reduce is not supported" in got["unsupported_method"]
     assert got["isinstance"] and got["attribute_on_inner"]
     assert got["buffer_dtype"] == "torch.float32"
+    assert got["looped"] == ["FSDPBlock"] * 3

@@ -139,6 +139,10 @@ def fully_shard(module: Union[nn.Module, List[nn.Module]], *, mesh: Optional[Any
     if not isinstance(module, nn.Module):
         raise NotImplementedError("xla_fsdp.fully_shard on XLA takes one module; call it on each module "
                                   "(a list of modules sharing one group is not supported)")
+    if module.__dict__.get("_xla_fsdp_contents"):
+        # the contents of a module sharded in place, met by a loop such as ``for m in model.modules(): if
+        # isinstance(m, Block): fully_shard(m)`` (they are a Block too): already sharded with it
+        return module
     if is_unit(module):
         raise ValueError(f"xla_fsdp.fully_shard: {type(module).__name__} is already sharded; call "
                          "fully_shard once per module")
@@ -332,6 +336,7 @@ def _shard_in_place(module: nn.Module, options: Dict[str, Any], cast_forward_inp
     inner = cls.__new__(cls)
     inner.__dict__ = module.__dict__  # the module's parameters, buffers, children, hooks, attributes
     module.__dict__ = {}
+    object.__setattr__(inner, "_xla_fsdp_contents", True)
     module.__class__ = _fsdp_class(cls)
     XlaFullyShardedDataParallel.__init__(module, inner, **options)
     for group in module.gather_groups:
