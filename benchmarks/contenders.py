@@ -12,7 +12,8 @@ import torch.nn as nn
 from .workloads import Workload, unit_classes
 
 GLOO = ("unwrapped", "ddp", "fsdp1", "fsdp2", "xla_fsdp")
-XLA_THREADS = ("xla_plain", "torchxla_fsdp", "xla_fsdp_xla", "torchxla_fsdp_perparam", "xla_fsdp_xla_perparam")
+XLA_THREADS = ("xla_plain", "torchxla_fsdp", "xla_fsdp_xla", "torchxla_fsdp_perparam", "xla_fsdp_xla_perparam",
+               "xla_fsdp_fully_shard")
 #: suffix of the XLA FSDP contenders run in the default per-parameter layout (flatten_parameters=False)
 PER_PARAM = "_perparam"
 SPMD = ("torchxla_spmd", "xla_fsdp_spmd")  # one process for all devices
@@ -100,6 +101,12 @@ def wrap_xla(name: str, model: nn.Module, w: Workload, device, flatten_parameter
         name, flatten_parameters = name[:-len(PER_PARAM)], False
     if name == "xla_plain":
         return model.to(device)
+    if name == "xla_fsdp_fully_shard":  # FSDP2's API on XLA, with its own defaults (what a user gets)
+        from xla_fsdp import fully_shard
+        for m in model.modules():
+            if isinstance(m, tuple(classes)):
+                fully_shard(m)
+        return fully_shard(model).to(device)
     if name == "torchxla_fsdp":
         torch_xla_collectives_in_graph()
         from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel
@@ -149,4 +156,5 @@ def wrap_spmd(model: nn.Module, w: Workload, ws: int, name: str = "torchxla_spmd
 def collective_theory(name: str) -> float:
     """Theoretical collective bytes per step, in multiples of the fp32 parameter bytes."""
     return {"ddp": 2.0, "fsdp1": 3.0, "fsdp2": 3.0, "xla_fsdp": 3.0, "torchxla_fsdp": 3.0,
-            "xla_fsdp_xla": 3.0, "torchxla_spmd": 3.0, "xla_fsdp_spmd": 3.0}.get(name.replace(PER_PARAM, ""), 0.0)
+            "xla_fsdp_xla": 3.0, "torchxla_spmd": 3.0, "xla_fsdp_spmd": 3.0,
+            "xla_fsdp_fully_shard": 3.0}.get(name.replace(PER_PARAM, ""), 0.0)

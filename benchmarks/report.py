@@ -10,17 +10,19 @@ MIB = 1024 * 1024
 OURS = {"gloo": "xla_fsdp", "xla": "xla_fsdp_xla"}
 FAMILY = {"unwrapped": "gloo", "ddp": "gloo", "fsdp1": "gloo", "fsdp2": "gloo", "xla_fsdp": "gloo",
           "xla_plain": "xla", "torchxla_fsdp": "xla", "xla_fsdp_xla": "xla", "torchxla_spmd": "xla",
-          "xla_fsdp_spmd": "xla",          "torchxla_fsdp_perparam": "xla", "xla_fsdp_xla_perparam": "xla"}
+          "xla_fsdp_spmd": "xla", "torchxla_fsdp_perparam": "xla", "xla_fsdp_xla_perparam": "xla",
+          "xla_fsdp_fully_shard": "xla"}
 PER_PARAM = "_perparam"  # XLA FSDP rows in the default per-parameter layout: compared with each other
 IDEAL_COPIES = {"lm": 4, "resnet": 3}   # params + grads + AdamW (2) / SGD momentum (1)
 SHARDED = {"fsdp1", "fsdp2", "xla_fsdp", "xla_fsdp_xla", "torchxla_fsdp", "torchxla_spmd", "xla_fsdp_spmd",
-           "torchxla_fsdp_perparam", "xla_fsdp_xla_perparam"}
+           "torchxla_fsdp_perparam", "xla_fsdp_xla_perparam", "xla_fsdp_fully_shard"}
 
 
 def ours_for(contender: str) -> str:
     """The row of ours a contender's ``x ours`` is taken against (same transport and layout)."""
     ours = OURS[FAMILY[contender]]
-    return ours + PER_PARAM if contender.endswith(PER_PARAM) else ours
+    per_param = contender.endswith(PER_PARAM) or contender == "xla_fsdp_fully_shard"  # fully_shard: dim-0 shards
+    return ours + PER_PARAM if per_param else ours
 
 
 def _row(rows: List[Dict], contender: str, ws: int) -> Optional[Dict]:
@@ -69,11 +71,15 @@ def floor(data: Dict) -> List[Tuple[str, int, Optional[float], Optional[float]]]
 ROUND_PAIRS = (("xla_fsdp_xla", "torchxla_fsdp"), ("xla_fsdp_spmd", "torchxla_spmd"),
                ("xla_fsdp_xla" + PER_PARAM, "torchxla_fsdp" + PER_PARAM),
                ("xla_fsdp_xla", "xla_plain"), ("xla_fsdp_xla" + PER_PARAM, "xla_plain"),
-               ("torchxla_fsdp", "xla_plain"), ("xla_fsdp", "fsdp1"), ("xla_fsdp", "fsdp2"))
+               ("torchxla_fsdp", "xla_plain"), ("xla_fsdp", "fsdp1"), ("xla_fsdp", "fsdp2"),
+               ("xla_fsdp_fully_shard", "xla_fsdp_xla" + PER_PARAM),
+               ("xla_fsdp_fully_shard", "torchxla_fsdp" + PER_PARAM), ("xla_fsdp_fully_shard", "fsdp2"))
 
 
 #: peak-memory comparisons shown round by round (XLA:CPU against torch_xla, both layouts)
-MEMORY_PAIRS = (("xla_fsdp_xla", "torchxla_fsdp"), ("xla_fsdp_xla" + PER_PARAM, "torchxla_fsdp" + PER_PARAM))
+MEMORY_PAIRS = (("xla_fsdp_xla", "torchxla_fsdp"), ("xla_fsdp_xla" + PER_PARAM, "torchxla_fsdp" + PER_PARAM),
+                ("xla_fsdp_fully_shard", "xla_fsdp_xla" + PER_PARAM),
+                ("xla_fsdp_fully_shard", "torchxla_fsdp" + PER_PARAM))
 
 
 def per_round_ratios(a: Dict, b: Dict, steps: int) -> Optional[List[float]]:
@@ -132,7 +138,12 @@ def targets(data: Dict) -> List[Tuple[str, str, Optional[float], str, bool]]:
                     r = min(o["median_step_s"] for o in ours) / min(p["median_step_s"] for p in peers)
                     out.append((wl, f"XLA:CPU ws{ws} faster of our two modes / fastest XLA peer", r, "<= 1.00",
                                 r <= 1.0))
-        if _in_run(rows, ("xla_fsdp", "fsdp1", "fsdp2"), 2):
+        for ws in (2, 4):  # issue 43: FSDP2's API on XLA against our wrapper in the same (dim-0, per-parameter) layout
+            if _in_run(rows, ("xla_fsdp_fully_shard",), ws):
+                r = _ratio(_row(rows, "xla_fsdp_fully_shard", ws), _row(rows, "xla_fsdp_xla" + PER_PARAM, ws))
+                out.append((wl, f"XLA:CPU ws{ws} fully_shard step time / XlaFullyShardedDataParallel per-parameter",
+                            r, "<= 1.00", r is not None and r <= 1.0))
+        if _in_run(rows, ("xla_fsdp",), 2):
             peers = [p for p in (_row(rows, "fsdp1", 2), _row(rows, "fsdp2", 2)) if p]
             fastest = min(peers, key=lambda p: p["median_step_s"]) if peers else None
             r = _ratio(_row(rows, "xla_fsdp", 2), fastest)

@@ -43,6 +43,7 @@ PLAN = [
     ("xla_fsdp_spmd", [2, 4]), ("torchxla_spmd", [2, 4]),
     # the default layout of both XLA FSDPs (flatten_parameters=False); world size 1 is in the interleaved run
     ("xla_fsdp_xla_perparam", [2, 4]), ("torchxla_fsdp_perparam", [2, 4]),
+    ("xla_fsdp_fully_shard", [2, 4]),  # FSDP2's API on XLA (issue 43)
 ]
 
 # Interleaved world-size-1 rounds per workload: a few percent of overhead against a step-to-step

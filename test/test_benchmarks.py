@@ -118,8 +118,8 @@ def test_the_chart_draws_every_contender_of_ours_red_one_world_size_per_panel(tm
     """Before: our SPMD contender was grey under a title saying ours are red, and a panel held 28 bars.
     Each workload and world size is a row of two panels: step time and peak memory."""
     from benchmarks.report import FAMILY, chart, is_ours
-    assert sorted(c for c in FAMILY if is_ours(c)) == ["xla_fsdp", "xla_fsdp_spmd", "xla_fsdp_xla",
-                                                       "xla_fsdp_xla_perparam"]
+    assert sorted(c for c in FAMILY if is_ours(c)) == ["xla_fsdp", "xla_fsdp_fully_shard", "xla_fsdp_spmd",
+                                                       "xla_fsdp_xla", "xla_fsdp_xla_perparam"]
     data = json.loads(open(os.path.join(ROOT, "benchmarks", "results", "suite.json")).read())
     chart(data, str(tmp_path / "suite.png"))
     import matplotlib.image
@@ -149,11 +149,15 @@ def test_torch_xlas_fsdp_collectives_stay_in_the_compiled_step_as_ours_do(tmp_pa
     stay in the step like ours: without that, this run makes 165.5 device-to-host copies per step (measured);
     with it only loss.item()'s, as ours, and the losses are ours."""
     runs = {}
-    for contender in ("torchxla_fsdp_perparam", "xla_fsdp_xla_perparam"):
+    for contender in ("torchxla_fsdp_perparam", "xla_fsdp_xla_perparam", "xla_fsdp_fully_shard"):
         (tmp_path / contender).mkdir()
         runs[contender] = _worker(contender, tmp_path / contender)
     theirs, ours = runs["torchxla_fsdp_perparam"], runs["xla_fsdp_xla_perparam"]
-    for rank in theirs + ours:  # one loss.item() per rank and step; the 2 rank threads count each other's
+    # the fully_shard contender (FSDP2's API) trains the same model: the same losses, graphs fixed too
+    for a, b in zip(runs["xla_fsdp_fully_shard"], ours):
+        assert max(abs(x - y) for x, y in zip(a["losses"], b["losses"])) < 1e-5
+    # one loss.item() per rank and step; the 2 rank threads count each other's
+    for rank in theirs + ours + runs["xla_fsdp_fully_shard"]:
         # from windows that may be a step apart on a loaded machine (seen: 2.5); host exchanges: 165.5
         assert rank["host_transfers_per_step"] <= 5, rank["host_transfers_per_step"]
         assert rank["compiles_end"] == rank["compiles_step2"]  # the same graphs every step
