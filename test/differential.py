@@ -47,7 +47,7 @@ VOCAB, WIDTH = 16, 8
 class Program:
     strategy: str = "FULL_SHARD"       # or SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD, HYBRID_SHARD_ZERO2
     layout: str = "param"              # param | flat | dim0
-    wrap: str = "nested"               # root | nested | auto
+    wrap: str = "nested"               # root | nested | auto | fully_shard (FSDP2's API: blocks then root; XLA)
     dtype: str = "fp32"                # fp32 | bf16
     optimizer: str = "sgd"             # sgd (momentum, weight decay) | adamw | adamw_groups
     embedding: bool = False            # integer inputs through nn.Embedding
@@ -102,6 +102,19 @@ def programs(world_size: int) -> st.SearchStrategy[Program]:
     return program.filter(functools.partial(_exact, world_size=world_size))
 
 
+def fully_shard_programs(world_size: int) -> st.SearchStrategy[Program]:
+    """Programs written against FSDP2's API (``xla_fsdp.fully_shard`` on the blocks, the branch and
+    then the root; dim-0 shards; ZeRO-3 or ZeRO-2 blocks; bf16 through ``MixedPrecisionPolicy``;
+    ``CPUOffloadPolicy``; accumulation with ``set_requires_gradient_sync``), for XLA devices: on the
+    torch transport ``fully_shard`` is PyTorch's own, whose modules lack the wrapper's methods this
+    suite compares through. An int ``reshard_after_forward`` is refused on XLA (test_fsdp2)."""
+    def as_fsdp2(p: Program) -> Program:
+        zero2 = p.strategy == "SHARD_GRAD_OP"
+        return dataclasses.replace(p, wrap="fully_shard", layout="dim0", tied="none",
+                                   strategy="SHARD_GRAD_OP" if zero2 else "FULL_SHARD")
+    return programs(world_size).map(as_fsdp2).filter(functools.partial(_exact, world_size=world_size))
+
+
 def _exact(p: Program, world_size: int) -> bool:
     """Programs where sharded training must equal unsharded (see the module docstring).
 
@@ -126,7 +139,7 @@ def _exact(p: Program, world_size: int) -> bool:
 def branch_is_unit(p: Program) -> bool:
     """The branch layer is an FSDP unit of its own: always with the size policy (its 72 parameters
     reach ``min_num_params=60``), and when nested unless some ranks skip it."""
-    return p.wrap == "auto" or (p.wrap == "nested" and p.branch != "ranks")
+    return p.wrap == "auto" or (p.wrap in ("nested", "fully_shard") and p.branch != "ranks")
 
 
 # ----------------------------------------------------------------------------- the model
@@ -282,6 +295,8 @@ def make_optimizer(p: Program, model: nn.Module) -> torch.optim.Optimizer:
 
 
 def wrap(p: Program, model: Net, world_size: int) -> FSDP:
+    if p.wrap == "fully_shard":
+        return shard_fsdp2_style(p, model)
     kw: Dict[str, Any] = dict(sharding_strategy=p.strategy, flatten_parameters=p.layout == "flat",
                               shard_param_on_dim_0=p.layout == "dim0")
     if p.strategy.startswith("HYBRID"):
@@ -305,6 +320,24 @@ def wrap(p: Program, model: Net, world_size: int) -> FSDP:
         if p.remat:
             kw["auto_wrapper_callable"] = lambda m, *a, **k: FSDP(checkpoint_module(m), *a, **k)
     return FSDP(model, **kw)
+
+
+def shard_fsdp2_style(p: Program, model: Net) -> nn.Module:
+    """``fully_shard`` on each block (and the branch when it is a unit), then on the root."""
+    from xla_fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+    mp, root_mp = MixedPrecisionPolicy(), MixedPrecisionPolicy()
+    if p.dtype == "bf16":
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        root_mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                       output_dtype=torch.float32)
+    kw: Dict[str, Any] = dict(offload_policy=CPUOffloadPolicy() if p.offload else OffloadPolicy())
+    remat = checkpoint_module if p.remat else (lambda m: m)
+    for i, block in enumerate(model.blocks):
+        model.blocks[i] = fully_shard(remat(block), reshard_after_forward=p.strategy == "FULL_SHARD", mp_policy=mp,
+                                      **kw)
+    if branch_is_unit(p):
+        model.branch = fully_shard(model.branch, mp_policy=mp, **kw)
+    return fully_shard(model, mp_policy=root_mp, **kw)
 
 
 # ----------------------------------------------------------------------------- one run
@@ -419,7 +452,9 @@ def train_sharded(p: Program, rank: int, world_size: int, device, sync,
             total = 0.0
             for k in range(p.micro):
                 x, y = batch(p, step, k, rank)
-                ctx = model.no_sync() if k < p.micro - 1 else _Null()
+                if p.wrap == "fully_shard":  # FSDP2's accumulation
+                    model.set_requires_gradient_sync(k == p.micro - 1)
+                ctx = model.no_sync() if k < p.micro - 1 and p.wrap != "fully_shard" else _Null()
                 with ctx:
                     loss = _loss(p, model, x.to(device), y.to(device), uses_branch(p, step, rank))
                     (scaler.scale(loss) if scaler is not None else loss).backward()

@@ -11,13 +11,14 @@ import os
 import pytest
 from hypothesis import HealthCheck, Phase, given, seed, settings
 
-from differential import GlooRanks, Program, compare, programs, run_xla, train_reference
+from differential import GlooRanks, Program, compare, fully_shard_programs, programs, run_xla, train_reference
 
 NIGHTLY = os.environ.get("XLA_FSDP_DIFF_PROFILE") == "nightly"
 SCALE = 10 if NIGHTLY else 1
 SEED = os.environ.get("XLA_FSDP_DIFF_SEED")
 EXAMPLES = {1: 30 * SCALE, 2: 80 * SCALE, 4: 40 * SCALE}
 XLA_EXAMPLES = 8 * SCALE
+FULLY_SHARD_EXAMPLES = 6 * SCALE  # drawn FSDP2-style programs (xla_fsdp.fully_shard), XLA only
 DEVIATIONS: dict = {}
 
 
@@ -165,25 +166,47 @@ def _xla_exact(p: Program) -> bool:
     that rounding beyond the 2e-5 tolerance: two programs drawn once the dimensions of issue 42 were
     added (dim-0, BatchNorm, a unit run twice, tied, no_sync) were off by 1.6e-4 in a loss (AdamW;
     6.4e-6 with SGD) and by 9.2e-5 in an SGD momentum buffer, on main before issue 42 as well, and
-    pass on gloo. So XLA draws no BatchNorm here; test_equivalence's convbn configs cover it on XLA."""
-    return not p.batchnorm
+    pass on gloo. So XLA draws no BatchNorm here; test_equivalence's convbn configs cover it on XLA.
+    Nor bf16 with recompute of GPT-2's addmm layer: an open bug (KNOWN_XLA_FAILURE, a strict xfail)."""
+    return not p.batchnorm and not (p.dtype == "bf16" and p.remat and p.addmm)
+
+
+# Found when the suite first drew fully_shard programs (stop 52), in the wrapper too: bf16 compute with
+# checkpoint_module around a block whose layer is addmm(bias, x, weight) fails XLA's HLO verifier at the
+# recompute ("Seen floating point types of different precisions in add(dot f32[3,8], broadcast)"); the
+# same program in fp32, or without recompute, trains. Open: strict, so the fix shows here.
+KNOWN_XLA_FAILURE = Program(wrap="nested", layout="param", dtype="bf16", remat=True, addmm=True, scalar=False)
 
 
 @pytest.fixture(scope="module")
 def xla_results():
-    """The regressions and a drawn list of programs, in one launch of 2 XLA:CPU devices."""
+    """The regressions and drawn lists of programs (the wrapper's, FSDP2-style), in one launch of 2
+    XLA:CPU devices."""
     drawn = _draw(programs(2).filter(_xla_exact), XLA_EXAMPLES)
-    listed = list(REGRESSIONS.values()) + drawn
-    return dict(zip(list(REGRESSIONS) + [f"drawn{i}" for i in range(len(drawn))],
-                    zip(listed, run_xla(listed, 2))))
+    fsdp2 = _draw(fully_shard_programs(2).filter(_xla_exact), FULLY_SHARD_EXAMPLES)
+    # the known failure last: a program that raises leaves the ones after it unrun
+    listed = list(REGRESSIONS.values()) + drawn + fsdp2 + [KNOWN_XLA_FAILURE]
+    names = (list(REGRESSIONS) + [f"drawn{i}" for i in range(len(drawn))]
+             + [f"fully_shard{i}" for i in range(len(fsdp2))] + ["known_failure"])
+    return dict(zip(names, zip(listed, run_xla(listed, 2))))
 
 
 @pytest.mark.xla
-@pytest.mark.parametrize("name", sorted(REGRESSIONS) + [f"drawn{i}" for i in range(XLA_EXAMPLES)])
+@pytest.mark.parametrize("name", sorted(REGRESSIONS) + [f"drawn{i}" for i in range(XLA_EXAMPLES)]
+                         + [f"fully_shard{i}" for i in range(FULLY_SHARD_EXAMPLES)])
 def test_on_xla_cpu(xla_results, name):
     program, sharded = xla_results[name]
     errors = [r for r in sharded if isinstance(r, str)]
     assert not errors, f"{name}: {errors[0]} ({program})"
+    _check(program, 2, sharded, "xla")
+
+
+@pytest.mark.xla
+@pytest.mark.xfail(strict=True, reason="open bug: bf16 recompute of an addmm layer on XLA (KNOWN_XLA_FAILURE)")
+def test_bf16_recompute_of_an_addmm_layer_on_xla_cpu(xla_results):
+    program, sharded = xla_results["known_failure"]
+    errors = [r for r in sharded if isinstance(r, str)]
+    assert not errors, f"{errors[0]} ({program})"
     _check(program, 2, sharded, "xla")
 
 

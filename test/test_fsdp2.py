@@ -185,6 +185,15 @@ def _errors() -> dict:
         if isinstance(m, programs.Block):
             fully_shard(m)
     got["looped"] = [type(b).__name__ for b in looped.blocks]
+    # model.apply(fn) calls fn once per module, as on the unsharded model (a re-init that halves weights
+    # halved a converted Linear twice: it and its contents are both Linears)
+    expected, seen = [], []
+    counted = programs.Net()
+    counted.apply(lambda m: expected.append(type(m).__name__))
+    for block in counted.blocks:
+        fully_shard(block)
+    fully_shard(counted).apply(lambda m: seen.append(type(m).__name__))
+    got["apply"] = (expected, seen)
     got["device"] = str(torch_xla.device())
     return got
 
@@ -205,3 +214,4 @@ def test_what_xla_cannot_honour_is_a_clear_error():
     assert got["isinstance"] and got["attribute_on_inner"]
     assert got["buffer_dtype"] == "torch.float32"
     assert got["looped"] == ["FSDPBlock"] * 3
+    assert got["apply"][1] == got["apply"][0]

@@ -323,6 +323,14 @@ class _InPlaceUnit(XlaFullyShardedDataParallel):
             self.comms.sync()  # on XLA: the init and its cut run now, apart from the step
         return super().forward(*args, **kwargs)
 
+    def apply(self, fn: Callable[[nn.Module], None]) -> "_InPlaceUnit":
+        """``fn`` on every module once, on the full parameters (written back to the shards): the
+        contents hold the module's own state and are an instance of its class, so ``fn`` runs on them
+        and not again on this converted module, as FSDP2 runs it once on its one object."""
+        with summon.summon_full_params(self, recurse=False):
+            self._fsdp_wrapped_module.apply(fn)
+        return self
+
     def __setattr__(self, name: str, value: Any) -> None:
         if (name.startswith("_") or name in self.__dict__ or not self.__dict__.get("_fsdp2_ready")
                 or hasattr(XlaFullyShardedDataParallel, name) or hasattr(FSDPModule, name)):
