@@ -328,7 +328,7 @@ def write_metrics(path: str, losses: Dict[str, float], cfg: LlamaConfig, args, c
     os.replace(partial, path)
 
 
-def parse_args(argv: Optional[List[str]] = None):
+def build_parser() -> ExampleParser:
     parser = ExampleParser(__doc__)
     add_launch_flags(parser)
     parser.add_argument("--out_dir", default="/tmp/xla_fsdp_llama", help="checkpoints and metrics.json")
@@ -347,15 +347,25 @@ def parse_args(argv: Optional[List[str]] = None):
     for name, default in (("dim", 64), ("n_layers", 4), ("n_heads", 4), ("n_kv_heads", 2), ("hidden_dim", 128),
                           ("vocab_size", 256), ("seq_len", 32)):
         parser.add_argument(f"--{name}", type=at_least(1), default=default)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv: Optional[List[str]] = None):
+    return build_parser().parse_args(argv)
+
+
+def refuse_bad_args(parser: ExampleParser, args) -> None:
+    """What the flags' types cannot check, in one line before any rank starts."""
     found = checkpoint_folders(os.path.join(args.out_dir, "ckpt"))
     if found and not args.resume:
         parser.error(f"{args.out_dir}/ckpt holds checkpoints (the newest: step {found[-1][0]}); pass --resume to "
                      "continue from it, or another --out_dir")
     if args.dim % args.n_heads or args.n_heads % args.n_kv_heads or (args.dim // args.n_heads) % 2:
         parser.error("--dim must split into --n_heads heads of even size, shared by --n_kv_heads groups")
-    return args
 
 
 if __name__ == "__main__":
-    launch(train, parse_args())
+    cli = build_parser()
+    arguments = cli.parse_args()
+    refuse_bad_args(cli, arguments)
+    launch(train, arguments)
