@@ -268,7 +268,31 @@ def dtensor_facts(rank: int, world_size: int, device) -> Dict[str, Any]:
     return {"placements": all(p.placements == (Shard(0),) for _, p in named),
             "local_rows": {n: p.to_local().shape[0] for n, p in named},
             "full": {n: p.full_tensor().cpu() for n, p in named},
-            "state": {k: v.cpu() for k, v in (full_state_dict(model) or {}).items()}}
+            "state": {k: v.cpu() for k, v in (full_state_dict(model) or {}).items()},
+            "refusals": _what_needs_dtensors(model, opt, named)}
+
+
+def _what_needs_dtensors(model: nn.Module, opt: torch.optim.Optimizer, named) -> Dict[str, str]:
+    """The errors (message per call) of the FSDP2 calls that need DTensor parameters: PyTorch's
+    unchanged state-dict functions and ``distribute_tensor`` on a shard's ``device_mesh``."""
+    import torch.distributed.checkpoint.state_dict as dsd
+    from torch.distributed.tensor import distribute_tensor
+    full = dsd.StateDictOptions(full_state_dict=True)
+    calls = {
+        "get_model_state_dict": lambda: dsd.get_model_state_dict(model, options=full),
+        "get_state_dict": lambda: dsd.get_state_dict(model, opt, options=full),
+        "set_model_state_dict": lambda: dsd.set_model_state_dict(model, {}, options=full),
+        "distribute_tensor": lambda: distribute_tensor(torch.zeros(2), named[0][1].device_mesh,
+                                                       named[0][1].placements),
+    }
+    got = {}
+    for name, call in calls.items():
+        try:
+            call()
+            got[name] = "no error"
+        except (RuntimeError, NotImplementedError) as e:
+            got[name] = str(e)
+    return got
 
 
 def run_dtensor_facts(world_size: int) -> List[Dict[str, Any]]:

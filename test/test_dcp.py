@@ -165,6 +165,10 @@ def _state_dict_api_steps(rank, world_size, name, phase, dcp_dir, out_dir):
         assert (len(model_sd) > 0) == (rank == 0) and (len(optim_sd) > 0) == (rank == 0)
         with pytest.raises(CheckpointError, match="save_sharded_checkpoint"):
             get_state_dict(model, opt, options=StateDictOptions(full_state_dict=False))
+        # PyTorch's own functions would read each rank's shard as the whole tensor: one clear error instead
+        import torch.distributed.checkpoint.state_dict as upstream
+        with pytest.raises(CheckpointError, match="need DTensor parameters.*xla_fsdp.checkpoints.state_dict_api"):
+            upstream.get_state_dict(model, opt, options=offload)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=dcp_dir)
     torch.save({"losses": losses}, os.path.join(out_dir, f"{phase}{rank}.pt"))
 

@@ -83,7 +83,9 @@ def test_meta_init_draws_full_tensors_on_xla():
 def test_dtensor_calls_on_xla_shards():
     """placements is (Shard(0),); to_local() is this rank's rows without padding (head.weight has 2
     rows: at 4 devices ranks 0 and 1 hold one each, ranks 2 and 3 none); full_tensor() is the whole
-    parameter on every rank, equal to the full state dict's, after a training step."""
+    parameter on every rank, equal to the full state dict's, after a training step. PyTorch's
+    state-dict functions and distribute_tensor on p.device_mesh, which need DTensors, are one clear
+    error on every rank."""
     ranks = programs.run_dtensor_facts(4)
     state = ranks[0]["state"]
     for facts in ranks:
@@ -94,6 +96,14 @@ def test_dtensor_calls_on_xla_shards():
     for name, want in state.items():
         assert sum(f["local_rows"][name] for f in ranks) == want.shape[0], name
     assert [f["local_rows"]["head.weight"] for f in ranks] == [1, 1, 0, 0]
+    # what needs DTensor parameters is one clear error on every rank, naming the supported way
+    for facts in ranks:
+        for call in ("get_model_state_dict", "get_state_dict", "set_model_state_dict"):
+            assert facts["refusals"][call].startswith("torch.distributed.checkpoint.state_dict's functions need "
+                                                      "DTensor parameters"), (call, facts["refusals"][call])
+            assert "xla_fsdp.checkpoints.state_dict_api" in facts["refusals"][call]
+        assert "have no device mesh" in facts["refusals"]["distribute_tensor"]
+        assert "set_model_state_dict" in facts["refusals"]["distribute_tensor"]
 
 
 @pytest.mark.parametrize("transport,world_size", CASES)

@@ -354,15 +354,43 @@ def _shard_in_place(module: nn.Module, options: Dict[str, Any], cast_forward_inp
     return module
 
 
+class _NoDeviceMesh:
+    """A shard's ``device_mesh``: XLA's per-device ranks have no DeviceMesh for DTensor, so any use
+    (``distribute_tensor(full, p.device_mesh, p.placements)`` first asks ``bool(mesh)``) is one
+    clear error naming the way to load full weights."""
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError(
+            "xla_fsdp.fully_shard on XLA: parameters are shards, not DTensors, and have no device mesh "
+            "(distribute_tensor and load_state_dict(assign=True) cannot place them); load full weights with "
+            "xla_fsdp.checkpoints.state_dict_api.set_model_state_dict(model, full_state_dict, "
+            "options=StateDictOptions(full_state_dict=True))")
+
+    __bool__ = __len__ = __iter__ = _refuse
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):  # copy, pickle and the like look for optional dunders
+            raise AttributeError(name)
+        self._refuse()
+
+    def __repr__(self) -> str:
+        return "<no DeviceMesh: an xla_fsdp shard on XLA>"
+
+
+_NO_DEVICE_MESH = _NoDeviceMesh()
+
+
 def _give_dtensor_calls(group: Any) -> None:
     """The calls FSDP2 programs make on a sharded parameter (a DTensor there), on the shard:
     ``placements`` (``Shard(0)``), ``to_local()`` (this rank's rows, without the padding rows) and
-    ``full_tensor()`` (a collective, as DTensor's: every rank gets the whole parameter)."""
+    ``full_tensor()`` (a collective, as DTensor's: every rank gets the whole parameter);
+    ``device_mesh`` is there and refuses every use, naming the supported way."""
     from torch.distributed.tensor import Shard
     shard, layout, rank = group.shard, group.layout, group.comms.rank
     rows_each = layout.shard_shape[0]
     own_rows = max(0, min(rows_each, layout.rows - rank * rows_each))
     unit_group, param = weakref.ref(group), weakref.ref(shard)  # no reference cycle through the shard
     shard.placements = (Shard(0),)
+    shard.device_mesh = _NO_DEVICE_MESH
     shard.to_local = lambda: param()[:own_rows]
     shard.full_tensor = lambda: unit_group().gather_values()[0]

@@ -20,6 +20,7 @@ from typing import Any, Callable, Dict, Generator, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
+from .checkpoints.files import CheckpointError
 from .collectives import resolve_transport, shared_collectives
 from .strategy import plan_for_unit, resolve_torch_group_keywords
 from .unit import construction, param_names, summon, tied
@@ -313,6 +314,16 @@ class XlaFullyShardedDataParallel(ModuleAdoption, ForwardPass, GradientReduction
 
     def __getitem__(self, key: int) -> nn.Module:
         return self._fsdp_wrapped_module.__getitem__(key)
+
+    def _fqn_modifiers(self) -> Dict[str, str]:
+        """Called only by ``torch.distributed.checkpoint.state_dict``'s functions, which read sharded
+        parameters as DTensors: given these shards they would save each rank's rows as the whole
+        tensor, under shard names. One clear error on every rank instead."""
+        raise CheckpointError(
+            "torch.distributed.checkpoint.state_dict's functions need DTensor parameters, and xla_fsdp's are "
+            "shards: import get_state_dict, set_state_dict, get_model_state_dict, set_model_state_dict, "
+            "get_optimizer_state_dict and set_optimizer_state_dict from xla_fsdp.checkpoints.state_dict_api "
+            "(same signatures; full state dicts keyed by the original names, DCP-ready)")
 
     def extra_repr(self) -> str:
         return (f"world_size={self.world_size}, rank={self.rank}, transport={self.comms.name}, "
