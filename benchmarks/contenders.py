@@ -11,9 +11,11 @@ import torch.nn as nn
 
 from .workloads import Workload, unit_classes
 
-GLOO = ("unwrapped", "ddp", "fsdp1", "fsdp2", "xla_fsdp")
+GLOO = ("unwrapped", "ddp", "fsdp1", "fsdp2", "xla_fsdp", "fsdp2_zero2")
 XLA_THREADS = ("xla_plain", "torchxla_fsdp", "xla_fsdp_xla", "torchxla_fsdp_perparam", "xla_fsdp_xla_perparam",
-               "xla_fsdp_fully_shard")
+               "xla_fsdp_fully_shard", "xla_fsdp_fully_shard_zero2")
+#: FSDP2 programs with reshard_after_forward=False on the blocks (benchmarks.reshard; not in the suite's plan)
+ZERO2 = "_zero2"
 #: suffix of the XLA FSDP contenders run in the default per-parameter layout (flatten_parameters=False)
 PER_PARAM = "_perparam"
 SPMD = ("torchxla_spmd", "xla_fsdp_spmd")  # one process for all devices
@@ -39,13 +41,13 @@ def wrap_gloo(name: str, model: nn.Module, w: Workload, ws: int, flatten_paramet
         return FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy(classes),
                                         sharding_strategy=ShardingStrategy.FULL_SHARD,
                                         device_id=torch.device("cpu"), use_orig_params=False)
-    if name == "fsdp2":
+    if name in ("fsdp2", "fsdp2" + ZERO2):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
         mesh = init_device_mesh("cpu", (ws,))
         for m in model.modules():
             if isinstance(m, tuple(classes)):
-                fully_shard(m, mesh=mesh)
+                fully_shard(m, mesh=mesh, reshard_after_forward=not name.endswith(ZERO2))
         return fully_shard(model, mesh=mesh)
     if name == "xla_fsdp":
         from xla_fsdp import XlaFullyShardedDataParallel
@@ -101,11 +103,11 @@ def wrap_xla(name: str, model: nn.Module, w: Workload, device, flatten_parameter
         name, flatten_parameters = name[:-len(PER_PARAM)], False
     if name == "xla_plain":
         return model.to(device)
-    if name == "xla_fsdp_fully_shard":  # FSDP2's API on XLA, with its own defaults (what a user gets)
+    if name in ("xla_fsdp_fully_shard", "xla_fsdp_fully_shard" + ZERO2):  # FSDP2's API on XLA, its defaults
         from xla_fsdp import fully_shard
         for m in model.modules():
             if isinstance(m, tuple(classes)):
-                fully_shard(m)
+                fully_shard(m, reshard_after_forward=not name.endswith(ZERO2))
         return fully_shard(model).to(device)
     if name == "torchxla_fsdp":
         torch_xla_collectives_in_graph()

@@ -10,6 +10,7 @@ from typing import Dict
 import torch
 
 _COUNTS: Dict[str, int] = {}   # rank key -> bytes
+_GATHERS: Dict[str, int] = {}  # rank key -> all-gather calls
 _LOCK = threading.Lock()
 _INSTALLED = False
 
@@ -30,8 +31,9 @@ def _rank_key(tensor=None) -> str:
     return "process"
 
 
-def _counting(fn, names, size):
-    """Wrap ``fn`` so every call adds ``size(**bound)`` bytes; ``names`` are its leading parameters."""
+def _counting(fn, names, size, gather: bool = False):
+    """Wrap ``fn`` so every call adds ``size(**bound)`` bytes (and, for an all-gather, one call);
+    ``names`` are its leading parameters."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         bound = dict(zip(names, args))
@@ -39,6 +41,8 @@ def _counting(fn, names, size):
         n, key = size(bound)
         with _LOCK:
             _COUNTS[key] = _COUNTS.get(key, 0) + n
+            if gather:
+                _GATHERS[key] = _GATHERS.get(key, 0) + 1
         return fn(*args, **kwargs)
     return wrapper
 
@@ -54,12 +58,12 @@ def install_collective_counters() -> None:
         _INSTALLED = True
     import torch.distributed as dist
     dist.all_gather_into_tensor = _counting(dist.all_gather_into_tensor, ("output_tensor", "input_tensor"),
-                                            lambda b: (_nbytes(b.get("output_tensor")), "process"))
+                                            lambda b: (_nbytes(b.get("output_tensor")), "process"), gather=True)
     dist.reduce_scatter_tensor = _counting(dist.reduce_scatter_tensor, ("output", "input"),
                                            lambda b: (_nbytes(b.get("input")), "process"))
     # FSDP1 gathers CPU tensors with the list form (c10d has no gloo all_gather_into_tensor path there).
     dist.all_gather = _counting(dist.all_gather, ("tensor_list", "tensor"),
-                                lambda b: (_nbytes(b.get("tensor_list")), "process"))
+                                lambda b: (_nbytes(b.get("tensor_list")), "process"), gather=True)
     dist.all_reduce = _counting(dist.all_reduce, ("tensor",), lambda b: (_nbytes(b.get("tensor")), "process"))
     try:
         import torch_xla.core.xla_model as xm
@@ -71,7 +75,7 @@ def install_collective_counters() -> None:
         groups = b.get("groups")
         size = len(groups[0]) if groups else xr.world_size()
         return _nbytes(b.get("value")) * size, _rank_key(b.get("value"))
-    xm.all_gather = _counting(xm.all_gather, ("value", "dim", "groups"), gathered)
+    xm.all_gather = _counting(xm.all_gather, ("value", "dim", "groups"), gathered, gather=True)
     xm.reduce_scatter = _counting(xm.reduce_scatter, ("reduce_type", "input"),
                                   lambda b: (_nbytes(b.get("input")), _rank_key(b.get("input"))))
     xm.all_reduce = _counting(xm.all_reduce, ("reduce_type", "inputs"),
@@ -82,9 +86,16 @@ def collective_bytes(device=None) -> int:
     return _COUNTS.get(_rank_key(torch.empty(0, device=device) if device is not None else None), 0)
 
 
+def all_gather_calls(device=None) -> int:
+    """All-gathers issued since the last reset (on XLA: traced into the step, one per gathered tensor
+    or coalesced group)."""
+    return _GATHERS.get(_rank_key(torch.empty(0, device=device) if device is not None else None), 0)
+
+
 def reset_collective_bytes(device=None) -> None:
+    key = _rank_key(torch.empty(0, device=device) if device is not None else None)
     with _LOCK:
-        _COUNTS[_rank_key(torch.empty(0, device=device) if device is not None else None)] = 0
+        _COUNTS[key] = _GATHERS[key] = 0
 
 
 def _tiles(t: torch.Tensor) -> int:

@@ -51,6 +51,7 @@ def train_loop(model, opt, w: Workload, spec: Dict[str, Any], rank: int, device,
     return {
         "rank": rank, "times": times[warmup:], "losses": losses, "state_bytes": measure.state_bytes(model, opt),
         "peak_rss_mib": measure.peak_rss_mib(), "collective_bytes_per_step": measure.collective_bytes(device) / steps,
+        "all_gathers_per_step": measure.all_gather_calls(device) / steps,
         "compiles_step2": compiles_step2, "compiles_end": measure.xla_compiles(),
         # every rank thread's device-to-host copies per measured step (XLA): loss.item() makes one per rank
         "host_transfers_per_step": (measure.xla_transfers_to_host() - transfers_start) / steps,

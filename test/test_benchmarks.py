@@ -202,3 +202,27 @@ def test_step_buffers_per_device_default_layout_at_most_torch_xlas():
     assert ours <= theirs, (ours, theirs)
     assert "| resnet18 | 2 | per-parameter (default) |" in table(rows)
     assert largest_program_bytes("/nonexistent") is None
+
+
+@pytest.mark.xla
+def test_reshard_after_forward_moves_gathers_and_memory_as_fsdp2s_does(tmp_path):
+    """benchmarks.reshard at ws 2 (quick transformer): reshard_after_forward=False on the blocks (ZeRO-2)
+    gathers less and holds more than True (ZeRO-3), on XLA (xla_fsdp.fully_shard: all-gathers in the
+    compiled step, device bytes of the step) as with PyTorch's fully_shard on gloo (all-gather calls),
+    with the same collective bytes over parameter bytes on both sides and the same losses."""
+    from benchmarks.reshard import main
+    main(["--world_sizes", "2", "--quick", "--out", str(tmp_path / "reshard")])
+    rows = {r["contender"]: r for r in json.load(open(tmp_path / "reshard.json"))["rows"]}
+    assert all(r["error"] is None for r in rows.values()), rows
+    ours, ours2, theirs, theirs2 = (rows[c] for c in ("xla_fsdp_fully_shard", "xla_fsdp_fully_shard_zero2", "fsdp2",
+                                                      "fsdp2_zero2"))
+    assert ours["compiled_all_gathers"] > ours2["compiled_all_gathers"] > 0
+    assert ours["step_bytes_per_device"] < ours2["step_bytes_per_device"]
+    assert theirs["all_gathers_per_step"] > theirs2["all_gathers_per_step"] > 0
+    for a, b in ((ours, theirs), (ours2, theirs2)):
+        assert abs(a["collective_bytes_per_step"] / a["param_bytes"] - b["collective_bytes_per_step"]
+                   / b["param_bytes"]) < 0.01
+    for a, b, tol in ((ours, ours2, 1e-5), (theirs, theirs2, 1e-5), (ours, theirs, 1e-4)):  # XLA:CPU vs eager CPU
+        assert max(abs(x - y) for x, y in zip(a["losses"], b["losses"])) <= tol
+    text = open(tmp_path / "reshard.md").read()
+    assert "| XLA:CPU, xla_fsdp.fully_shard | 2 | False |" in text and "NO |" not in text
