@@ -352,8 +352,12 @@ def _linked(tensor: torch.Tensor) -> torch.Tensor:
     link = _LINKS.pop(str(tensor.device), None)
     if link is None or not torch_xla._XLAC._check_tensor_need_materialization([link])[0]:
         return tensor  # none, or from a graph that has run since
-    # + 0 * link: XLA keeps a float multiplication by 0 (it would turn an inf into NaN)
-    return tensor.add(link if tensor.is_floating_point() else link.to(tensor.dtype), alpha=0)
+    # + 0 * link: XLA keeps a float multiplication by 0 (it would turn an inf into NaN). The zero is
+    # made in the link's dtype and then cast to the tensor's: adding a 0-d f32 link to a bf16 tensor
+    # is bf16 to PyTorch but f32 in torch_xla's IR, and the bf16 parameter gathered from it broke
+    # XLA's verifier where it met a bf16 tensor (a LayerNorm weight in a recompute: issue 43's
+    # differential suite). Casting the link itself could overflow (a finite f32 > bf16's max).
+    return tensor.add(link.mul(0).to(tensor.dtype))
 
 
 def _outside_token(tensor: torch.Tensor, collective: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
