@@ -24,7 +24,7 @@ import queue
 import socket
 import threading
 import warnings
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -80,6 +80,8 @@ class Program:
     #                                    scales reset) and an in-place edit of head.weight under torch.no_grad()
     rnn: bool = False                  # an nn.LSTM after the input layer (its own unit when auto-wrapped)
     offload: bool = False              # cpu_offload=True: shards, gradients and optimizer state on the host
+    int_reshard: bool = False          # fully_shard: reshard_after_forward as FSDP2's int (the world size for
+    #                                    ZeRO-3 blocks, 1 for ZeRO-2 ones) instead of the bool
 
 
 def programs(world_size: int) -> st.SearchStrategy[Program]:
@@ -107,12 +109,15 @@ def fully_shard_programs(world_size: int) -> st.SearchStrategy[Program]:
     then the root; dim-0 shards; ZeRO-3 or ZeRO-2 blocks; bf16 through ``MixedPrecisionPolicy``;
     ``CPUOffloadPolicy``; accumulation with ``set_requires_gradient_sync``), for XLA devices: on the
     torch transport ``fully_shard`` is PyTorch's own, whose modules lack the wrapper's methods this
-    suite compares through. An int ``reshard_after_forward`` is refused on XLA (test_fsdp2)."""
-    def as_fsdp2(p: Program) -> Program:
+    suite compares through. ``reshard_after_forward`` is drawn as a bool or as FSDP2's int (1 or the
+    world size; a group in between is refused on XLA, test_fsdp2)."""
+    def as_fsdp2(drawn: Tuple[Program, bool]) -> Program:
+        p, int_reshard = drawn
         zero2 = p.strategy == "SHARD_GRAD_OP"
-        return dataclasses.replace(p, wrap="fully_shard", layout="dim0", tied="none",
+        return dataclasses.replace(p, wrap="fully_shard", layout="dim0", tied="none", int_reshard=int_reshard,
                                    strategy="SHARD_GRAD_OP" if zero2 else "FULL_SHARD")
-    return programs(world_size).map(as_fsdp2).filter(functools.partial(_exact, world_size=world_size))
+    return st.tuples(programs(world_size), st.booleans()).map(as_fsdp2).filter(
+        functools.partial(_exact, world_size=world_size))
 
 
 def _exact(p: Program, world_size: int) -> bool:
@@ -296,7 +301,7 @@ def make_optimizer(p: Program, model: nn.Module) -> torch.optim.Optimizer:
 
 def wrap(p: Program, model: Net, world_size: int) -> FSDP:
     if p.wrap == "fully_shard":
-        return shard_fsdp2_style(p, model)
+        return shard_fsdp2_style(p, model, world_size)
     kw: Dict[str, Any] = dict(sharding_strategy=p.strategy, flatten_parameters=p.layout == "flat",
                               shard_param_on_dim_0=p.layout == "dim0")
     if p.strategy.startswith("HYBRID"):
@@ -322,7 +327,7 @@ def wrap(p: Program, model: Net, world_size: int) -> FSDP:
     return FSDP(model, **kw)
 
 
-def shard_fsdp2_style(p: Program, model: Net) -> nn.Module:
+def shard_fsdp2_style(p: Program, model: Net, world_size: int) -> nn.Module:
     """``fully_shard`` on each block (and the branch when it is a unit), then on the root."""
     from xla_fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
     mp, root_mp = MixedPrecisionPolicy(), MixedPrecisionPolicy()
@@ -332,9 +337,13 @@ def shard_fsdp2_style(p: Program, model: Net) -> nn.Module:
                                        output_dtype=torch.float32)
     kw: Dict[str, Any] = dict(offload_policy=CPUOffloadPolicy() if p.offload else OffloadPolicy())
     remat = checkpoint_module if p.remat else (lambda m: m)
+    reshard: Any = p.strategy == "FULL_SHARD"
+    if p.int_reshard:  # FSDP2 reads the world size as True and 1 as False (warning that 1 is not True)
+        reshard = world_size if reshard else 1
     for i, block in enumerate(model.blocks):
-        model.blocks[i] = fully_shard(remat(block), reshard_after_forward=p.strategy == "FULL_SHARD", mp_policy=mp,
-                                      **kw)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="reshard_after_forward=1")
+            model.blocks[i] = fully_shard(remat(block), reshard_after_forward=reshard, mp_policy=mp, **kw)
     if branch_is_unit(p):
         model.branch = fully_shard(model.branch, mp_policy=mp, **kw)
     return fully_shard(model, mp_policy=root_mp, **kw)

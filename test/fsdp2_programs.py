@@ -5,6 +5,7 @@ import os
 import sys
 import tempfile
 import threading
+import warnings
 from typing import Any, Callable, Dict, List
 
 import torch
@@ -79,6 +80,8 @@ PROGRAMS: Dict[str, Dict[str, Any]] = {
     "bf16": dict(micro=1, opt="adamw", mp=dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)),
     # set_reshard_after_forward(True) on the root: it frees its own parameters after forward too
     "root_reshard": dict(micro=1, opt="adamw", root_reshard=True),
+    # FSDP2's int reshard_after_forward: the first block 1 (read as False), the others the world size (True)
+    "int_reshard": dict(micro=1, opt="adamw", int_reshard=True),
     # FSDP2's meta-device init: build on meta, fully_shard, to_empty, the program's init_weights.
     # XLA only: upstream FSDP2 on CPU draws each rank's shard from the same generator state, so its
     # init is not the unsharded model's (test_fsdp2::test_meta_init_draws_full_tensors_on_xla)
@@ -100,8 +103,13 @@ def train_sharded(name: str, rank: int, world_size: int, device, sync: Callable[
     kw: Dict[str, Any] = {}
     if "mp" in cfg:
         kw["mp_policy"] = MixedPrecisionPolicy(**cfg["mp"])
-    for block in model.blocks:
-        fully_shard(block, reshard_after_forward=cfg.get("reshard_after_forward", True), **kw)
+    for i, block in enumerate(model.blocks):
+        reshard = cfg.get("reshard_after_forward", True)
+        if cfg.get("int_reshard"):
+            reshard = 1 if i == 0 else world_size
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="reshard_after_forward=1")  # FSDP2's, and ours alike
+            fully_shard(block, reshard_after_forward=reshard, **kw)
     fully_shard(model, **kw)
     if cfg.get("meta"):
         model.to_empty(device=device)
@@ -269,12 +277,13 @@ def dtensor_facts(rank: int, world_size: int, device) -> Dict[str, Any]:
             "local_rows": {n: p.to_local().shape[0] for n, p in named},
             "full": {n: p.full_tensor().cpu() for n, p in named},
             "state": {k: v.cpu() for k, v in (full_state_dict(model) or {}).items()},
-            "refusals": _what_needs_dtensors(model, opt, named)}
+            "refusals": _what_needs_dtensors(model, opt, named, world_size)}
 
 
-def _what_needs_dtensors(model: nn.Module, opt: torch.optim.Optimizer, named) -> Dict[str, str]:
-    """The errors (message per call) of the FSDP2 calls that need DTensor parameters: PyTorch's
-    unchanged state-dict functions and ``distribute_tensor`` on a shard's ``device_mesh``."""
+def _what_needs_dtensors(model: nn.Module, opt: torch.optim.Optimizer, named, world_size: int) -> Dict[str, str]:
+    """The errors (message per call) of the FSDP2 calls that need DTensor parameters (PyTorch's
+    unchanged state-dict functions, ``distribute_tensor`` on a shard's ``device_mesh``) or a smaller
+    group after forward (an int ``reshard_after_forward``)."""
     import torch.distributed.checkpoint.state_dict as dsd
     from torch.distributed.tensor import distribute_tensor
     full = dsd.StateDictOptions(full_state_dict=True)
@@ -284,6 +293,8 @@ def _what_needs_dtensors(model: nn.Module, opt: torch.optim.Optimizer, named) ->
         "set_model_state_dict": lambda: dsd.set_model_state_dict(model, {}, options=full),
         "distribute_tensor": lambda: distribute_tensor(torch.zeros(2), named[0][1].device_mesh,
                                                        named[0][1].placements),
+        # an int reshard_after_forward between 1 and the world size: a smaller group after forward
+        "int_reshard": lambda: fully_shard(nn.Linear(4, 4), reshard_after_forward=world_size // 2),
     }
     got = {}
     for name, call in calls.items():

@@ -103,6 +103,7 @@ def test_dtensor_calls_on_xla_shards():
                                                       "DTensor parameters"), (call, facts["refusals"][call])
             assert "xla_fsdp.checkpoints.state_dict_api" in facts["refusals"][call]
         assert "have no device mesh" in facts["refusals"]["distribute_tensor"]
+        assert "reshard_after_forward=2 (reshard to groups of 2 of the 4 devices" in facts["refusals"]["int_reshard"]
         assert "set_model_state_dict" in facts["refusals"]["distribute_tensor"]
 
 
@@ -144,9 +145,12 @@ def test_the_module_keeps_its_class_and_place(transport, world_size):
 @pytest.mark.xla
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_reshard_after_forward_acts_on_xla(world_size):
-    """ZeRO-3 blocks (the default) hold no full parameters after forward; ZeRO-2 blocks keep them."""
+    """ZeRO-3 blocks (the default) hold no full parameters after forward; ZeRO-2 blocks keep them.
+    An int reshard_after_forward reads as FSDP2 reads it: 1 keeps them (False), the world size frees them."""
     for r in _run("xla", world_size)["tutorial"]:
         assert r["kept_after_forward"] and all(not any(kept) for kept in r["kept_after_forward"])
+    for r in _run("xla", world_size)["int_reshard"]:
+        assert r["kept_after_forward"] and all(kept[0] and not any(kept[1:]) for kept in r["kept_after_forward"])
     for r in _run("xla", world_size)["zero2"]:
         assert r["kept_after_forward"] and all(all(kept) for kept in r["kept_after_forward"])
 
@@ -212,7 +216,7 @@ def _errors() -> dict:
 def test_what_xla_cannot_honour_is_a_clear_error():
     with programs.harness.xla_cpu_devices(1):
         got = _one_device(_errors)[0]
-    assert "int" in got["int"] and "True or False" in got["int"]
+    assert "must be a factor of the world size 1, not 2" in got["int"]
     assert "ignored_params" in got["ignored"]
     assert "Shard(0)" in got["placement"]
     assert "each module" in got["list"]

@@ -14,6 +14,7 @@ works, never a silent difference.
 from __future__ import annotations
 
 import abc
+import warnings
 import weakref
 from typing import Any, Callable, Dict, Iterable, List, Optional, Union
 
@@ -180,8 +181,8 @@ def _unit_options(module: nn.Module, mesh: Any, reshard_after_forward: Any, shar
                                   "sharded root, or use XlaFullyShardedDataParallel")
     if shard_placement_fn is not None:
         _check_placements(module, shard_placement_fn)
-    if reshard_after_forward is not None:
-        _check_reshard_value(reshard_after_forward, None)
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+        reshard_after_forward = _int_reshard(reshard_after_forward, _world_size(mesh))
     param_dtype = mp_policy.param_dtype or torch.float32
     reduce_dtype = mp_policy.reduce_dtype or param_dtype
     for name, dtype in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype),
@@ -234,6 +235,31 @@ def _check_reshard_value(value: Any, world_size: Optional[int]) -> None:
     raise NotImplementedError(
         f"xla_fsdp.fully_shard on XLA: reshard_after_forward={value!r}; only True or False are supported "
         "(an int, resharding to a smaller group after forward, is not)")
+
+
+def _world_size(mesh: Any) -> int:
+    if mesh is not None:
+        return mesh.size()
+    import torch_xla.runtime as xr
+    return xr.world_size()
+
+
+def _int_reshard(value: Any, world_size: int) -> bool:
+    """FSDP2's int ``reshard_after_forward``, as FSDP2 reads it: the world size means True, 1 means
+    False (with FSDP2's warning); a smaller group in between is not supported on XLA."""
+    if not isinstance(value, int) or value < 1 or value > world_size or world_size % value:
+        raise ValueError(f"xla_fsdp.fully_shard: reshard_after_forward as an int must be a factor of the world "
+                         f"size {world_size}, not {value!r} (or pass True or False)")
+    if value == world_size:
+        return True
+    if value == 1:
+        warnings.warn("reshard_after_forward=1 (int) means resharding parameters to world size 1, instead of "
+                      "reshard_after_forward=True (bool)", stacklevel=4)
+        return False
+    raise NotImplementedError(
+        f"xla_fsdp.fully_shard on XLA: reshard_after_forward={value} (reshard to groups of {value} of the "
+        f"{world_size} devices after forward) is not supported; pass True (reshard to all {world_size}, the "
+        "least memory) or False (keep them from forward to backward)")
 
 
 def _check_prefetch_list(modules: Iterable[Any], method: str) -> List[nn.Module]:
