@@ -82,6 +82,8 @@ class Program:
     offload: bool = False              # cpu_offload=True: shards, gradients and optimizer state on the host
     int_reshard: bool = False          # fully_shard: reshard_after_forward as FSDP2's int (the world size for
     #                                    ZeRO-3 blocks, 1 for ZeRO-2 ones) instead of the bool
+    prefetch: bool = False             # fully_shard: each block lists the other in set_modules_to_forward_prefetch
+    #                                    (the first) or ..._backward_prefetch (the second); False: FSDP2's default
 
 
 def programs(world_size: int) -> st.SearchStrategy[Program]:
@@ -110,13 +112,13 @@ def fully_shard_programs(world_size: int) -> st.SearchStrategy[Program]:
     ``CPUOffloadPolicy``; accumulation with ``set_requires_gradient_sync``), for XLA devices: on the
     torch transport ``fully_shard`` is PyTorch's own, whose modules lack the wrapper's methods this
     suite compares through. ``reshard_after_forward`` is drawn as a bool or as FSDP2's int (1 or the
-    world size; a group in between is refused on XLA, test_fsdp2)."""
-    def as_fsdp2(drawn: Tuple[Program, bool]) -> Program:
-        p, int_reshard = drawn
+    world size; a group in between is refused on XLA, test_fsdp2), with or without prefetch lists."""
+    def as_fsdp2(drawn: Tuple[Program, bool, bool]) -> Program:
+        p, int_reshard, prefetch = drawn
         zero2 = p.strategy == "SHARD_GRAD_OP"
         return dataclasses.replace(p, wrap="fully_shard", layout="dim0", tied="none", int_reshard=int_reshard,
-                                   strategy="SHARD_GRAD_OP" if zero2 else "FULL_SHARD")
-    return st.tuples(programs(world_size), st.booleans()).map(as_fsdp2).filter(
+                                   strategy="SHARD_GRAD_OP" if zero2 else "FULL_SHARD", prefetch=prefetch)
+    return st.tuples(programs(world_size), st.booleans(), st.booleans()).map(as_fsdp2).filter(
         functools.partial(_exact, world_size=world_size))
 
 
@@ -346,6 +348,10 @@ def shard_fsdp2_style(p: Program, model: Net, world_size: int) -> nn.Module:
             model.blocks[i] = fully_shard(remat(block), reshard_after_forward=reshard, mp_policy=mp, **kw)
     if branch_is_unit(p):
         model.branch = fully_shard(model.branch, mp_policy=mp, **kw)
+    if p.prefetch:
+        first, second = model.blocks
+        first.set_modules_to_forward_prefetch([second])
+        second.set_modules_to_backward_prefetch([first])
     return fully_shard(model, mp_policy=root_mp, **kw)
 
 

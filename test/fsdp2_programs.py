@@ -13,7 +13,7 @@ import torch.nn as nn
 
 import harness
 import xla_fsdp
-from xla_fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from xla_fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 STEPS, PER_RANK, WIDTH = 3, 4, 16
 _LOCK = threading.Lock()
@@ -68,9 +68,15 @@ def batch(step: int, world_size: int):
 
 #: program name -> (micro-batches per step, optimizer, settings)
 PROGRAMS: Dict[str, Dict[str, Any]] = {
-    # the tutorial's loop: blocks then root, prefetch lists, unshard() before the batch, clipping on
-    # parameters, an LR scheduler
+    # the tutorial's loop: blocks then root, prefetch lists (each block the next one, both ways),
+    # unshard() before the batch, clipping on parameters, an LR scheduler
     "tutorial": dict(micro=1, opt="adamw"),
+    # FSDP2 tutorial's prefetch of 2: each block lists the next two (forward) and the previous two (backward)
+    "prefetch2": dict(micro=1, opt="adamw", prefetch=2),
+    # the same with CPUOffloadPolicy: on XLA a listed block's shards are staged to the device early
+    "prefetch2_offload": dict(micro=1, opt="adamw", prefetch=2, offload=True),
+    # no lists: FSDP2's default, none in forward and the block that ran forward before in backward
+    "default_prefetch": dict(micro=1, opt="adamw", prefetch=0),
     # gradient accumulation: no gradient sync on the first of two micro-batches
     "accumulate": dict(micro=2, opt="adamw"),
     # ZeRO-2 blocks: parameters stay gathered from forward to backward
@@ -103,6 +109,8 @@ def train_sharded(name: str, rank: int, world_size: int, device, sync: Callable[
     kw: Dict[str, Any] = {}
     if "mp" in cfg:
         kw["mp_policy"] = MixedPrecisionPolicy(**cfg["mp"])
+    if cfg.get("offload"):
+        kw["offload_policy"] = CPUOffloadPolicy(pin_memory=False)  # pinned host memory needs CUDA
     for i, block in enumerate(model.blocks):
         reshard = cfg.get("reshard_after_forward", True)
         if cfg.get("int_reshard"):
@@ -116,9 +124,12 @@ def train_sharded(name: str, rank: int, world_size: int, device, sync: Callable[
         init_weights(model)
     model.to(device)
     blocks: List[FSDPModule] = list(model.blocks)
-    for before, after in zip(blocks, blocks[1:]):
-        before.set_modules_to_forward_prefetch([after])
-        after.set_modules_to_backward_prefetch([before])
+    ahead = cfg.get("prefetch", 1)
+    if ahead:
+        for i, block in enumerate(blocks):
+            block.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + ahead])
+            block.set_modules_to_backward_prefetch(blocks[max(i - ahead, 0):i][::-1])
+    issued_at_forward, issued_at_backward = _watch_gathers(blocks)
     if "divide_factor" in cfg:
         for module in model.modules():
             if isinstance(module, FSDPModule):
@@ -159,7 +170,35 @@ def train_sharded(name: str, rank: int, world_size: int, device, sync: Callable[
     return {"losses": losses, "full": _full_params(model), "class": type(model).__name__,
             "is_net": isinstance(model, Net), "kept_after_forward": kept_after_forward,
             "root_after_unshard": root_after_unshard, "root_after_forward": root_after_forward,
-            "shard_grads_after_no_sync": shard_grads_after_no_sync, "out_dtypes": out_dtypes}
+            "shard_grads_after_no_sync": shard_grads_after_no_sync, "out_dtypes": out_dtypes,
+            "issued_at_forward": issued_at_forward, "issued_at_backward": issued_at_backward}
+
+
+def _watch_gathers(blocks: List[FSDPModule]):
+    """Lists filled as training runs: when a block's own computation starts, in forward and in
+    backward, which blocks' all-gathers have been issued (one tuple of bools per block run)."""
+    at_forward, at_backward = [], []
+
+    def record_backward(grad: torch.Tensor) -> None:
+        at_backward.append(_blocks_issued(blocks))
+
+    def forward_hook(module, inputs, output) -> None:
+        if torch.is_grad_enabled():
+            output.register_hook(record_backward)  # the block's backward starts here (after its pre-backward)
+
+    for block in blocks:
+        block.norm.register_forward_pre_hook(lambda module, inputs: at_forward.append(_blocks_issued(blocks)))
+        block.down.register_forward_hook(forward_hook)
+    return at_forward, at_backward
+
+
+def _blocks_issued(blocks) -> tuple:
+    """Whether each block's all-gather has been issued: its parameters gathered (XLA unit; FSDP2's
+    group unsharded) or, for PyTorch's FSDP2, its asynchronous all-gather under way."""
+    if hasattr(blocks[0], "gather_groups"):
+        return tuple(all(g.is_unsharded() for g in b.gather_groups) for b in blocks)
+    groups = [b._get_fsdp_state()._fsdp_param_group for b in blocks]
+    return tuple(g.is_unsharded or g._all_gather_result is not None for g in groups)
 
 
 def _blocks_gathered(blocks) -> List[bool]:

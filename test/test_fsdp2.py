@@ -15,7 +15,9 @@ TOL = 1e-5
 # tiny gradient whose sign bf16 flips can land 2 lr away per step (0.06 in 3 steps); measured 0.027 on both.
 BF16_LOSS_TOL, BF16_PARAM_TOL = 5e-3, 0.06
 FP32 = [n for n, cfg in programs.PROGRAMS.items() if n != "bf16" and not cfg.get("xla_only")]
-_REFERENCE_OF = {"bf16": "tutorial", "root_reshard": "tutorial"}  # the same training, other settings
+# the same training, other settings
+_REFERENCE_OF = {name: "tutorial" for name in ("bf16", "root_reshard", "prefetch2", "prefetch2_offload",
+                                                "default_prefetch")}
 _RUNS = {}
 
 
@@ -153,6 +155,32 @@ def test_reshard_after_forward_acts_on_xla(world_size):
         assert r["kept_after_forward"] and all(kept[0] and not any(kept[1:]) for kept in r["kept_after_forward"])
     for r in _run("xla", world_size)["zero2"]:
         assert r["kept_after_forward"] and all(all(kept) for kept in r["kept_after_forward"])
+
+
+# When each of the 3 blocks starts computing, which blocks' all-gathers have been issued: each block
+# lists the next `ahead` in forward and the previous `ahead` in backward (backward runs blocks 2, 1, 0);
+# without lists FSDP2 prefetches none in forward and the previous block in backward. Blocks free their
+# parameters after forward and after backward (reshard_after_forward=True).
+ISSUED = {
+    "default_prefetch": ([(1, 0, 0), (0, 1, 0), (0, 0, 1)], [(0, 1, 1), (1, 1, 0), (1, 0, 0)]),
+    "tutorial": ([(1, 1, 0), (0, 1, 1), (0, 0, 1)], [(0, 1, 1), (1, 1, 0), (1, 0, 0)]),
+    "prefetch2": ([(1, 1, 1), (0, 1, 1), (0, 0, 1)], [(1, 1, 1), (1, 1, 0), (1, 0, 0)]),
+}
+ISSUED["prefetch2_offload"] = ISSUED["prefetch2"]
+
+
+@pytest.mark.parametrize("transport,world_size", CASES)
+def test_prefetch_lists_issue_gathers_ahead_as_in_fsdp2(transport, world_size):
+    """Prefetch lists act on XLA as PyTorch's FSDP2 acts on gloo: when a block starts computing, the
+    blocks it lists have had their all-gathers issued, the others not (checked in every step, on
+    every rank; the gloo case checks the same table against PyTorch's own FSDP2)."""
+    runs = _run(transport, world_size)
+    for name, (forward, backward) in ISSUED.items():
+        want_forward = [tuple(map(bool, row)) for row in forward] * programs.STEPS
+        want_backward = [tuple(map(bool, row)) for row in backward] * programs.STEPS
+        for rank, r in enumerate(runs[name]):
+            assert r["issued_at_forward"] == want_forward, (name, rank)
+            assert r["issued_at_backward"] == want_backward, (name, rank)
 
 
 # ----------------------------------------------------------------------------- one XLA device

@@ -80,12 +80,17 @@ class FSDPModule(metaclass=abc.ABCMeta):  # noqa: B024 - an ABC for register(), 
                 "set_requires_gradient_sync(False) on the micro-batches before the last")
 
     def set_modules_to_forward_prefetch(self, modules: List["FSDPModule"]) -> None:
-        """Accepted and checked. On XLA the step is one compiled program whose scheduler places
-        every all-gather itself, so the list changes neither the gathers nor their order."""
+        """Gather ``modules``' parameters in this module's forward, right after its own (FSDP2's
+        explicit prefetch). On XLA the gathers join this module's optimization barrier, so the
+        compiled step places them here, ahead of their use; each listed module's forward then
+        gathers nothing."""
         self._prefetch_forward = _check_prefetch_list(modules, "set_modules_to_forward_prefetch")
 
     def set_modules_to_backward_prefetch(self, modules: List["FSDPModule"]) -> None:
-        """As :meth:`set_modules_to_forward_prefetch`, for backward."""
+        """As :meth:`set_modules_to_forward_prefetch`, for backward: the gathers come at this
+        module's backward (its barrier takes the incoming gradient), for modules whose backward is
+        still to run. Without a list (or with an empty one), FSDP2's default: the module that ran
+        forward before this one."""
         self._prefetch_backward = _check_prefetch_list(modules, "set_modules_to_backward_prefetch")
 
     def set_gradient_divide_factor(self, factor: float) -> None:
@@ -303,6 +308,7 @@ class _InPlaceUnit(XlaFullyShardedDataParallel):
         self.buffer_dtype = None  # FSDP2 leaves buffers as they are (the wrapper casts them to compute_dtype)
         self._prefetch_forward: List[nn.Module] = []
         self._prefetch_backward: List[nn.Module] = []
+        self._prefetch_backward_by_default = True
         self._is_last_backward = True
         self._force_sum_reduction = False
         self._late_init_units: List[nn.Module] = []  # to_empty's units, until their init is sharded

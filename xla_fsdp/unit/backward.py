@@ -8,7 +8,7 @@ from typing import Any, List, Optional, Set
 import torch
 from torch.autograd import Variable
 
-from .offload import barrier_sources, land_gradients
+from .offload import land_gradients
 from .coalesce import start_reduce
 from .gather_group import GatherGroup
 from .schedule import TrainingState
@@ -127,14 +127,16 @@ class GradientReduction:
             self.step_state.schedule.backward_task = torch._C._current_graph_task_id()
             Variable._execution_engine.queue_callback(self._finalize_backward)
         self.training_state = TrainingState.BACKWARD_PRE
+        listed = self._listed_prefetch(backward=True)
         if self.optimization_barrier_in_backward:
             # Make the re-gather depend on the incoming gradient, so XLA does not hoist every
             # unit's gather to the start of backward.
-            self.comms.optimization_barrier(barrier_sources(self._offload, self.gather_groups) + [grad])
+            self.comms.optimization_barrier(self._barrier_sources(listed) + [grad])
         previous = self._prefetch_target(-1)
         if previous is not None and previous.step_state.pre_backward_done:
             previous = None  # its backward already ran (the root's, first): nothing left to gather for
         self._unshard(backward=True, prefetch=previous, refill_saved=True)
+        self._gather_listed(listed, backward=True)
 
     def _more_gradient_may_come(self) -> bool:
         """This gradient arrived in a nested backward (a reentrant checkpoint, torch_xla's, running

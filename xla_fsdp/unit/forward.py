@@ -4,7 +4,7 @@ the next unit), run the module, free or keep the full parameters, and hook the o
 (the backward half is backward.py)."""
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, List, Optional, Sequence
 
 import torch
 
@@ -126,8 +126,9 @@ class ForwardPass:
         if self.compute_dtype != torch.float32 and self.cast_forward_inputs:
             cast = lambda t: t.to(self.compute_dtype) if t.is_floating_point() else t
             args, kwargs = map_tensors(cast, args), map_tensors(cast, kwargs)
+        listed = [] if in_backward else self._listed_prefetch(backward=False)
         if self.optimization_barrier_in_forward:
-            self.comms.optimization_barrier(barrier_sources(self._offload, self.gather_groups))
+            self.comms.optimization_barrier(self._barrier_sources(listed))
         if in_backward:
             self._unshard(backward=True)
         else:
@@ -136,12 +137,14 @@ class ForwardPass:
                 if any([unit._follow_requires_grad() for unit in self.step_state.units_in_tree]):
                     self._find_trainable_groups()
                 self.step_state.schedule.recording = []
+                self.step_state.schedule.prefetched = []
                 self.step_state.schedule.release_kept()
                 self._begin_gradient_plan()
             if self.step_state.schedule.deferred is not self:  # called again: keep what the first call gathered
                 self.step_state.schedule.release_deferred()
             self.step_state.schedule.recording.append(self)
             self._unshard(prefetch=self._prefetch_target(+1))
+            self._gather_listed(listed, backward=False)
         try:
             outputs = self._fsdp_wrapped_module(*args, **kwargs)
         except BaseException:
@@ -174,7 +177,7 @@ class ForwardPass:
             unit.reshard()
             unit.training_state = TrainingState.IDLE
         if self.step_state.is_root:
-            self.step_state.schedule.recording = []
+            self.step_state.schedule.recording, self.step_state.schedule.prefetched = [], []
             self.step_state.schedule.deferred = self.step_state.schedule.kept = None
 
     def _unshard(self, backward: bool = False, prefetch: Optional["ForwardPass"] = None,
@@ -206,6 +209,43 @@ class ForwardPass:
         finish, self.step_state.unshard_in_flight = self.step_state.unshard_in_flight, None
         if finish is not None:
             finish()
+
+    #: FSDP2's ``set_modules_to_forward_prefetch`` / ``..._backward_prefetch`` lists (fsdp2.py)
+    _prefetch_forward: Sequence["ForwardPass"] = ()
+    _prefetch_backward: Sequence["ForwardPass"] = ()
+    #: FSDP2's default without a backward list: the unit that ran forward before this one
+    _prefetch_backward_by_default = False
+
+    def _listed_prefetch(self, backward: bool) -> List["ForwardPass"]:
+        """The listed units to gather right after this one's own gather. Backward skips those whose
+        backward already ran or that did not run forward (no backward will use them)."""
+        if not backward:
+            return list(self._prefetch_forward)
+        schedule = self.step_state.schedule
+        units = list(self._prefetch_backward)
+        if not units and self._prefetch_backward_by_default:
+            units = [u for u in [schedule.neighbour(self, -1)] if u is not None]
+        return [u for u in units if schedule.ran_forward(u) and not u.step_state.pre_backward_done]
+
+    def _barrier_sources(self, listed: List["ForwardPass"]) -> List[torch.Tensor]:
+        """What this unit's optimization barrier covers: its own sources and the listed units'. On
+        XLA the barrier is what places a gather in the step (backward's takes the incoming
+        gradient), so a listed unit's gather comes here, one unit ahead, and is not hoisted further."""
+        sources = barrier_sources(self._offload, self.gather_groups)
+        for unit in listed:
+            sources += barrier_sources(unit._offload, unit.gather_groups)
+        return sources
+
+    def _gather_listed(self, listed: List["ForwardPass"], backward: bool) -> None:
+        """Gather the listed units' parameters now, behind this unit's own gather (FSDP2's explicit
+        prefetch); each one's forward or backward then finds them gathered."""
+        for unit in listed:
+            if unit is self:
+                continue
+            unit._start_unshard(backward, refill_saved=backward)
+            unit.finish_unshard()
+            if not backward:
+                self.step_state.schedule.prefetched.append(unit)
 
     def _prefetch_target(self, step: int) -> Optional["ForwardPass"]:
         """The unit that ran ``step`` places after this one in the last forward (if prefetching)."""

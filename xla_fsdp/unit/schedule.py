@@ -33,6 +33,8 @@ class Schedule:
         # and keeps them (one all-gather fewer, at no cost to the peak).
         self.deferred: Optional[ShardedUnit] = None
         self.kept: Optional[ShardedUnit] = None
+        #: units gathered this forward by another's FSDP2 prefetch list (freed at its end if unused)
+        self.prefetched: List[ShardedUnit] = []
         #: which groups get gradients in this step, agreed by the ranks (usage.GradientPlan)
         self.plan: Optional[GradientPlan] = None
         #: the autograd graph task of the root's backward (a nested one is a reentrant checkpoint's)
@@ -79,6 +81,10 @@ class Schedule:
                 unit.finish_unshard()
                 if unit.reshard_after_forward or not torch.is_grad_enabled():
                     unit.reshard()
+        prefetched, self.prefetched = self.prefetched, []
+        for unit in prefetched:  # gathered by a prefetch list after their forward, or without one
+            if unit is not self.kept and (unit.reshard_after_forward or not torch.is_grad_enabled()):
+                unit.reshard()
 
     def neighbour(self, unit: ShardedUnit, step: int) -> Optional[ShardedUnit]:
         index = self._position.get(id(unit))
