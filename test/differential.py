@@ -112,7 +112,7 @@ def fully_shard_programs(world_size: int) -> st.SearchStrategy[Program]:
     ``CPUOffloadPolicy``; accumulation with ``set_requires_gradient_sync``), for XLA devices: on the
     torch transport ``fully_shard`` is PyTorch's own, whose modules lack the wrapper's methods this
     suite compares through. ``reshard_after_forward`` is drawn as a bool or as FSDP2's int (1 or the
-    world size; a group in between is refused on XLA, test_fsdp2), with or without prefetch lists."""
+    world size; a group in between needs 4 devices, test_fsdp2), with or without prefetch lists."""
     def as_fsdp2(drawn: Tuple[Program, bool, bool]) -> Program:
         p, int_reshard, prefetch = drawn
         zero2 = p.strategy == "SHARD_GRAD_OP"

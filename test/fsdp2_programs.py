@@ -88,6 +88,9 @@ PROGRAMS: Dict[str, Dict[str, Any]] = {
     "root_reshard": dict(micro=1, opt="adamw", root_reshard=True),
     # FSDP2's int reshard_after_forward: the first block 1 (read as False), the others the world size (True)
     "int_reshard": dict(micro=1, opt="adamw", int_reshard=True),
+    # ... and half the world size on every block at 4 ranks (the world size below): each keeps its rows of
+    # a group of 2 after forward, and backward gathers within that group
+    "int_reshard_half": dict(micro=1, opt="adamw", int_reshard="half"),
     # FSDP2's meta-device init: build on meta, fully_shard, to_empty, the program's init_weights.
     # XLA only: upstream FSDP2 on CPU draws each rank's shard from the same generator state, so its
     # init is not the unsharded model's (test_fsdp2::test_meta_init_draws_full_tensors_on_xla)
@@ -113,7 +116,9 @@ def train_sharded(name: str, rank: int, world_size: int, device, sync: Callable[
         kw["offload_policy"] = CPUOffloadPolicy(pin_memory=False)  # pinned host memory needs CUDA
     for i, block in enumerate(model.blocks):
         reshard = cfg.get("reshard_after_forward", True)
-        if cfg.get("int_reshard"):
+        if cfg.get("int_reshard") == "half":
+            reshard = world_size // 2 if world_size >= 4 else world_size
+        elif cfg.get("int_reshard"):
             reshard = 1 if i == 0 else world_size
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="reshard_after_forward=1")  # FSDP2's, and ours alike
@@ -139,7 +144,7 @@ def train_sharded(name: str, rank: int, world_size: int, device, sync: Callable[
         model.set_reshard_after_forward(True, recurse=False)
     opt = _optimizer(cfg["opt"], model.parameters())
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
-    losses, kept_after_forward = [], []
+    losses, kept_after_forward, pieces_after_forward = [], [], []
     # XLA units only (empty on gloo): what unshard() and the root's forward left gathered, whether a
     # micro-batch without gradient sync left the shards without gradients, the output's dtype
     root_after_unshard, root_after_forward, shard_grads_after_no_sync, out_dtypes = [], [], [], []
@@ -155,6 +160,7 @@ def train_sharded(name: str, rank: int, world_size: int, device, sync: Callable[
             out = model(x[lo:lo + PER_RANK].to(device))
             out_dtypes.append(str(out.dtype))
             kept_after_forward.append(_blocks_gathered(blocks))
+            pieces_after_forward.append(_pieces(blocks))
             root_after_forward += _blocks_gathered([model])
             loss = ((out.float() - y[lo:lo + PER_RANK].to(device)) ** 2).mean() / cfg["micro"]
             loss.backward()
@@ -171,7 +177,16 @@ def train_sharded(name: str, rank: int, world_size: int, device, sync: Callable[
             "is_net": isinstance(model, Net), "kept_after_forward": kept_after_forward,
             "root_after_unshard": root_after_unshard, "root_after_forward": root_after_forward,
             "shard_grads_after_no_sync": shard_grads_after_no_sync, "out_dtypes": out_dtypes,
-            "issued_at_forward": issued_at_forward, "issued_at_backward": issued_at_backward}
+            "issued_at_forward": issued_at_forward, "issued_at_backward": issued_at_backward,
+            "pieces_after_forward": pieces_after_forward}
+
+
+def _pieces(blocks) -> List[List[Any]]:
+    """XLA units: per block and parameter, (rows kept after forward for backward, padded rows)."""
+    if not hasattr(blocks[0], "gather_groups"):
+        return []
+    return [[(g._post_forward[1].shape[0] if g._post_forward else 0, g.padded_shape[0]) for g in b.gather_groups]
+            for b in blocks]
 
 
 def _watch_gathers(blocks: List[FSDPModule]):
@@ -321,8 +336,7 @@ def dtensor_facts(rank: int, world_size: int, device) -> Dict[str, Any]:
 
 def _what_needs_dtensors(model: nn.Module, opt: torch.optim.Optimizer, named, world_size: int) -> Dict[str, str]:
     """The errors (message per call) of the FSDP2 calls that need DTensor parameters (PyTorch's
-    unchanged state-dict functions, ``distribute_tensor`` on a shard's ``device_mesh``) or a smaller
-    group after forward (an int ``reshard_after_forward``)."""
+    unchanged state-dict functions, ``distribute_tensor`` on a shard's ``device_mesh``)."""
     import torch.distributed.checkpoint.state_dict as dsd
     from torch.distributed.tensor import distribute_tensor
     full = dsd.StateDictOptions(full_state_dict=True)
@@ -332,8 +346,6 @@ def _what_needs_dtensors(model: nn.Module, opt: torch.optim.Optimizer, named, wo
         "set_model_state_dict": lambda: dsd.set_model_state_dict(model, {}, options=full),
         "distribute_tensor": lambda: distribute_tensor(torch.zeros(2), named[0][1].device_mesh,
                                                        named[0][1].placements),
-        # an int reshard_after_forward between 1 and the world size: a smaller group after forward
-        "int_reshard": lambda: fully_shard(nn.Linear(4, 4), reshard_after_forward=world_size // 2),
     }
     got = {}
     for name, call in calls.items():

@@ -105,7 +105,6 @@ def test_dtensor_calls_on_xla_shards():
                                                       "DTensor parameters"), (call, facts["refusals"][call])
             assert "xla_fsdp.checkpoints.state_dict_api" in facts["refusals"][call]
         assert "have no device mesh" in facts["refusals"]["distribute_tensor"]
-        assert "reshard_after_forward=2 (reshard to groups of 2 of the 4 devices" in facts["refusals"]["int_reshard"]
         assert "set_model_state_dict" in facts["refusals"]["distribute_tensor"]
 
 
@@ -148,9 +147,17 @@ def test_the_module_keeps_its_class_and_place(transport, world_size):
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_reshard_after_forward_acts_on_xla(world_size):
     """ZeRO-3 blocks (the default) hold no full parameters after forward; ZeRO-2 blocks keep them.
-    An int reshard_after_forward reads as FSDP2 reads it: 1 keeps them (False), the world size frees them."""
+    An int reshard_after_forward reads as FSDP2 reads it: 1 keeps them (False), the world size frees
+    them, and half the world size (at 4 devices) keeps each rank's half of every padded parameter, its
+    rows within its group of 2 (backward gathers those halves within the group)."""
     for r in _run("xla", world_size)["tutorial"]:
         assert r["kept_after_forward"] and all(not any(kept) for kept in r["kept_after_forward"])
+        assert all(rows == 0 for pieces in r["pieces_after_forward"] for block in pieces for rows, _ in block)
+    for r in _run("xla", world_size)["int_reshard_half"]:
+        assert r["kept_after_forward"] and all(not any(kept) for kept in r["kept_after_forward"])
+        kept_rows = {rows * 2 == padded if world_size == 4 else rows == 0
+                     for pieces in r["pieces_after_forward"] for block in pieces for rows, padded in block}
+        assert kept_rows == {True}, r["pieces_after_forward"]
     for r in _run("xla", world_size)["int_reshard"]:
         assert r["kept_after_forward"] and all(kept[0] and not any(kept[1:]) for kept in r["kept_after_forward"])
     for r in _run("xla", world_size)["zero2"]:

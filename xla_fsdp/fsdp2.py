@@ -68,6 +68,7 @@ class FSDPModule(metaclass=abc.ABCMeta):  # noqa: B024 - an ABC for register(), 
         _check_reshard_value(reshard_after_forward, self.world_size)
         for unit in _units(self, recurse):
             unit.reshard_after_forward = bool(reshard_after_forward)
+            unit.post_forward_comms = None  # True reshards to every rank, as in FSDP2
             unit.disable_reshard_on_root = False  # an explicit value holds for the root too, as in FSDP2
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
@@ -154,12 +155,15 @@ def fully_shard(module: Union[nn.Module, List[nn.Module]], *, mesh: Optional[Any
                          "fully_shard once per module")
     options = _unit_options(module, mesh, reshard_after_forward, shard_placement_fn, mp_policy, offload_policy,
                             ignored_params)
+    post_forward_size = options.pop("post_forward_size")
     on_meta = any(t.is_meta for _, m in construction.owned_modules(module)
                   for t in list(m._parameters.values()) + list(m._buffers.values()) if t is not None)
     if on_meta:  # as FSDP2: storage only; the program's to_empty + init give the values
         options["param_init_fn"] = _storage_only
     module = _shard_in_place(module, options, mp_policy.cast_forward_inputs)
     module._awaiting_to_empty = on_meta
+    if post_forward_size is not None:
+        module.post_forward_comms = module.comms.within_groups_of(post_forward_size)
     return module
 
 
@@ -186,8 +190,11 @@ def _unit_options(module: nn.Module, mesh: Any, reshard_after_forward: Any, shar
                                   "sharded root, or use XlaFullyShardedDataParallel")
     if shard_placement_fn is not None:
         _check_placements(module, shard_placement_fn)
+    post_forward_size = None
     if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
         reshard_after_forward = _int_reshard(reshard_after_forward, _world_size(mesh))
+        if not isinstance(reshard_after_forward, bool):
+            post_forward_size, reshard_after_forward = reshard_after_forward, True
     param_dtype = mp_policy.param_dtype or torch.float32
     reduce_dtype = mp_policy.reduce_dtype or param_dtype
     for name, dtype in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype),
@@ -207,6 +214,7 @@ def _unit_options(module: nn.Module, mesh: Any, reshard_after_forward: Any, shar
         compute_dtype=param_dtype, fp32_reduce_scatter=reduce_dtype == torch.float32 != param_dtype,
         output_dtype=mp_policy.output_dtype,
         cpu_offload=offload_policy if isinstance(offload_policy, CPUOffloadPolicy) else False,
+        post_forward_size=post_forward_size,  # taken out again by fully_shard
     )
 
 
@@ -249,9 +257,10 @@ def _world_size(mesh: Any) -> int:
     return xr.world_size()
 
 
-def _int_reshard(value: Any, world_size: int) -> bool:
+def _int_reshard(value: Any, world_size: int) -> Union[bool, int]:
     """FSDP2's int ``reshard_after_forward``, as FSDP2 reads it: the world size means True, 1 means
-    False (with FSDP2's warning); a smaller group in between is not supported on XLA."""
+    False (with FSDP2's warning), and a factor in between is the size of the groups of consecutive
+    ranks that keep the parameters' pieces from forward to backward (returned as the int)."""
     if not isinstance(value, int) or value < 1 or value > world_size or world_size % value:
         raise ValueError(f"xla_fsdp.fully_shard: reshard_after_forward as an int must be a factor of the world "
                          f"size {world_size}, not {value!r} (or pass True or False)")
@@ -261,10 +270,7 @@ def _int_reshard(value: Any, world_size: int) -> bool:
         warnings.warn("reshard_after_forward=1 (int) means resharding parameters to world size 1, instead of "
                       "reshard_after_forward=True (bool)", stacklevel=4)
         return False
-    raise NotImplementedError(
-        f"xla_fsdp.fully_shard on XLA: reshard_after_forward={value} (reshard to groups of {value} of the "
-        f"{world_size} devices after forward) is not supported; pass True (reshard to all {world_size}, the "
-        "least memory) or False (keep them from forward to backward)")
+    return value
 
 
 def _check_prefetch_list(modules: Iterable[Any], method: str) -> List[nn.Module]:

@@ -143,6 +143,15 @@ class XlaCollectives(Collectives):
                 "xla_fsdp.launch(fn, args) instead of torch_xla.launch, or call xla_fsdp.enable_xla_cpu_devices() "
                 "before torch_xla.launch / xmp.spawn (docs/usage.md, 'Several XLA:CPU devices')")
 
+    def within_groups_of(self, size: int) -> "XlaCollectives":
+        """The collectives of this one's ranks in consecutive groups of ``size`` (FSDP2's post-forward
+        mesh for an int ``reshard_after_forward``: rank ``r`` is ``r % size`` of group ``r // size``)."""
+        if len(self.groups) != 1 or self.replica_groups or self.world_size % size:
+            raise NotImplementedError(f"xla_fsdp: groups of {size} within {self.groups}")
+        ranks = self.groups[0]
+        return XlaCollectives([ranks[i:i + size] for i in range(0, len(ranks), size)], rank=self.rank % size,
+                              world_size=size, pin_layout=self.pin_layout, use_channel_ids=self.use_channel_ids)
+
     @property
     def device(self) -> torch.device:
         return self._device

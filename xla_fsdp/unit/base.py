@@ -61,6 +61,10 @@ class ShardedUnit(nn.Module, metaclass=abc.ABCMeta):
         """Free the full parameters; the shards stay."""
 
     @abc.abstractmethod
+    def reshard_for_backward(self) -> None:
+        """Free the full parameters after forward (a smaller group's pieces may stay for backward)."""
+
+    @abc.abstractmethod
     def named_gather_groups(self) -> List[Tuple[str, "GatherGroup"]]:
         """(the shard parameter's name in the unit's state dict, its gather group)."""
 

@@ -161,8 +161,10 @@ class ForwardPass:
             return outputs
         if self.reshard_after_forward and torch.is_grad_enabled() and not self.step_state.is_root:
             self.step_state.schedule.defer_reshard(self)  # freed when the next unit starts forward
-        elif self.reshard_after_forward or not torch.is_grad_enabled():
+        elif not torch.is_grad_enabled():
             self.reshard()
+        elif self.reshard_after_forward:
+            self.reshard_for_backward()
         self.training_state = TrainingState.IDLE
         if torch.is_grad_enabled():
             outputs = self._register_pre_backward_hooks(outputs)
@@ -250,6 +252,18 @@ class ForwardPass:
     def _prefetch_target(self, step: int) -> Optional["ForwardPass"]:
         """The unit that ran ``step`` places after this one in the last forward (if prefetching)."""
         return self.step_state.schedule.neighbour(self, step) if self.prefetch else None
+
+    #: FSDP2's int ``reshard_after_forward``: the smaller group whose pieces forward keeps (fsdp2.py)
+    post_forward_comms: Optional[Any] = None
+
+    def reshard_for_backward(self) -> None:
+        """Free the full parameters after forward, keeping each one's piece for ``post_forward_comms``
+        (if set), from which backward gathers over that smaller group."""
+        if self.post_forward_comms is None:
+            self.reshard()
+            return
+        for group in self.gather_groups:
+            group.reshard_to(self.post_forward_comms)
 
     def reshard(self) -> None:
         """Free this unit's full parameters; the shards stay (FSDP2's ``reshard()``)."""

@@ -116,6 +116,9 @@ class GatherGroup:
         # The shard's version counter when ``full`` was last gathered from it: any in-place change
         # since (a load, an optimizer step) makes the full copy stale (see ``is_unsharded``).
         self._gathered_version = -1
+        # FSDP2's int reshard_after_forward: after forward, this rank's rows of the padded full
+        # parameter within a smaller group (its collectives, the piece, the shard version it is of)
+        self._post_forward: Optional[Tuple[Collectives, torch.Tensor, int]] = None
         self.flat_name: Optional[str] = None  # set by the unit for flattened groups
         # Gradient edges of each member's installed tensors during a root's forward (flat groups),
         # for the root's plan of which groups get gradients (see gradient_usage.py); None when not recording.
@@ -202,8 +205,13 @@ class GatherGroup:
         forward, whose parameter tensors autograd saved (see :meth:`install`)."""
         channel = self.channel_backward if backward else self.channel_forward
         version = self.shard._version
-        wait = self.comms.start_gather_into(self.full, self.gather_source(), channel, self.padded_shape, self._unpad,
-                                            alias_ok=self.offload is None)
+        kept, self._post_forward = self._post_forward, None
+        if kept is not None and kept[2] == version:  # gather the pieces kept after forward, in their group
+            wait = kept[0].start_gather_into(self.full, kept[1], channel, self.padded_shape, self._unpad,
+                                             alias_ok=False)
+        else:
+            wait = self.comms.start_gather_into(self.full, self.gather_source(), channel, self.padded_shape,
+                                                self._unpad, alias_ok=self.offload is None)
 
         def finish() -> None:
             wait()
@@ -232,8 +240,22 @@ class GatherGroup:
         self.full._has_full_param = True
         self._gathered_version = shard_version
 
+    def reshard_to(self, group: Collectives) -> None:
+        """Free the full data but keep this rank's rows of it within ``group`` (a smaller group of
+        consecutive ranks, FSDP2's int ``reshard_after_forward``): the next gather reads those
+        pieces over ``group`` instead of the shards over every rank."""
+        if self.state is not ShardedState.UNSHARDED or not self.dim0 or self._aliases_shard():
+            self.reshard()
+            return
+        padded = pad_dim0(self.full.detach(), self.layout)
+        piece = padded.view(group.world_size, -1, *self.layout.row_shape)[group.rank].clone()
+        version = self._gathered_version
+        self.reshard()
+        self._post_forward = (group, piece, version)
+
     def reshard(self) -> None:
         """Free the full data; the shard stays."""
+        self._post_forward = None
         if self.state is ShardedState.SHARDED or self._aliases_shard():
             return  # an alias owns no memory: it stays installed, and the next gather is free
         self.comms.free(self.full)

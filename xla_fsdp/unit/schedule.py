@@ -54,7 +54,7 @@ class Schedule:
     def release_deferred(self) -> None:
         unit, self.deferred = self.deferred, None
         if unit is not None:
-            unit.reshard()
+            unit.reshard_for_backward()
 
     def release_kept(self) -> None:
         """A new forward starts: a unit kept for a backward that never ran is freed now."""
@@ -83,8 +83,12 @@ class Schedule:
                     unit.reshard()
         prefetched, self.prefetched = self.prefetched, []
         for unit in prefetched:  # gathered by a prefetch list after their forward, or without one
-            if unit is not self.kept and (unit.reshard_after_forward or not torch.is_grad_enabled()):
+            if unit is self.kept or not any(g.is_unsharded() for g in unit.gather_groups):
+                continue
+            if not torch.is_grad_enabled() or not self.ran_forward(unit):
                 unit.reshard()
+            elif unit.reshard_after_forward:
+                unit.reshard_for_backward()
 
     def neighbour(self, unit: ShardedUnit, step: int) -> Optional[ShardedUnit]:
         index = self._position.get(id(unit))
