@@ -79,6 +79,8 @@ PROGRAMS: Dict[str, Dict[str, Any]] = {
     "default_prefetch": dict(micro=1, opt="adamw", prefetch=0),
     # gradient accumulation: no gradient sync on the first of two micro-batches
     "accumulate": dict(micro=2, opt="adamw"),
+    # ... keeping the gathered parameters from the first micro-batch's backward to the next forward
+    "accumulate_keep": dict(micro=2, opt="adamw", keep_after_backward=True),
     # ZeRO-2 blocks: parameters stay gathered from forward to backward
     "zero2": dict(micro=1, opt="adamw", reshard_after_forward=False),
     # summed, not averaged, gradients: SGD sees world-size times the mean gradient
@@ -154,6 +156,8 @@ def train_sharded(name: str, rank: int, world_size: int, device, sync: Callable[
         total = 0.0
         for k in range(cfg["micro"]):
             model.set_requires_gradient_sync(k == cfg["micro"] - 1)
+            if cfg.get("keep_after_backward"):
+                model.set_reshard_after_backward(k == cfg["micro"] - 1)
             model.unshard()
             root_after_unshard += _blocks_gathered([model])
             lo = (k * world_size + rank) * PER_RANK

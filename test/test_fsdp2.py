@@ -18,6 +18,7 @@ FP32 = [n for n, cfg in programs.PROGRAMS.items() if n != "bf16" and not cfg.get
 # the same training, other settings
 _REFERENCE_OF = {name: "tutorial" for name in ("bf16", "root_reshard", "prefetch2", "prefetch2_offload",
                                                 "default_prefetch")}
+_REFERENCE_OF["accumulate_keep"] = "accumulate"
 _RUNS = {}
 
 
@@ -174,6 +175,11 @@ ISSUED = {
     "prefetch2": ([(1, 1, 1), (0, 1, 1), (0, 0, 1)], [(1, 1, 1), (1, 1, 0), (1, 0, 0)]),
 }
 ISSUED["prefetch2_offload"] = ISSUED["prefetch2"]
+# Two micro-batches per step, the first with set_reshard_after_backward(False) (and no gradient sync): its
+# backward leaves every block gathered, so the second forward starts with all three and gathers none.
+_TUTORIAL_FORWARD, _TUTORIAL_BACKWARD = ISSUED["tutorial"]
+ISSUED["accumulate_keep"] = (_TUTORIAL_FORWARD + ISSUED["prefetch2"][0],
+                             [(0, 1, 1), (1, 1, 1), (1, 1, 1)] + _TUTORIAL_BACKWARD)
 
 
 @pytest.mark.parametrize("transport,world_size", CASES)
@@ -218,7 +224,6 @@ def _errors() -> dict:
     twice = fully_shard(nn.Linear(4, 4))
     attempt("twice", lambda: fully_shard(twice))
     attempt("prefetch", lambda: twice.set_modules_to_forward_prefetch([nn.Linear(4, 4)]))
-    attempt("after_backward", lambda: twice.set_reshard_after_backward(False))
     attempt("unsupported_method", lambda: twice.set_requires_all_reduce(False))
     got["isinstance"] = isinstance(twice, (FSDPModule, nn.Linear)) and type(twice).__name__ == "FSDPLinear"
     # buffers keep their dtype under a bf16 param_dtype (FSDP2 does not cast them)
@@ -258,7 +263,6 @@ def test_what_xla_cannot_honour_is_a_clear_error():
     assert "reduce_dtype" in got["reduce"]
     assert "already sharded" in got["twice"]
     assert "set_modules_to_forward_prefetch" in got["prefetch"]
-    assert "set_requires_gradient_sync" in got["after_backward"]
     assert "set_requires_all_reduce is not supported" in got["unsupported_method"]
     assert got["isinstance"] and got["attribute_on_inner"]
     assert got["buffer_dtype"] == "torch.float32"

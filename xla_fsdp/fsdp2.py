@@ -72,13 +72,11 @@ class FSDPModule(metaclass=abc.ABCMeta):  # noqa: B024 - an ABC for register(), 
             unit.disable_reshard_on_root = False  # an explicit value holds for the root too, as in FSDP2
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
-        """Only ``True`` (FSDP2's default) on XLA: the step's one compiled program holds full
-        parameters only where it uses them."""
-        if not reshard_after_backward:
-            raise NotImplementedError(
-                "xla_fsdp.fully_shard on XLA: set_reshard_after_backward(False) is not supported (parameters "
-                "are re-gathered per use inside the compiled step); for gradient accumulation use "
-                "set_requires_gradient_sync(False) on the micro-batches before the last")
+        """``False`` keeps the full parameters after backward (FSDP2's way to save the next micro-batch's
+        forward gathers in gradient accumulation); ``True`` frees them again. An optimizer step since
+        (a changed shard) makes the next forward gather again, so kept parameters are never stale."""
+        for unit in _units(self, recurse):
+            unit.reshard_after_backward = bool(reshard_after_backward)
 
     def set_modules_to_forward_prefetch(self, modules: List["FSDPModule"]) -> None:
         """Gather ``modules``' parameters in this module's forward, right after its own (FSDP2's

@@ -164,12 +164,12 @@ class GradientReduction:
             # Nothing to reduce (one rank): straight into the shard gradient, no bookkeeping.
             padded = group.prepare_grad(grad, self.gradient_predivide_factor, self.fp32_reduce_scatter)
             group.accumulate_shard_grad(group.finish_grad(padded, self.gradient_postdivide_factor))
-            group.reshard()
+            self._reshard_after_backward(group)
             return
         if self._holds_gradients():
             held = self.step_state.schedule.plan.held  # twice for a module recomputed twice (reentrant checkpoint)
             held[id(group)] = held[id(group)] + grad if id(group) in held else grad
-            group.reshard()
+            self._reshard_after_backward(group)
             return
         if self.optimization_barrier_in_backward:
             self.comms.optimization_barrier([grad])
@@ -190,9 +190,17 @@ class GradientReduction:
         started = start_reduce(list(groups), list(grads), self.gradient_predivide_factor,
                                self.gradient_postdivide_factor, self.fp32_reduce_scatter, self._solo_numel)
         for group in groups:
-            group.reshard()
+            self._reshard_after_backward(group)
         self._finish_reduces()
         self.step_state.reduces_in_flight.extend(started)
+
+    #: FSDP2's ``set_reshard_after_backward``: False keeps the full parameters after backward, so the
+    #: next forward (a micro-batch) gathers nothing while the shards are unchanged
+    reshard_after_backward = True
+
+    def _reshard_after_backward(self, group: GatherGroup) -> None:
+        if self.reshard_after_backward:
+            group.reshard()
 
     def _finish_reduces(self) -> None:
         """Wait for the started reduce-scatters, oldest first, and accumulate their shard gradients."""
@@ -218,7 +226,8 @@ class GradientReduction:
         for unit in self.step_state.units_in_tree:
             unit.finish_unshard()  # a prefetch for a unit that did not run backward
             # Under no_sync a ZeRO-2 unit keeps its parameters for the next micro-batch.
-            if unit.step_state.require_backward_grad_sync or unit.reshard_after_forward:
+            if unit.reshard_after_backward and (unit.step_state.require_backward_grad_sync
+                                                or unit.reshard_after_forward):
                 unit.reshard()
             unit.step_state.pre_backward_done = False
             unit.training_state = TrainingState.IDLE

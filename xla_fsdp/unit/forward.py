@@ -13,7 +13,7 @@ from .coalesce import start_unshard
 from .offload import barrier_sources
 from .param_names import named_units
 from .schedule import TrainingState
-from .tensor_tree import map_tensors
+from .tensor_tree import map_tensors, tensors_in
 
 
 def _job_size(comms: Any) -> int:
@@ -159,6 +159,8 @@ class ForwardPass:
             outputs = map_tensors(lambda t: t.to(self.output_dtype) if t.is_floating_point() else t, outputs)
         if in_backward:  # a checkpoint recompute: parameters stay for this backward
             return outputs
+        if self.post_forward_comms is not None and self.reshard_after_forward and torch.is_grad_enabled():
+            self._cut_pieces(outputs)
         if self.reshard_after_forward and torch.is_grad_enabled() and not self.step_state.is_root:
             self.step_state.schedule.defer_reshard(self)  # freed when the next unit starts forward
         elif not torch.is_grad_enabled():
@@ -255,6 +257,13 @@ class ForwardPass:
 
     #: FSDP2's int ``reshard_after_forward``: the smaller group whose pieces forward keeps (fsdp2.py)
     post_forward_comms: Optional[Any] = None
+
+    def _cut_pieces(self, outputs: Any) -> None:
+        """Cut the pieces kept for backward now, behind one barrier with the outputs: the rest of
+        forward reads the outputs, so the compiler computes the pieces here and frees the gathered
+        parameters, rather than cutting the pieces in backward and keeping those alive till then."""
+        pieces = [p for p in (g.cut_piece(self.post_forward_comms) for g in self.gather_groups) if p is not None]
+        self.comms.optimization_barrier(pieces + [t for t in tensors_in(outputs) if t.is_floating_point()])
 
     def reshard_for_backward(self) -> None:
         """Free the full parameters after forward, keeping each one's piece for ``post_forward_comms``

@@ -240,18 +240,25 @@ class GatherGroup:
         self.full._has_full_param = True
         self._gathered_version = shard_version
 
-    def reshard_to(self, group: Collectives) -> None:
-        """Free the full data but keep this rank's rows of it within ``group`` (a smaller group of
-        consecutive ranks, FSDP2's int ``reshard_after_forward``): the next gather reads those
-        pieces over ``group`` instead of the shards over every rank."""
+    def cut_piece(self, group: Collectives) -> Optional[torch.Tensor]:
+        """This rank's rows of the gathered (padded) parameter within ``group``, a smaller group of
+        consecutive ranks (FSDP2's int ``reshard_after_forward``), kept for the next gather, which
+        reads those pieces over ``group`` instead of the shards over every rank. None where there
+        is nothing to cut (not gathered, or not split by rows)."""
         if self.state is not ShardedState.UNSHARDED or not self.dim0 or self._aliases_shard():
-            self.reshard()
-            return
+            return None
         padded = pad_dim0(self.full.detach(), self.layout)
         piece = padded.view(group.world_size, -1, *self.layout.row_shape)[group.rank].clone()
-        version = self._gathered_version
+        self._post_forward = (group, piece, self._gathered_version)
+        return piece
+
+    def reshard_to(self, group: Collectives) -> None:
+        """Free the full data, keeping this rank's piece of it for ``group`` (cut now unless it was)."""
+        if self._post_forward is None or self._post_forward[0] is not group:
+            self.cut_piece(group)
+        kept, self._post_forward = self._post_forward, None
         self.reshard()
-        self._post_forward = (group, piece, version)
+        self._post_forward = kept
 
     def reshard(self) -> None:
         """Free the full data; the shard stays."""
