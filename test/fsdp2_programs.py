@@ -93,6 +93,9 @@ PROGRAMS: Dict[str, Dict[str, Any]] = {
     # ... and half the world size on every block at 4 ranks (the world size below): each keeps its rows of
     # a group of 2 after forward, and backward gathers within that group
     "int_reshard_half": dict(micro=1, opt="adamw", int_reshard="half"),
+    # FSDP2's ignored_params: every block's LayerNorm stays whole on every rank and the program averages
+    # its gradients itself (no clipping: PyTorch's clip_grad_norm_ cannot mix DTensors and tensors)
+    "ignored": dict(micro=1, opt="adamw", ignored=True, no_clip=True),
     # FSDP2's meta-device init: build on meta, fully_shard, to_empty, the program's init_weights.
     # XLA only: upstream FSDP2 on CPU draws each rank's shard from the same generator state, so its
     # init is not the unsharded model's (test_fsdp2::test_meta_init_draws_full_tensors_on_xla)
@@ -122,9 +125,10 @@ def train_sharded(name: str, rank: int, world_size: int, device, sync: Callable[
             reshard = world_size // 2 if world_size >= 4 else world_size
         elif cfg.get("int_reshard"):
             reshard = 1 if i == 0 else world_size
+        ignored = set(block.norm.parameters()) if cfg.get("ignored") else None
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="reshard_after_forward=1")  # FSDP2's, and ours alike
-            fully_shard(block, reshard_after_forward=reshard, **kw)
+            fully_shard(block, reshard_after_forward=reshard, ignored_params=ignored, **kw)
     fully_shard(model, **kw)
     if cfg.get("meta"):
         model.to_empty(device=device)
@@ -168,11 +172,14 @@ def train_sharded(name: str, rank: int, world_size: int, device, sync: Callable[
             root_after_forward += _blocks_gathered([model])
             loss = ((out.float() - y[lo:lo + PER_RANK].to(device)) ** 2).mean() / cfg["micro"]
             loss.backward()
+            if cfg.get("ignored"):  # what FSDP2 leaves to the program: average the ignored parameters' gradients
+                _average_over_ranks([p.grad for b in blocks for p in b.norm.parameters()], world_size, device)
             if k < cfg["micro"] - 1 and hasattr(model, "gather_groups"):
                 units = [m for m in model.modules() if hasattr(m, "gather_groups")]
                 shard_grads_after_no_sync.append(all(g.shard.grad is None for u in units for g in u.gather_groups))
             total += loss.detach()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        if not cfg.get("no_clip"):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
         opt.step()
         scheduler.step()
         sync()
@@ -182,7 +189,19 @@ def train_sharded(name: str, rank: int, world_size: int, device, sync: Callable[
             "root_after_unshard": root_after_unshard, "root_after_forward": root_after_forward,
             "shard_grads_after_no_sync": shard_grads_after_no_sync, "out_dtypes": out_dtypes,
             "issued_at_forward": issued_at_forward, "issued_at_backward": issued_at_backward,
-            "pieces_after_forward": pieces_after_forward}
+            "pieces_after_forward": pieces_after_forward,
+            "ignored_shapes": [tuple(p.shape) for b in blocks for p in b.norm.parameters()]}
+
+
+def _average_over_ranks(grads: List[torch.Tensor], world_size: int, device) -> None:
+    if device.type == "xla":
+        import torch_xla.core.xla_model as xm
+        xm.all_reduce(xm.REDUCE_SUM, grads, scale=1.0 / world_size)
+        return
+    import torch.distributed as dist
+    for g in grads:
+        dist.all_reduce(g)
+        g.div_(world_size)
 
 
 def _pieces(blocks) -> List[List[Any]]:
@@ -231,7 +250,8 @@ def _full_params(model: nn.Module) -> Dict[str, torch.Tensor]:
     if hasattr(model, "gather_groups"):  # xla_fsdp's unit (XLA)
         from xla_fsdp.checkpoints.full_state import full_state_dict
         return {k: v.cpu() for k, v in (full_state_dict(model) or {}).items()}  # rank 0 only
-    return {n: p.full_tensor().detach().cpu() for n, p in model.named_parameters()}  # FSDP2's DTensors
+    from torch.distributed.tensor import DTensor  # FSDP2's parameters, and ignored ones as they are
+    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu() for n, p in model.named_parameters()}
 
 
 def train_unsharded(name: str, world_size: int) -> Dict[str, Any]:
@@ -253,7 +273,8 @@ def train_unsharded(name: str, world_size: int) -> Dict[str, Any]:
             loss = ((model(x[lo:hi]) - y[lo:hi]) ** 2).mean() / cfg["micro"]
             (loss * scale).backward()
             total += loss.item()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        if not cfg.get("no_clip"):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
         opt.step()
         scheduler.step()
         losses.append(total)
@@ -429,3 +450,49 @@ def run_gloo(names: List[str], world_size: int) -> Dict[str, List[Dict[str, Any]
         mp.spawn(_gloo_entry, args=(world_size, harness._free_port(), names, out_dir), nprocs=world_size)
         ranks = [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=True) for r in range(world_size)]
     return {n: [ranks[r][n] for r in range(world_size)] for n in names}
+
+
+# ----------------------------------------------------------------------------- ignored_params, saved
+def ignored_checkpoint_facts(rank: int, world_size: int, device, folder: str) -> Dict[str, Any]:
+    """Modules with ``ignored_params`` (each block's LayerNorm) through the checkpoint paths: a full
+    state dict (state_dict_api) and sharded rank files (save/load, consolidation) carry the ignored
+    parameters under their names, and loading sets them."""
+    import xla_fsdp
+    from xla_fsdp.checkpoints import state_dict_api as sda
+    from xla_fsdp.checkpoints.consolidate import consolidate_sharded_model_checkpoints
+
+    def make() -> nn.Module:
+        model = build()
+        for block in model.blocks:
+            fully_shard(block, ignored_params=set(block.norm.parameters()))
+        return fully_shard(model).to(device)
+
+    model = make()
+    with torch.no_grad():
+        model.blocks[0].norm.weight.add_(1.5)  # 2.5 where the unsharded init has 1.0
+    full = sda.get_model_state_dict(model, options=sda.StateDictOptions(full_state_dict=True))
+    prefix = os.path.join(folder, "ck")
+    xla_fsdp.save_sharded_checkpoint(model, None, prefix)
+    from_files, from_full = make(), make()
+    xla_fsdp.load_sharded_checkpoint(from_files, None, prefix)
+    sda.set_model_state_dict(from_full, full, options=sda.StateDictOptions(full_state_dict=True))
+    facts = {"loaded_from_files": from_files.blocks[0].norm.weight.cpu().tolist(),
+             "loaded_from_full": from_full.blocks[0].norm.weight.cpu().tolist()}
+    if rank == 0:
+        consolidated, _ = consolidate_sharded_model_checkpoints(prefix, save_model=False)
+        facts["full"] = full["blocks.0.norm.weight"].tolist()
+        facts["consolidated"] = consolidated["blocks.0.norm.weight"].tolist()
+        facts["same_keys"] = sorted(consolidated) == sorted(full) == sorted(build().state_dict())
+    return facts
+
+
+def _ignored_entry(folder: str) -> Dict[str, Any]:
+    import torch_xla
+    import torch_xla.runtime as xr
+    return ignored_checkpoint_facts(xr.global_ordinal(), xr.world_size(), torch_xla.device(), folder)
+
+
+def run_ignored_checkpoint_facts(world_size: int, folder: str) -> List[Dict[str, Any]]:
+    with harness.xla_cpu_devices(world_size):
+        results = harness.run_multiprocess(_ignored_entry, folder)
+    return [results[r] for r in range(world_size)]

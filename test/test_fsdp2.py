@@ -165,6 +165,28 @@ def test_reshard_after_forward_acts_on_xla(world_size):
         assert r["kept_after_forward"] and all(all(kept) for kept in r["kept_after_forward"])
 
 
+@pytest.mark.xla
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_ignored_params_stay_whole_on_xla(world_size):
+    """FSDP2's ignored_params: each block's LayerNorm weight and bias stay whole parameters on every
+    rank (not sharded, so not reduced: the program averages their gradients, and training equals
+    unsharded training, test_fp32_programs_equal_unsharded_training[...-ignored])."""
+    for r in _run("xla", world_size)["ignored"]:
+        assert r["ignored_shapes"] == [(programs.WIDTH,)] * 6
+
+
+@pytest.mark.xla
+def test_ignored_params_in_checkpoints(tmp_path):
+    """At 2 XLA devices, ignored parameters (each block's LayerNorm, one of them changed to 2.5) are in
+    the full state dict, in the sharded rank files and their consolidation, under the unsharded model's
+    names, and both loads set them."""
+    ranks = programs.run_ignored_checkpoint_facts(2, str(tmp_path))
+    want = [2.5] * programs.WIDTH
+    assert ranks[0]["full"] == ranks[0]["consolidated"] == want and ranks[0]["same_keys"]
+    for facts in ranks:
+        assert facts["loaded_from_files"] == facts["loaded_from_full"] == want
+
+
 # When each of the 3 blocks starts computing, which blocks' all-gathers have been issued: each block
 # lists the next `ahead` in forward and the previous `ahead` in backward (backward runs blocks 2, 1, 0);
 # without lists FSDP2 prefetches none in forward and the previous block in backward. Blocks free their
@@ -216,7 +238,7 @@ def _errors() -> dict:
             got[key] = str(e)
 
     attempt("int", lambda: fully_shard(nn.Linear(4, 4), reshard_after_forward=2))
-    attempt("ignored", lambda: (lambda m: fully_shard(m, ignored_params={m.weight}))(nn.Linear(4, 4)))
+    attempt("ignored", lambda: fully_shard(nn.Linear(4, 4), ignored_params={nn.Parameter(torch.zeros(2))}))
     attempt("placement", lambda: fully_shard(nn.Linear(4, 4), shard_placement_fn=lambda p: Shard(1)))
     attempt("list", lambda: fully_shard([nn.Linear(4, 4), nn.Linear(4, 4)]))
     attempt("reduce", lambda: fully_shard(nn.Linear(4, 4), mp_policy=MixedPrecisionPolicy(
@@ -257,7 +279,7 @@ def test_what_xla_cannot_honour_is_a_clear_error():
     with programs.harness.xla_cpu_devices(1):
         got = _one_device(_errors)[0]
     assert "must be a factor of the world size 1, not 2" in got["int"]
-    assert "ignored_params" in got["ignored"]
+    assert "ignored_params must hold parameters of the module" in got["ignored"]
     assert "Shard(0)" in got["placement"]
     assert "each module" in got["list"]
     assert "reduce_dtype" in got["reduce"]

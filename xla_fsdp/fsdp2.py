@@ -80,9 +80,9 @@ class FSDPModule(metaclass=abc.ABCMeta):  # noqa: B024 - an ABC for register(), 
 
     def set_modules_to_forward_prefetch(self, modules: List["FSDPModule"]) -> None:
         """Gather ``modules``' parameters in this module's forward, right after its own (FSDP2's
-        explicit prefetch). On XLA the gathers join this module's optimization barrier, so the
-        compiled step places them here, ahead of their use; each listed module's forward then
-        gathers nothing."""
+        explicit prefetch); each listed module's forward then gathers nothing. On XLA the gathers
+        join this module's optimization barrier, so a compiler that keeps barriers (TPU's) does not
+        hoist them earlier (XLA:CPU's removes barriers and schedules gathers itself)."""
         self._prefetch_forward = _check_prefetch_list(modules, "set_modules_to_forward_prefetch")
 
     def set_modules_to_backward_prefetch(self, modules: List["FSDPModule"]) -> None:
@@ -158,6 +158,8 @@ def fully_shard(module: Union[nn.Module, List[nn.Module]], *, mesh: Optional[Any
                   for t in list(m._parameters.values()) + list(m._buffers.values()) if t is not None)
     if on_meta:  # as FSDP2: storage only; the program's to_empty + init give the values
         options["param_init_fn"] = _storage_only
+    for p in ignored_params or ():
+        p._xla_fsdp_ignored = True
     module = _shard_in_place(module, options, mp_policy.cast_forward_inputs)
     module._awaiting_to_empty = on_meta
     if post_forward_size is not None:
@@ -182,10 +184,7 @@ def _unit_options(module: nn.Module, mesh: Any, reshard_after_forward: Any, shar
                   ignored_params: Any) -> Dict[str, Any]:
     """FSDP2's arguments as the unit's keywords, or an error naming what works instead."""
     _check_mesh(mesh)
-    if ignored_params:
-        raise NotImplementedError("xla_fsdp.fully_shard on XLA: ignored_params is not supported; keep those "
-                                  "parameters in a module that fully_shard is not called on, outside the "
-                                  "sharded root, or use XlaFullyShardedDataParallel")
+    _check_ignored(module, ignored_params)
     if shard_placement_fn is not None:
         _check_placements(module, shard_placement_fn)
     post_forward_size = None
@@ -214,6 +213,18 @@ def _unit_options(module: nn.Module, mesh: Any, reshard_after_forward: Any, shar
         cpu_offload=offload_policy if isinstance(offload_policy, CPUOffloadPolicy) else False,
         post_forward_size=post_forward_size,  # taken out again by fully_shard
     )
+
+
+def _check_ignored(module: nn.Module, ignored_params: Any) -> None:
+    """FSDP2's ``ignored_params`` are the module's parameters it leaves alone: not sharded, their
+    gradients not reduced. fully_shard marks each so the unit does not take it (unit/construction.py)."""
+    if not ignored_params:
+        return
+    own = {id(p) for p in module.parameters()}
+    for p in ignored_params:
+        if not isinstance(p, nn.Parameter) or id(p) not in own:
+            raise ValueError("xla_fsdp.fully_shard: ignored_params must hold parameters of the module passed to "
+                             f"fully_shard; got {type(p).__name__} of shape {tuple(getattr(p, 'shape', ()))}")
 
 
 def _check_mesh(mesh: Any) -> None:

@@ -123,7 +123,7 @@ def collect_params(module: nn.Module, leave: Set[int] = frozenset(), storage_dty
 
     for prefix, m in owned_modules(module):
         for name, p in m._parameters.items():
-            if p is None:
+            if p is None or getattr(p, "_xla_fsdp_ignored", False):  # fully_shard's ignored_params: left alone
                 continue
             if id(p) in leave:
                 left.append(LeftSlot(m, name, p, prefix + name))
