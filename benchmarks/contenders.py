@@ -11,11 +11,14 @@ import torch.nn as nn
 
 from .workloads import Workload, unit_classes
 
-GLOO = ("unwrapped", "ddp", "fsdp1", "fsdp2", "xla_fsdp", "fsdp2_zero2")
-XLA_THREADS = ("xla_plain", "torchxla_fsdp", "xla_fsdp_xla", "torchxla_fsdp_perparam", "xla_fsdp_xla_perparam",
-               "xla_fsdp_fully_shard", "xla_fsdp_fully_shard_zero2")
-#: FSDP2 programs with reshard_after_forward=False on the blocks (benchmarks.reshard; not in the suite's plan)
-ZERO2 = "_zero2"
+#: FSDP2 programs with the blocks' reshard_after_forward False or half the world size (an int), and with
+#: each block listing the next two blocks for forward prefetch and the previous two for backward
+#: (benchmarks.reshard; not in the suite's plan)
+ZERO2, HALF, PREFETCH2 = "_zero2", "_half", "_prefetch2"
+_FSDP2_SETTINGS = ("", ZERO2, HALF, PREFETCH2)
+GLOO = ("unwrapped", "ddp", "fsdp1", "xla_fsdp") + tuple("fsdp2" + s for s in _FSDP2_SETTINGS)
+XLA_THREADS = ("xla_plain", "torchxla_fsdp", "xla_fsdp_xla", "torchxla_fsdp_perparam",
+               "xla_fsdp_xla_perparam") + tuple("xla_fsdp_fully_shard" + s for s in _FSDP2_SETTINGS)
 #: suffix of the XLA FSDP contenders run in the default per-parameter layout (flatten_parameters=False)
 PER_PARAM = "_perparam"
 SPMD = ("torchxla_spmd", "xla_fsdp_spmd")  # one process for all devices
@@ -27,6 +30,22 @@ XLA_KWARGS = dict(pin_layout_in_collective_ops=False, optimization_barrier_in_fo
                   optimization_barrier_in_backward=False, flatten_parameters=True)
 # flatten_parameters=True for both: one flat parameter per unit, as FSDP1 (use_orig_params=False) runs
 # on gloo. The ``_perparam`` contenders keep the default of both packages (False).
+
+
+def fsdp2_program(name: str, model: nn.Module, classes, fully_shard: Callable[..., nn.Module],
+                  ws: int) -> nn.Module:
+    """FSDP2's recipe: ``fully_shard`` on each block, then on the root; the name's suffix sets the
+    blocks' ``reshard_after_forward=False`` (ZERO2) or ``ws // 2`` (HALF), or prefetch lists of two
+    blocks each way (PREFETCH2)."""
+    blocks = [m for m in model.modules() if isinstance(m, tuple(classes))]
+    reshard = False if name.endswith(ZERO2) else ws // 2 if name.endswith(HALF) else True
+    for block in blocks:
+        fully_shard(block, reshard_after_forward=reshard)
+    if name.endswith(PREFETCH2):
+        for i, block in enumerate(blocks):
+            block.set_modules_to_forward_prefetch(blocks[i + 1:i + 3])
+            block.set_modules_to_backward_prefetch(blocks[max(i - 2, 0):i][::-1])
+    return fully_shard(model)
 
 
 def wrap_gloo(name: str, model: nn.Module, w: Workload, ws: int, flatten_parameters: bool = True) -> nn.Module:
@@ -41,14 +60,11 @@ def wrap_gloo(name: str, model: nn.Module, w: Workload, ws: int, flatten_paramet
         return FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy(classes),
                                         sharding_strategy=ShardingStrategy.FULL_SHARD,
                                         device_id=torch.device("cpu"), use_orig_params=False)
-    if name in ("fsdp2", "fsdp2" + ZERO2):
+    if name.startswith("fsdp2"):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
         mesh = init_device_mesh("cpu", (ws,))
-        for m in model.modules():
-            if isinstance(m, tuple(classes)):
-                fully_shard(m, mesh=mesh, reshard_after_forward=not name.endswith(ZERO2))
-        return fully_shard(model, mesh=mesh)
+        return fsdp2_program(name, model, classes, lambda m, **kw: fully_shard(m, mesh=mesh, **kw), ws)
     if name == "xla_fsdp":
         from xla_fsdp import XlaFullyShardedDataParallel
         from xla_fsdp.wrap import transformer_auto_wrap_policy
@@ -103,12 +119,11 @@ def wrap_xla(name: str, model: nn.Module, w: Workload, device, flatten_parameter
         name, flatten_parameters = name[:-len(PER_PARAM)], False
     if name == "xla_plain":
         return model.to(device)
-    if name in ("xla_fsdp_fully_shard", "xla_fsdp_fully_shard" + ZERO2):  # FSDP2's API on XLA, its defaults
+    if name.startswith("xla_fsdp_fully_shard"):  # FSDP2's API on XLA, its defaults
+        import torch_xla.runtime as xr
+
         from xla_fsdp import fully_shard
-        for m in model.modules():
-            if isinstance(m, tuple(classes)):
-                fully_shard(m, reshard_after_forward=not name.endswith(ZERO2))
-        return fully_shard(model).to(device)
+        return fsdp2_program(name, model, classes, fully_shard, xr.world_size()).to(device)
     if name == "torchxla_fsdp":
         torch_xla_collectives_in_graph()
         from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel

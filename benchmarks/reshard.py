@@ -1,15 +1,18 @@
-"""What ``reshard_after_forward`` changes, for FSDP2's API on XLA and for PyTorch's FSDP2 (issue 43).
+"""What ``reshard_after_forward`` and prefetch lists change, for FSDP2's API on XLA and for PyTorch's
+FSDP2 (issue 43).
 
     python -m benchmarks.reshard [--world_sizes 2,4] [--workload transformer] [--quick]
 
 The transformer's blocks through ``fully_shard`` with ``reshard_after_forward=True`` (FSDP2's
 default: ZeRO-3, the blocks' parameters gathered again in backward) and ``False`` (ZeRO-2, kept from
-forward to backward), the root as FSDP2 leaves it:
+forward to backward), half the world size (FSDP2's int: each rank keeps its rows within a group of
+ws/2 ranks from forward to backward, at ws >= 4), and ``True`` with prefetch lists of two blocks each
+way; the root as FSDP2 leaves it:
 - ``xla_fsdp.fully_shard`` on XLA:CPU devices: all-gathers traced per step, bytes gathered and
   reduce-scattered per step, and device bytes of the compiled step (XLA's buffer assignment, as
   :mod:`benchmarks.step_buffers`);
 - PyTorch's ``fully_shard`` on gloo ranks: all-gather calls per step, bytes per step, peak RSS.
-Both settings train to the same losses (checked here). Writes benchmarks/results/reshard.json and .md.
+Every setting trains to the same losses (checked here). Writes benchmarks/results/reshard.json and .md.
 """
 from __future__ import annotations
 
@@ -19,16 +22,17 @@ import glob
 import os
 import re
 import tempfile
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
-from .contenders import ZERO2
+from .contenders import HALF, PREFETCH2, ZERO2
 from .report import write_result
 from .run import run_one
 from .step_buffers import largest_program_bytes
 from .workloads import FULL, QUICK
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-_GATHER = re.compile(r" all-gather(?:-start)?\(")
+_GATHER = re.compile(r" all-gather(?:-start)?\(.*")
+_GROUPS = re.compile(r"replica_groups=\{(\{[^}]*\}(?:,\{[^}]*\})*)\}")
 SIDES = {"XLA:CPU, xla_fsdp.fully_shard": "xla_fsdp_fully_shard", "gloo, PyTorch's fully_shard": "fsdp2"}
 
 
@@ -46,10 +50,10 @@ def measure(contender: str, ws: int, workload, steps: int = 2) -> Dict[str, Any]
             else:
                 os.environ["XLA_FLAGS"] = saved
         step_bytes = largest_program_bytes(dump) if contender.startswith("xla") else None
-        compiled = compiled_all_gathers(dump) if contender.startswith("xla") else None
+        compiled, in_groups = compiled_all_gathers(dump) if contender.startswith("xla") else (None, None)
     ranks = run["ranks"]
     row = {"contender": contender, "ws": ws, "error": run["error"], "step_bytes_per_device": step_bytes,
-           "compiled_all_gathers": compiled}
+           "compiled_all_gathers": compiled, "compiled_all_gathers_in_subgroups": in_groups}
     if ranks:
         row.update(all_gathers_per_step=max(r["all_gathers_per_step"] for r in ranks),
                    collective_bytes_per_step=max(r["collective_bytes_per_step"] for r in ranks),
@@ -58,15 +62,22 @@ def measure(contender: str, ws: int, workload, steps: int = 2) -> Dict[str, Any]
     return row
 
 
-def compiled_all_gathers(dump_dir: str) -> Optional[int]:
+def compiled_all_gathers(dump_dir: str) -> Tuple[Optional[int], Optional[int]]:
     """All-gather instructions in the largest optimized program XLA wrote to ``dump_dir`` (the step):
-    what the compiler kept of the traced gathers, after combining and CSE."""
+    what the compiler kept of the traced gathers, after combining and CSE; and how many of them run
+    within subgroups (more than one replica group: an int ``reshard_after_forward``'s backward)."""
     counts = []
     for path in glob.glob(os.path.join(dump_dir, "*after_optimizations.txt")):
         with open(path) as f:
             text = f.read()
-        counts.append((len(text), len(_GATHER.findall(text))))
-    return max(counts)[1] if counts else None
+        gathers = _GATHER.findall(text)
+        in_groups = sum(1 for g in gathers if (m := _GROUPS.search(g)) and m.group(1).count("{") > 1)
+        counts.append((len(text), len(gathers), in_groups))
+    return max(counts)[1:] if counts else (None, None)
+
+
+#: setting -> contender suffix; "same losses" compares each row with the first setting's
+SETTINGS = {"True": "", "False": ZERO2, "world size / 2": HALF, "True, prefetch 2": PREFETCH2}
 
 
 def table(rows: List[Dict[str, Any]]) -> List[str]:
@@ -76,13 +87,16 @@ def table(rows: List[Dict[str, Any]]) -> List[str]:
              "|---|---|---|---|---|---|---|---|---|"]
     for side, name in SIDES.items():
         for ws in sorted({r["ws"] for r in rows}):
-            three, two = by.get((name, ws)), by.get((name + ZERO2, ws))
-            if not three or not two or three["error"] or two["error"]:
-                continue
-            same = max(abs(a - b) for a, b in zip(three["losses"], two["losses"])) <= 1e-5
-            for label, r in (("True", three), ("False", two)):
+            base = by.get((name, ws))
+            for label, suffix in SETTINGS.items():
+                r = by.get((name + suffix, ws))
+                if not base or not r or base["error"] or r["error"]:
+                    continue
+                same = max(abs(a - b) for a, b in zip(base["losses"], r["losses"])) <= 1e-5
                 mib = f"{r['step_bytes_per_device'] / 2**20:.2f}" if r["step_bytes_per_device"] else "-"
-                compiled = "-" if r["compiled_all_gathers"] is None else r["compiled_all_gathers"]
+                compiled = "-" if r["compiled_all_gathers"] is None else str(r["compiled_all_gathers"])
+                if r.get("compiled_all_gathers_in_subgroups"):
+                    compiled += f" ({r['compiled_all_gathers_in_subgroups']} within groups of {r['ws'] // 2})"
                 lines.append(f"| {side} | {ws} | {label} | {r['all_gathers_per_step']:.0f} | {compiled} | "
                              f"{r['collective_bytes_per_step'] / r['param_bytes']:.2f} | {mib} | "
                              f"{r['peak_rss_mib']:.0f} | {'yes' if same else 'NO'} |")
@@ -98,10 +112,16 @@ def main(argv: Optional[List[str]] = None) -> None:
     args = p.parse_args(argv)
     workload = (QUICK if args.quick else FULL)[args.workload]
     rows = [measure(name + variant, int(ws), workload) for ws in args.world_sizes.split(",")
-            for name in SIDES.values() for variant in ("", ZERO2)]
-    lines = [f"# reshard_after_forward: True (ZeRO-3) and False (ZeRO-2), {datetime.date.today()}", "",
-             f"Workload {args.workload}{' (quick shapes)' if args.quick else ''}: its blocks through `fully_shard` "
-             "with the setting, then the root (FSDP2's default). All-gathers per step: calls issued through "
+            for name in SIDES.values() for variant in SETTINGS.values()
+            if variant != HALF or int(ws) >= 4]  # half of 2 is 1: False
+    lines = [f"# reshard_after_forward (True, False, an int) and prefetch lists, {datetime.date.today()}",
+             "", f"Workload {args.workload}{' (quick shapes)' if args.quick else ''}: its blocks through `fully_shard` "
+             "with the setting, then the root (FSDP2's default). World size / 2: FSDP2's int, each rank keeps "
+             "its rows of the blocks' parameters within a group of ws/2 ranks from forward to backward. "
+             "Prefetch 2: each block lists the next two blocks in `set_modules_to_forward_prefetch` and the "
+             "previous two in `..._backward_prefetch` "
+             "(without lists FSDP2 prefetches none in forward and the previous block in backward). "
+             "All-gathers per step: calls issued through "
              "torch.distributed (gloo) or traced through torch_xla's `xm.all_gather` (XLA), per rank; in the compiled "
              "step: all-gather instructions XLA kept in the optimized step program. Collective "
              "bytes: gathered plus reduce-scattered, over the fp32 parameter bytes. Step device MiB: XLA's buffer "

@@ -232,9 +232,9 @@ class ForwardPass:
         return [u for u in units if schedule.ran_forward(u) and not u.step_state.pre_backward_done]
 
     def _barrier_sources(self, listed: List["ForwardPass"]) -> List[torch.Tensor]:
-        """What this unit's optimization barrier covers: its own sources and the listed units'. On
-        XLA the barrier is what places a gather in the step (backward's takes the incoming
-        gradient), so a listed unit's gather comes here, one unit ahead, and is not hoisted further."""
+        """What this unit's optimization barrier covers: its own sources and the listed units'. Where
+        the compiler keeps barriers (TPU) they place the gathers in the step (backward's takes the
+        incoming gradient), so a listed unit's gather comes here, ahead of its use, not earlier."""
         sources = barrier_sources(self._offload, self.gather_groups)
         for unit in listed:
             sources += barrier_sources(unit._offload, unit.gather_groups)
@@ -260,8 +260,9 @@ class ForwardPass:
 
     def _cut_pieces(self, outputs: Any) -> None:
         """Cut the pieces kept for backward now, behind one barrier with the outputs: the rest of
-        forward reads the outputs, so the compiler computes the pieces here and frees the gathered
-        parameters, rather than cutting the pieces in backward and keeping those alive till then."""
+        forward reads the outputs, so a compiler that keeps barriers (TPU's) computes the pieces here
+        and frees the gathered parameters, rather than fusing the cut into backward and keeping them
+        alive till then (XLA:CPU's compiler removes barriers, and does the latter)."""
         pieces = [p for p in (g.cut_piece(self.post_forward_comms) for g in self.gather_groups) if p is not None]
         self.comms.optimization_barrier(pieces + [t for t in tensors_in(outputs) if t.is_floating_point()])
 
