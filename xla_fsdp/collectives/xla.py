@@ -147,7 +147,8 @@ class XlaCollectives(Collectives):
         """The collectives of this one's ranks in consecutive groups of ``size`` (FSDP2's post-forward
         mesh for an int ``reshard_after_forward``: rank ``r`` is ``r % size`` of group ``r // size``)."""
         if len(self.groups) != 1 or self.replica_groups or self.world_size % size:
-            raise NotImplementedError(f"xla_fsdp: groups of {size} within {self.groups}")
+            raise RuntimeError(f"xla_fsdp: an int reshard_after_forward needs one shard group over every device "
+                               f"to split into groups of {size}; these collectives have groups {self.groups}")
         ranks = self.groups[0]
         return XlaCollectives([ranks[i:i + size] for i in range(0, len(ranks), size)], rank=self.rank % size,
                               world_size=size, pin_layout=self.pin_layout, use_channel_ids=self.use_channel_ids)
