@@ -531,7 +531,8 @@ def small_checkpoint(folder, make_model: Callable[[], nn.Module], input_width: i
     import sys
 
     import torch.distributed as dist
-    if not dist.is_initialized():
+    own_group = not dist.is_initialized()  # else the caller's (the gloo fixture's), left to it
+    if own_group:
         dist.init_process_group("gloo", init_method=f"file://{folder / 'store'}", rank=0, world_size=1)
     try:
         model = FSDP(make_model())
@@ -541,7 +542,8 @@ def small_checkpoint(folder, make_model: Callable[[], nn.Module], input_width: i
         xla_fsdp.save_sharded_checkpoint(model, opt, str(folder / "in" / "ck"))
         del model, opt
     finally:
-        end_process_group()
+        if own_group:
+            end_process_group()
     subprocess.run([sys.executable, "-m", "xla_fsdp.convert", "--to", "dcp", "--ckpt_prefix", str(folder / "in" / "ck"),
                     "--out", str(folder / "in" / "dcp")], check=True, capture_output=True)
     return folder / "in"

@@ -16,6 +16,7 @@ import torch
 import harness
 import models
 from xla_fsdp.checkpoints import CheckpointError
+from xla_fsdp.checkpoints.files import rank_path
 from xla_fsdp.consolidate_sharded_ckpts import main as consolidate_cli
 from xla_fsdp.reshard import main as reshard_cli
 
@@ -266,18 +267,33 @@ def test_fuzz_random_damage_is_never_silent(ckpts, tmp_path, capsys, writer):
 
 
 # ----------------------------------------------------------------------------- 4. ranks agree on a failed load
-def _save_then_load(rank, device, folder, damage_rank):
-    """Save a 2-rank checkpoint, damage ``damage_rank``'s file, load on every rank: what each saw."""
+def _save_then_load(rank, device, folder, damage_rank, damage="flip"):
+    """Save a 2-rank checkpoint, damage it, load on every rank: what each saw. ``damage``: "flip" a
+    byte of ``damage_rank``'s file; "swap" the two files' names; "other_save": ``damage_rank``'s file
+    replaced by its file of a later save (each file sound on its own)."""
     import xla_fsdp
     from xla_fsdp import XlaFullyShardedDataParallel as FSDP
+    from xla_fsdp.checkpoints.sharded import values_over_ranks
     torch.manual_seed(0)
     model = FSDP(models.MLP())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     prefix = os.path.join(folder, "ck")
     path = xla_fsdp.save_sharded_checkpoint(model, opt, prefix)
-    before = [p.detach().cpu().clone() for p in model.parameters()]
-    if rank == damage_rank:
+    if damage == "other_save":
+        for p in model.parameters():
+            p.data.mul_(0.5)
+        later = xla_fsdp.save_sharded_checkpoint(model, opt, os.path.join(folder, "later"))
+        if rank == damage_rank:
+            shutil.copy(later, path)
+    elif damage == "swap" and rank == 0:
+        files = [rank_path(prefix, r, 2) for r in range(2)]
+        os.replace(files[0], files[0] + ".x")
+        os.replace(files[1], files[0])
+        os.replace(files[0] + ".x", files[1])
+    elif damage == "flip" and rank == damage_rank:
         _flip_in_tensor(path, random.Random(rank))
+    values_over_ranks(model, 0)  # every rank's damage done before any rank loads
+    before = [p.detach().cpu().clone() for p in model.parameters()]
     for p in model.parameters():  # what a load would overwrite
         p.data.add_(1.0)
     try:
@@ -289,40 +305,59 @@ def _save_then_load(rank, device, folder, damage_rank):
     return outcome, untouched
 
 
-def _gloo_load_worker(rank, port, folder, damage_rank, out):
+def _gloo_load_worker(rank, port, folder, damage_rank, out, damage):
     import torch.distributed as dist
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
-        torch.save(_save_then_load(rank, torch.device("cpu"), folder, damage_rank), os.path.join(out, f"{rank}.pt"))
+        torch.save(_save_then_load(rank, torch.device("cpu"), folder, damage_rank, damage),
+                   os.path.join(out, f"{rank}.pt"))
     finally:
         harness.end_process_group()
 
 
-def _xla_load_worker(folder, damage_rank):
+def _xla_load_worker(folder, damage_rank, damage):
     import torch_xla
     import torch_xla.runtime as xr
-    return _save_then_load(xr.global_ordinal(), torch_xla.device(), folder, damage_rank)
+    return _save_then_load(xr.global_ordinal(), torch_xla.device(), folder, damage_rank, damage)
+
+
+def _load_damaged(transport, tmp_path, damage):
+    if transport == "torch":
+        import torch.multiprocessing as mp
+        mp.spawn(_gloo_load_worker, args=(harness._free_port(), str(tmp_path), 1, str(tmp_path), damage), nprocs=2)
+        return [torch.load(tmp_path / f"{r}.pt", weights_only=False) for r in range(2)]
+    with harness.xla_cpu_devices(2):
+        by_rank = harness.run_multiprocess(_xla_load_worker, str(tmp_path), 1, damage)
+    return [by_rank[r] for r in range(2)]
 
 
 @pytest.mark.parametrize("transport", ["torch", "xla"])
-def test_every_rank_raises_when_one_rank_file_is_damaged(transport, tmp_path, monkeypatch):
+def test_every_rank_raises_when_one_rank_file_is_damaged(transport, tmp_path):
     """Before: on gloo rank 1 raised while rank 0 went on with a loaded model; on 2 XLA:CPU devices
     the error never showed, only XLA's rendezvous abort. Later, rank 0 said only that rank 1 failed
     ("its error is in that rank's output": on a cluster, another host's log)."""
-    if transport == "torch":
-        import torch.multiprocessing as mp
-        mp.spawn(_gloo_load_worker, args=(harness._free_port(), str(tmp_path), 1, str(tmp_path)), nprocs=2)
-        results = [torch.load(tmp_path / f"{r}.pt", weights_only=False) for r in range(2)]
-    else:
-        monkeypatch.setenv("PJRT_DEVICE", "CPU")
-        monkeypatch.setenv("CPU_NUM_DEVICES", "2")
-        by_rank = harness.run_multiprocess(_xla_load_worker, str(tmp_path), 1)
-        results = [by_rank[r] for r in range(2)]
-    (own, own_untouched), (peer, peer_untouched) = results[1], results[0]
+    (own, own_untouched), (peer, peer_untouched) = _load_damaged(transport, tmp_path, "flip")[::-1]
     assert "ck_rank-00000001-of-00000002.pth" in own and "CRC-32" in own, own
     assert peer.startswith("CheckpointError") and "rank 1" in peer and "ck_rank-00000001-of-00000002.pth" in peer, peer
     assert "CRC-32" in peer, peer  # rank 1's own reason, not "its error is in that rank's output"
     assert "no rank has loaded anything" in peer and own_untouched and peer_untouched
+
+
+@pytest.mark.parametrize("transport", ["torch", "xla"])
+@pytest.mark.parametrize("damage", ["swap", "other_save"])
+def test_rank_files_that_are_sound_alone_but_not_this_ranks_are_refused(transport, damage, tmp_path):
+    """Issue 53 item 3. Before: rank files swapped by name (or one file from a later save) loaded
+    silently at the same world size, every tensor another rank's (or another step's); only the CLIs
+    and a load at another world size compared the rank in the file with the one reading it."""
+    results = _load_damaged(transport, tmp_path, damage)
+    for rank, (outcome, untouched) in enumerate(results):
+        assert outcome.startswith("CheckpointError"), (rank, outcome)
+        assert untouched, rank
+        if damage == "swap":
+            assert "holds the shards of rank" in outcome, outcome
+            assert "renamed or copied over each other" in outcome, outcome
+        else:
+            assert "come from different saves" in outcome and "no rank has loaded anything" in outcome, outcome
 
 
 # ------------------------------------------------------------- 7. a prefix re-used at another world size

@@ -185,3 +185,130 @@ def test_the_fsdp2_tutorials_state_dict_code_runs_on_xla_fsdp_across_world_sizes
     resumed = [sum(r[i] for r in ranks) / 4 for i in range(K)]
     reference = harness.train_reference(name, 4, steps=2 * K, per_rank=GLOBAL_BATCH // 4)["losses"][K:]
     _close(resumed, reference, "the state dict API through DCP, 2 -> 4 ranks")
+
+
+@pytest.mark.fast
+def test_a_dcp_round_trip_keeps_the_optimizer_state_with_its_parameters(tmp_path, gloo):
+    """Issue 53 item 2. Rank files -> --to dcp -> --from dcp -> consolidate --optimizer: the
+    optimizer's parameters in the unwrapped model's order, as the direct consolidation gives them.
+    Before: the export wrote the wrapped model's order (the root unit's parameters first) into DCP's
+    metadata, the import took it as the model's, and a plain AdamW(model.parameters()) loading the
+    result gave each layer another layer's moments (silently, where shapes matched)."""
+    import torch
+    import torch.nn as nn
+
+    import xla_fsdp
+    from xla_fsdp import XlaFullyShardedDataParallel as FSDP
+    from xla_fsdp.consolidate_sharded_ckpts import main as consolidate_cli
+
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+
+    base = make()
+    inner = [base[0], base[2]]  # units around the first two layers: the root's own (layer 4) come first
+    model = FSDP(base, auto_wrap_policy=lambda module, recurse, **k: recurse or any(module is m for m in inner))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 8)).square().sum().backward()
+    opt.step()
+    ck = str(tmp_path / "ck")
+    xla_fsdp.save_sharded_checkpoint(model, opt, ck)
+    assert convert_cli(["--to", "dcp", "--ckpt_prefix", ck, "--out", str(tmp_path / "dcp")]) == 0
+    assert convert_cli(["--from", "dcp", "--ckpt_dir", str(tmp_path / "dcp"), "--world_size", "2",
+                        "--out_prefix", str(tmp_path / "back")]) == 0
+    for prefix in (ck, str(tmp_path / "back")):
+        assert consolidate_cli(["--ckpt_prefix", prefix, "--optimizer"]) == 0
+    direct = torch.load(ck + "_consolidated.pth", weights_only=True)
+    via_dcp = torch.load(str(tmp_path / "back") + "_consolidated.pth", weights_only=True)
+    plain = make()
+    names = [n for n, _ in plain.named_parameters()]
+    assert direct["optimizer"]["param_groups"][0]["params"] == names
+    assert via_dcp["optimizer"]["param_groups"][0]["params"] == names
+    for full in (direct, via_dcp):
+        plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-3)
+        plain_opt.load_state_dict(full["optimizer"])
+        for name, p in plain.named_parameters():  # each parameter's own moments, by name
+            assert torch.equal(plain_opt.state[p]["exp_avg"], direct["optimizer"]["state"][name]["exp_avg"]), name
+    assert all(torch.equal(direct["model"][k], via_dcp["model"][k]) for k in direct["model"])
+
+
+class _RunsCode:
+    """A pickle that, loaded with plain pickle, creates ``marker``."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _dcp_copy(src, tmp_path, name):
+    import shutil
+    dst = tmp_path / name
+    shutil.copytree(src, dst)
+    return dst, next(p for p in dst.iterdir() if p.suffix == ".distcp")
+
+
+@pytest.mark.fast
+def test_convert_from_dcp_runs_no_code_and_names_damage(tmp_path, capsys):
+    """Issue 53 items 4 and 6. Before: DCP's .metadata was unpickled with plain pickle (a crafted one
+    ran os.system, then a traceback, exit 1); a truncated .metadata or .distcp gave a raw traceback,
+    exit 1, and left the output folder behind; a flipped byte in a .distcp converted silently and
+    inspect then reported the new files plainly "ok"."""
+    import pickle
+
+    from xla_fsdp.inspect import main as inspect_cli
+    marker = tmp_path / "code_ran"
+    src = harness.small_checkpoint(tmp_path, models.MLP, input_width=12) / "dcp"
+    evil, _ = _dcp_copy(src, tmp_path, "evil")
+    with open(evil / ".metadata", "wb") as f:
+        pickle.dump(_RunsCode(marker), f)
+    trunc_meta, _ = _dcp_copy(src, tmp_path, "trunc_meta")
+    raw = (trunc_meta / ".metadata").read_bytes()
+    (trunc_meta / ".metadata").write_bytes(raw[:len(raw) // 2])
+    trunc_data, data = _dcp_copy(src, tmp_path, "trunc_data")
+    data.write_bytes(data.read_bytes()[:data.stat().st_size // 2])
+    expected = {evil: ["is refused, nothing in it was run", "posix.system"],
+                trunc_meta: ["is damaged (truncated or not DCP metadata", "copy the checkpoint folder again"],
+                trunc_data: ["from the DCP checkpoint", "failed", "damaged or incomplete"]}
+    for folder, words in expected.items():
+        out = tmp_path / f"out_{folder.name}" / "deeper"
+        assert convert_cli(["--from", "dcp", "--ckpt_dir", str(folder), "--world_size", "2",
+                            "--out_prefix", str(out / "ck")]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("error: ") and "Traceback" not in err, err
+        assert all(w in err for w in words), (folder.name, err)
+        assert not (tmp_path / f"out_{folder.name}").exists()  # the folders it made are gone again
+    assert not marker.exists()
+
+    flipped, data = _dcp_copy(src, tmp_path, "flipped")
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x40
+    data.write_bytes(bytes(raw))
+    assert convert_cli(["--from", "dcp", "--ckpt_dir", str(flipped), "--world_size", "2",
+                        "--out_prefix", str(tmp_path / "imported")]) == 0
+    assert "DCP keeps no checksums" in capsys.readouterr().out
+    assert inspect_cli(["--ckpt_prefix", str(tmp_path / "imported")]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("checksums")]
+    assert len(lines) == 2 and all("its values are unverified" in line and str(flipped) in line for line in lines)
+
+
+@pytest.mark.fast
+def test_a_dcp_export_past_the_file_size_limit_is_one_line(tmp_path):
+    """Issue 53 item 7. Before: under ``ulimit -f`` DCP's CheckpointException came out as a traceback,
+    exit 1 (its per-rank failures are (exception, traceback) pairs, which the no-room search missed)."""
+    import subprocess
+    import sys
+    harness.small_checkpoint(tmp_path, models.MLP, input_width=12)
+    size = os.path.getsize(tmp_path / "in" / "ck_rank-00000000-of-00000001.pth")
+    limit_kib = max(1, size // 1024 // 2)
+    # the limit set in the child only (preexec), after Python and torch are imported there
+    code = ("import resource, sys; from xla_fsdp.convert import main; "
+            f"resource.setrlimit(resource.RLIMIT_FSIZE, ({limit_kib * 1024}, resource.RLIM_INFINITY)); "
+            "sys.exit(main(sys.argv[1:]))")
+    done = subprocess.run([sys.executable, "-c", code, "--to", "dcp", "--ckpt_prefix", str(tmp_path / "in" / "ck"),
+                           "--out", str(tmp_path / "out" / "dcp")], capture_output=True, text=True)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.count("\n") == 1 and "the file size limit (ulimit -f) is reached" in done.stderr, done.stderr
+    assert "ulimit -f unlimited" in done.stderr and "free space" not in done.stderr, done.stderr
+    assert not (tmp_path / "out").exists()

@@ -23,15 +23,17 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from .._exit_cleanup import UNFINISHED as _UNFINISHED
 from ..shard_names import SHARD_PREFIX, SHARD_SEPARATOR
 from ..sharding import param_entry, split_entry
+from .dcp_reader import SafeFileSystemReader, SafeLoadPlanner
 from .reader import MISSING_OPTIMIZER_KEYS, ShardedCheckpoint
-from .files import (DEFAULT_SUFFIX, CheckpointError, as_disk_full, prepare_output, rank_path,
-                    refuse_overwriting_inputs, stored_bytes, tensor_checksum)
+from .files import (DEFAULT_SUFFIX, CheckpointError, as_disk_full, causes, new_folders_removed_on_error,
+                    prepare_output, rank_path, refuse_overwriting_inputs, stored_bytes, tensor_checksum)
 from .metadata import METADATA_VERSION, _library_versions, full_optimizer_state_dict, param_order
 from .resharded_load import NameIndex, read_full
 from .stream_save import PthStreamWriter
@@ -122,12 +124,23 @@ def export_dcp(ckpt_prefix: str, out_dir: str, model_key: str = "model", optim_k
             model_sd[name] = torch.empty(shape, dtype=dtype, device="meta")
             loaders[f"{model_key}.{name}"] = (lambda name=name, dtype=dtype, shape=shape:
                                               read_full(index, src.layout, model_chunk, name, shape, dtype))
+    # the unwrapped model's named_parameters() order, which DCP's metadata keeps: an import reads the
+    # model's parameter order from it (layout order is the wrapped model's: root units' entries first)
+    order, _ = param_order(src.metadata, list(model_sd))
+    model_sd = {name: model_sd[name] for name in order}
     buffers = dict(src.iter_buffers())
     model_sd.update(buffers)
     state_dict = _nest(model_key, model_sd)
     if optim_key and all(c.get("optimizer") is not None for c in ckpts):
         optim_sd = _optimizer_placeholders(src, ckpts, index, optim_key, loaders)
         state_dict = _merge(state_dict, _nest(optim_key, optim_sd))
+    with new_folders_removed_on_error([out_dir]):
+        _write_dcp(src, state_dict, loaders, out_dir, overwrite)
+    return out_dir
+
+
+def _write_dcp(src: ShardedCheckpoint, state_dict: Dict[str, Any], loaders: Dict[str, Callable[[], torch.Tensor]],
+               out_dir: str, overwrite: bool) -> None:
     tmp = _fresh_output_dir(out_dir, overwrite)
     try:
         writer = dcp.FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True, thread_count=1)
@@ -140,10 +153,11 @@ def export_dcp(ckpt_prefix: str, out_dir: str, model_key: str = "model", optim_k
         full = as_disk_full(e, out_dir, stored_bytes(state_dict))
         if full is not None:
             raise full from None
+        if isinstance(e, (Exception, CheckpointException)):
+            raise _dcp_failure(e, f"writing the DCP checkpoint '{out_dir}' failed") from None
         raise
     finally:
         src.release()
-    return out_dir
 
 
 def _optimizer_placeholders(src: ShardedCheckpoint, ckpts, index: NameIndex, optim_key: str,
@@ -182,15 +196,36 @@ def _optimizer_placeholders(src: ShardedCheckpoint, ckpts, index: NameIndex, opt
 
 
 # ---------------------------------------------------------------------------------------------- import
-def _read_dcp(reader: dcp.FileSystemReader, fqn: str, meta) -> Any:
+def _read_dcp(reader: SafeFileSystemReader, fqn: str, meta) -> Any:
     """One entry of a DCP checkpoint (a tensor, or a pickled object), read alone."""
     if isinstance(meta, TensorStorageMetadata):
         target = {fqn: torch.empty(meta.size, dtype=meta.properties.dtype)}
     else:
         target = {fqn: None}
-    with _single_process():
-        dcp.load(target, storage_reader=reader, planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
+    try:
+        with _single_process():
+            dcp.load(target, storage_reader=reader, planner=SafeLoadPlanner(allow_partial_load=True), no_dist=True)
+    except (Exception, CheckpointException) as e:  # DCP's is a BaseException
+        raise _dcp_failure(e, f"reading '{fqn}' from the DCP checkpoint '{reader.path}' failed") from None
     return target[fqn]
+
+
+def _dcp_failure(error: BaseException, what: str) -> CheckpointError:
+    """One line for a failure inside DCP: ours as it is, else the first exception DCP collected."""
+    seen, todo = set(), [error]
+    while todo:
+        e = todo.pop(0)
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, CheckpointError):
+            return e
+        if not isinstance(e, CheckpointException):
+            first = (str(e).strip().splitlines() or [""])[0]
+            return CheckpointError(f"{what}: {type(e).__name__}: {first} (the folder is damaged or incomplete: "
+                                   "copy it again from its source)")
+        todo += causes(e)
+    return CheckpointError(f"{what}: {error}")
 
 
 # Top-level entries that torchtitan saves beside the model's (its model keys sit at the top level).
@@ -240,7 +275,7 @@ def import_dcp(dcp_dir: str, world_size: int, out_prefix: str, model_key: Option
         raise CheckpointError(f"world size must be >= 1, got {world_size}")
     if not os.path.isfile(os.path.join(dcp_dir, ".metadata")):
         raise CheckpointError(f"'{dcp_dir}' is not a DCP checkpoint folder (no .metadata file)")
-    reader = dcp.FileSystemReader(dcp_dir)
+    reader = SafeFileSystemReader(dcp_dir)
     entries = reader.read_metadata().state_dict_metadata
     names = list(entries)
     model_prefix = _model_prefix(entries, model_key)
@@ -254,6 +289,14 @@ def import_dcp(dcp_dir: str, world_size: int, out_prefix: str, model_key: Option
         optim_prefix = None
     out_paths = [rank_path(out_prefix, r, world_size) for r in range(world_size)]
     refuse_overwriting_inputs(out_paths, [os.path.join(dcp_dir, f) for f in os.listdir(dcp_dir)])
+    with new_folders_removed_on_error(out_paths):
+        _write_rank_files(reader, entries, dcp_dir, out_paths, model_prefix, optim_prefix, overwrite)
+    return out_paths
+
+
+def _write_rank_files(reader: SafeFileSystemReader, entries: Dict[str, Any], dcp_dir: str, out_paths: List[str],
+                      model_prefix: str, optim_prefix: Optional[str], overwrite: bool) -> None:
+    world_size = len(out_paths)
     for path in out_paths:  # folders created; an earlier output replaced, anything else only with overwrite
         prepare_output(path, "torch", overwrite)
     model_entries = _model_entries(entries, model_prefix)
@@ -285,8 +328,9 @@ def import_dcp(dcp_dir: str, world_size: int, out_prefix: str, model_key: Option
                               "model_param_order": list(params),
                               "optimizer_param_keys": optimizer_keys,
                               "imported_from": f"dcp:{os.path.abspath(dcp_dir)}",
+                              # DCP keeps no checksums: ours are of the values as read, damaged or not
+                              "unverified_source": f"DCP checkpoint {os.path.abspath(dcp_dir)}",
                               "library_versions": _library_versions()})
-    return out_paths
 
 
 class _RankFileWriters:

@@ -7,6 +7,8 @@ partial file under a final name and never damages the previous checkpoint.
 """
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import errno
 import glob
 import json
@@ -18,7 +20,7 @@ import uuid
 import zipfile
 import zlib
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional
 
 import torch
 from torch.torch_version import TorchVersion
@@ -75,28 +77,41 @@ def as_disk_full(error: BaseException, path: str, needed: Optional[int] = None) 
     if seen is None:
         return None
     directory = os.path.dirname(os.path.abspath(path))
-    try:
-        free = f"{_size(free_bytes(directory))} free"
-    except OSError:
-        free = "free space unknown"
     need = f"it needs {_size(needed)} ({needed} bytes), " if needed is not None else ""
-    return DiskFullError(f"cannot write '{path}': {_NO_ROOM[seen.errno]}: {need}{free} in '{directory}'; nothing "
-                         "was written and earlier files are untouched; free space there or choose another folder")
+    if seen.errno == errno.EFBIG:  # the process's limit, not the disk: free space is beside the point
+        import resource
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        where = f"at most {_size(limit)} per file" if limit != resource.RLIM_INFINITY else "a file got too large"
+        fix = "raise the limit (ulimit -f unlimited) and run again"
+    else:
+        try:
+            where = f"{need}{_size(free_bytes(directory))} free in '{directory}'"
+        except OSError:
+            where = f"{need}free space unknown in '{directory}'"
+        fix = "free space there or choose another folder"
+    return DiskFullError(f"cannot write '{path}': {_NO_ROOM[seen.errno]}: {where}; nothing was written and earlier "
+                         f"files are untouched; {fix}")
+
+
+def causes(error: Any) -> List[BaseException]:
+    """The exceptions behind ``error``: its cause and context, and what DCP's ``CheckpointException``
+    collected per rank (``failures``: rank -> ``(exception, traceback)``)."""
+    inner = [getattr(error, "__cause__", None), getattr(error, "__context__", None), getattr(error, "exception", None)]
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, Mapping):
+        for failure in failures.values():
+            inner.append(failure[0] if isinstance(failure, tuple) and failure else failure)
+    return [e for e in inner if isinstance(e, BaseException)]
 
 
 def _find_no_room(error: Any, visited: set) -> Optional[OSError]:
-    """The no-room ``OSError`` behind ``error``: itself, its causes, or what DCP's
-    ``CheckpointException`` collected per rank (``failures``, each wrapping an ``exception``)."""
+    """The no-room ``OSError`` behind ``error``: itself or one of its :func:`causes`."""
     if error is None or id(error) in visited:
         return None
     visited.add(id(error))
     if isinstance(error, OSError) and error.errno in _NO_ROOM:
         return error
-    inner = [getattr(error, "__cause__", None), getattr(error, "__context__", None), getattr(error, "exception", None)]
-    failures = getattr(error, "failures", None)
-    if isinstance(failures, Mapping):
-        inner += list(failures.values())
-    for e in inner:
+    for e in causes(error):
         found = _find_no_room(e, visited)
         if found is not None:
             return found
@@ -111,10 +126,7 @@ def _short_write(error: Any, visited: set) -> bool:
     visited.add(id(error))
     if "unexpected pos" in str(error):
         return True
-    failures = getattr(error, "failures", None)
-    inner = [getattr(error, "__cause__", None), getattr(error, "__context__", None), getattr(error, "exception", None)]
-    inner += list(failures.values()) if isinstance(failures, Mapping) else []
-    return any(_short_write(e, visited) for e in inner)
+    return any(_short_write(e, visited) for e in causes(error))
 
 
 def _why_short(directory: str, needed: int) -> Optional[OSError]:
@@ -152,11 +164,20 @@ def rank_path(prefix: str, rank: int, world_size: int) -> str:
     return f"{prefix}_rank-{rank:08d}-of-{world_size:08d}.pth"
 
 
+def host_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, no copy; valid while ``t`` lives. Through ctypes, not
+    ``.numpy()``: torch does not require NumPy, and a plain ``pip install torch`` has none."""
+    if not t.numel():
+        return memoryview(b"")
+    assert t.device.type == "cpu" and t.is_contiguous()
+    return memoryview((ctypes.c_ubyte * (t.numel() * t.element_size())).from_address(t.data_ptr())).cast("B")
+
+
 def tensor_checksum(tensor: torch.Tensor) -> int:
     """CRC32 of a tensor's bytes (any dtype), with its dtype and shape folded in."""
     t = tensor.detach().cpu().contiguous()
     # the tensor's own bytes, no copy: zlib reads the buffer (and lets other threads run meanwhile)
-    data = memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else b""
+    data = host_bytes(t)
     header = f"{t.dtype}:{tuple(t.shape)}".encode()
     return zlib.crc32(data, zlib.crc32(header))
 
@@ -289,6 +310,27 @@ def prepare_output(path: str, kind: str, overwrite: bool = False) -> None:
     if os.path.exists(parent) and not os.path.isdir(parent):
         raise CheckpointError(f"cannot write '{path}': '{parent}' is a file, not a folder")
     os.makedirs(parent, exist_ok=True)
+
+
+@contextlib.contextmanager
+def new_folders_removed_on_error(paths: Iterable[str]) -> Iterator[None]:
+    """The folders that writing ``paths`` creates are removed again (when empty) if it fails: a
+    failed tool run leaves the disk as it found it."""
+    missing = set()
+    for path in paths:
+        folder = os.path.dirname(os.path.abspath(path))
+        while not os.path.exists(folder):
+            missing.add(folder)
+            folder = os.path.dirname(folder)
+    try:
+        yield
+    except BaseException:
+        for folder in sorted(missing, key=len, reverse=True):  # deepest first
+            try:
+                os.rmdir(folder)
+            except OSError:  # not empty, or gone
+                pass
+        raise
 
 
 def refuse_overwriting_inputs(outputs: Iterable[str], inputs: Iterable[str]) -> None:

@@ -227,7 +227,11 @@ class ShardedCheckpoint:
                         f"'{f.path}': shard '{readable_key(key)}' has shape {list(ckpt['model'][key].shape)}, "
                         f"metadata says {entry['shard_shape']}"
                     )
+            unverified = md.get("unverified_source")
             report.append(f"{os.path.basename(f.path)}: ok ({checked} checksums"
-                          f"{'' if sums else ', none recorded'})")
+                          f"{'' if sums else ', none recorded'})" + (
+                              f"; its values are unverified: the checksums were made when it was imported from the "
+                              f"{unverified}, which keeps none, so damage there before the import passes"
+                              if unverified else ""))
             del ckpt
         return report

@@ -96,8 +96,11 @@ def _set_rng_state(state: Mapping[str, Any], device: torch.device, host_generato
     if host_generators:  # the CPU generators are the process's: one rank sets them
         torch.set_rng_state(state["torch"])
         random.setstate(state["python"])
-        if "numpy" in state:
+        try:  # saved where NumPy was installed; without it here, no program draws from its generator
             import numpy as np
+        except ImportError:
+            np = None
+        if "numpy" in state and np is not None:
             name, keys, pos, has_gauss, cached = state["numpy"]
             np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     if device.type == "xla" and "xla" in state:

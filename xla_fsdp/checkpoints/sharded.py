@@ -229,6 +229,11 @@ def _check_matches_model(path: str, saved: Mapping[str, Any], current: Mapping[s
         raise CheckpointError(f"'{path}' was written for world size {saved.get('world_size')}, this run has "
                               f"{current['world_size']}; reshard it first: python -m xla_fsdp.reshard "
                               f"--ckpt_prefix PREFIX --world_size {current['world_size']} --out_prefix NEW")
+    if saved.get("rank") != current["rank"]:
+        raise CheckpointError(f"'{path}' holds the shards of rank {saved.get('rank')} of {saved.get('world_size')} "
+                              f"(its metadata says so), but rank {current['rank']} reads it: the rank files were "
+                              "renamed or copied over each other; name each file after the rank its metadata gives "
+                              "(python -m xla_fsdp.inspect --ckpt_prefix PREFIX lists them)")
     s_layout, c_layout = saved.get("layout", {}), current["layout"]
     if set(s_layout) != set(c_layout):
         diff = sorted(set(s_layout) ^ set(c_layout))[:3]
@@ -277,6 +282,8 @@ def load_sharded_checkpoint(model, optimizer: Optional[torch.optim.Optimizer], c
         also = f"; ranks {failed} failed" if len(failed) > 1 else ""
         raise CheckpointError(f"the checkpoint '{ckpt_prefix}' cannot be loaded: rank {first} failed: {errors[first]}"
                               f"{also}; no rank has loaded anything")
+    if ckpt is not None:
+        _check_one_save(model, ckpt_prefix, ckpt["shard_metadata"].get("run_id"))
     if resharded is not None:
         source, plan = resharded
         try:
@@ -288,6 +295,19 @@ def load_sharded_checkpoint(model, optimizer: Optional[torch.optim.Optimizer], c
     if optimizer is not None:
         optimizer.load_state_dict(ckpt["optimizer"])
     return ckpt.get("extra")
+
+
+def _check_one_save(model, ckpt_prefix: str, run_id: Optional[str]) -> None:
+    """Every rank read a file of the same save: a file copied in from another save passes its own
+    checks (checksums, layout, rank) but would load another step's shards beside this one's."""
+    ids = messages_over_ranks(model, str(run_id))
+    if len(set(ids)) > 1:
+        by_id: Dict[str, List[int]] = {}
+        for r, i in enumerate(ids):
+            by_id.setdefault(i, []).append(r)
+        raise CheckpointError(f"the rank files of '{ckpt_prefix}' come from different saves (run id by rank: "
+                              + ", ".join(f"{i}: ranks {rs}" for i, rs in by_id.items())
+                              + "); no rank has loaded anything: restore the set of one save")
 
 
 def _has_files_of_world_size(ckpt_prefix: str, world_size: int) -> bool:

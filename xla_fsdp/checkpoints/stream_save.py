@@ -17,6 +17,7 @@ from typing import Dict, List, Mapping, Sequence, Tuple
 
 import torch
 
+from .files import host_bytes
 from .safe_file import NoAbortFile
 
 
@@ -145,7 +146,7 @@ class SafetensorsStreamWriter:
             raise ValueError(f"tensor '{key}' added out of the declared order")
         t = tensor.detach().cpu().contiguous()
         if t.numel():
-            self._file.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+            self._file.write(host_bytes(t))
         self._next += 1
 
     def close(self) -> None:

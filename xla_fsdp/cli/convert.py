@@ -52,7 +52,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             return f"wrote the DCP checkpoint {out}"
         paths = import_dcp(args.ckpt_dir, args.world_size, args.out_prefix, args.model_key, args.optim_key,
                            args.overwrite)
-        return f"wrote {len(paths)} rank files: {paths[0]} ... {paths[-1]}"
+        return (f"wrote {len(paths)} rank files: {paths[0]} ... {paths[-1]}\n"
+                "note: DCP keeps no checksums, so the values read were not verified against their source; the rank "
+                "files record that (python -m xla_fsdp.inspect says so)")
 
     return run_cli_action(action)
 
