@@ -2,9 +2,11 @@
 folder with a lock file naming the run (run id, host, pid, start time), so a second run given the same
 folder stops with that run named instead of pruning and overwriting the first one's checkpoints.
 
-A lock whose run is gone is taken over: its process is dead on this host, or it names this job's run
-id (``TORCHELASTIC_RUN_ID``: torchrun's restarts of one job, on any host). A lock of a live run, or of
-a run on another host that cannot be checked, is refused with the way out. The lock goes at exit.
+A lock whose run is gone is taken over: on this host, when its process no longer runs (pid and start
+time); from another host, when it names this job's run id (``TORCHELASTIC_RUN_ID``: torchrun's restarts
+of one job). A live holder on this host is never taken over, whatever the ids say: torchrun's default
+``--rdzv_id`` is "none", so two separate jobs share that id. A lock of a live run, or of a run on
+another host that cannot be checked, is refused with the way out. The lock goes at exit.
 """
 from __future__ import annotations
 
@@ -25,17 +27,27 @@ _CLAIMED: Set[str] = set()  # folders this process's run holds (every rank keeps
 
 def _identity() -> Dict[str, object]:
     return {"run_id": os.environ.get("TORCHELASTIC_RUN_ID") or _PROCESS_RUN, "host": socket.gethostname(),
-            "pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+            "pid": os.getpid(), "pid_start": _start_time(os.getpid()), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
-def _alive(pid: int) -> bool:
+def _start_time(pid: int) -> Optional[int]:
+    """When process ``pid`` started (clock ticks since boot, Linux), telling a reused pid from its
+    first holder; None where /proc does not say."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rpartition(")")[2].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _alive(pid: int, start: Optional[int] = None) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
-    return True
+        pass
+    return start is None or _start_time(pid) in (None, start)
 
 
 def _read(path: str) -> Optional[Dict[str, object]]:
@@ -65,14 +77,20 @@ def try_claim(ckpt_dir: str) -> Optional[str]:
             owner = _read(path)
             if owner is None:
                 continue  # released meanwhile
-            same_run = owner.get("run_id") == me["run_id"] or owner.get("pid") == me["pid"] and owner.get(
-                "host") == me["host"]
-            dead = owner.get("host") == me["host"] and isinstance(owner.get("pid"), int) and not _alive(owner["pid"])
-            if not (same_run or dead):
+            here = owner.get("host") == me["host"] and isinstance(owner.get("pid"), int)
+            mine = here and owner.get("pid") == me["pid"]
+            dead = here and not mine and not _alive(owner["pid"], owner.get("pid_start"))
+            same_run = owner.get("run_id") == me["run_id"]
+            # on this host the holder's process decides; from another host only the run id can
+            if not (mine or dead or (same_run and not here)):
+                shared_id = (f" The run ids are the same ({me['run_id']}) but that run's process is alive: separate "
+                             "torchrun jobs share an id when not given --rdzv_id (its default is 'none')"
+                             if same_run else "")
                 return (f"the checkpoint folder '{ckpt_dir}' is in use by another run (run id {owner.get('run_id')}, "
                         f"host {owner.get('host')}, pid {owner.get('pid')}, since {owner.get('since')}; lock "
-                        f"'{path}'): give this run its own folder, or stop that one. A lock whose process has "
-                        "died is taken over on its host; from another host, delete the lock once that run is gone")
+                        f"'{path}'): give this run its own folder, or stop that one.{shared_id} A lock whose "
+                        "process has died is taken over on its host; from another host, delete the lock once that "
+                        "run is gone")
             if dead and not same_run:
                 warnings.warn(f"xla_fsdp: took over '{path}' from a run that is gone (run id {owner.get('run_id')}, "
                               f"pid {owner.get('pid')} no longer runs on {owner.get('host')})", stacklevel=4)
