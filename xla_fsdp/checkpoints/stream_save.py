@@ -55,7 +55,8 @@ class PthStreamWriter:
 
     def __init__(self, path: str):
         self._file = NoAbortFile(path)  # a failed write raises at close(), never aborts in torch's writer
-        self._writer = torch._C.PyTorchFileWriter(self._file)
+        with self._file.interrupts_held():  # each call into torch's writer: Ctrl-C waits for its return
+            self._writer = torch._C.PyTorchFileWriter(self._file)
         self._refs: "collections.OrderedDict[str, _TensorRef]" = collections.OrderedDict()
         self._structure = None
         self._count = 0
@@ -66,7 +67,8 @@ class PthStreamWriter:
         ref = _StorageRef(str(self._count), t.dtype, t.numel())
         self._count += 1
         # Straight from the tensor's storage: no second copy of the bytes.
-        self._writer.write_record(f"data/{ref.key}", t.untyped_storage(), t.numel() * t.element_size())
+        with self._file.interrupts_held():
+            self._writer.write_record(f"data/{ref.key}", t.untyped_storage(), t.numel() * t.element_size())
         self.nbytes += t.numel() * t.element_size()
         tensor_ref = _TensorRef(ref, tuple(t.shape))
         if key is not None:
@@ -91,10 +93,11 @@ class PthStreamWriter:
         buf = io.BytesIO()
         _Pickler(buf, protocol=2).dump(obj)
         data = buf.getvalue()
-        self._writer.write_record("data.pkl", data, len(data))
-        self._writer.write_record(".format_version", "1", 1)
-        self._writer.write_record("byteorder", sys.byteorder, len(sys.byteorder))
-        self._writer.write_end_of_file()
+        with self._file.interrupts_held():
+            self._writer.write_record("data.pkl", data, len(data))
+            self._writer.write_record(".format_version", "1", 1)
+            self._writer.write_record("byteorder", sys.byteorder, len(sys.byteorder))
+            self._writer.write_end_of_file()
         self._file.close()
 
     def __enter__(self):
