@@ -275,22 +275,35 @@ def train(ctx, args):
             mean = ctx.mean(loss.item())
             if bar is not None:
                 bar.set_postfix(loss=f"{mean:.4f}")
-            ctx.log(f"step {step + 1}: loss {mean:.6f}")
+                bar.write(f"step {step + 1}: loss {mean:.6f}", file=sys.stdout)  # above the bar, not through it
+            else:
+                ctx.log(f"step {step + 1}: loss {mean:.6f}")
         if args.ckpt_every and ((step + 1) % args.ckpt_every == 0 or step + 1 == args.num_steps):
             xla_fsdp.save_training_checkpoint(model, optimizer, ckpt_dir, step + 1, lr_scheduler=schedule,
                                               data_state={"samples_seen": samples_seen},
                                               keep=args.keep)
     if bar is not None:
         bar.close()
-    elapsed = time.perf_counter() - t0 if t0 is not None else float("nan")
-    tokens_per_s = timed_steps * args.global_batch_size * cfg.seq_len / elapsed if timed_steps else float("nan")
-    final = ctx.mean(loss.item()) if loss is not None else float("nan")
-    score = eval_loss(model, eval_data, args.eval_windows, ctx.device) if end == args.num_steps else float("nan")
+    # only what was measured: no step, no loss or speed; stopped early, no eval (not "nan")
+    measured = []
+    if timed_steps:
+        tokens_per_s = timed_steps * args.global_batch_size * cfg.seq_len / (time.perf_counter() - t0)
+        measured.append(f"tokens/s={tokens_per_s:.0f}")
+    if loss is not None:
+        measured.append(f"final_loss={ctx.mean(loss.item()):.6f}")
+    if start >= end:
+        ctx.log(f"nothing to train: the run is at step {start}, and it ends at step {end} "
+                + ("(--num_steps): it is finished; raise --num_steps to train on" if end == args.num_steps
+                   else "(--stop_after_step)"))
+    if end == args.num_steps:
+        measured.append(f"eval_loss={eval_loss(model, eval_data, args.eval_windows, ctx.device):.6f}")
+    else:
+        ctx.log(f"stopped after step {end} of {args.num_steps} (--stop_after_step): no evaluation; run again with "
+                "--resume auto to continue")
     state_mib = sum(state_bytes(model, optimizer).values()) / 2 ** 20
     ctx.log(f"SUMMARY example=lm model_size={args.model_size} params={n_params} world_size={ctx.world_size} "
             f"strategy={args.sharding_strategy} precision={'bf16' if bf16 else 'fp32'} cpu_offload={args.cpu_offload} "
-            f"start_step={start} "
-            f"end_step={end} tokens/s={tokens_per_s:.0f} final_loss={final:.6f} eval_loss={score:.6f} "
+            f"start_step={start} end_step={end} {' '.join(measured)} "
             f"rank_state_mib={state_mib:.2f} peak_rss_mib={peak_rss_mib():.0f}")
 
 

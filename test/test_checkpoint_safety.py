@@ -107,6 +107,8 @@ def test_a_crafted_rank_file_runs_no_code(tmp_path, capsys, gloo):
     assert reshard_cli(["--ckpt_prefix", prefix, "--world_size", "2", "--out_prefix", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
     assert err.count("evil_rank-00000000-of-00000001.pth") == 3 and "Unsupported global" in err, err
+    # one line each, and never torch's advice to retry with weights_only=False (issue 53 item 8)
+    assert err.count("\n") == 3 and "weights_only=False" not in err and "nothing in it was run" in err, err
     proc = subprocess.run([sys.executable, *INSPECT, "--ckpt_prefix", prefix], capture_output=True, text=True)
     assert proc.returncode == 2 and "evil_rank-00000000-of-00000001.pth" in proc.stderr, proc.stderr
     with pytest.raises(CheckpointError, match="evil_rank-00000000-of-00000001.pth"):
@@ -292,6 +294,8 @@ def _save_then_load(rank, device, folder, damage_rank, damage="flip"):
         os.replace(files[0] + ".x", files[1])
     elif damage == "flip" and rank == damage_rank:
         _flip_in_tensor(path, random.Random(rank))
+    elif damage == "missing" and rank == damage_rank:
+        os.unlink(path)
     values_over_ranks(model, 0)  # every rank's damage done before any rank loads
     before = [p.detach().cpu().clone() for p in model.parameters()]
     for p in model.parameters():  # what a load would overwrite
@@ -344,11 +348,12 @@ def test_every_rank_raises_when_one_rank_file_is_damaged(transport, tmp_path):
 
 
 @pytest.mark.parametrize("transport", ["torch", "xla"])
-@pytest.mark.parametrize("damage", ["swap", "other_save"])
+@pytest.mark.parametrize("damage", ["swap", "other_save", "missing"])
 def test_rank_files_that_are_sound_alone_but_not_this_ranks_are_refused(transport, damage, tmp_path):
     """Issue 53 item 3. Before: rank files swapped by name (or one file from a later save) loaded
     silently at the same world size, every tensor another rank's (or another step's); only the CLIs
-    and a load at another world size compared the rank in the file with the one reading it."""
+    and a load at another world size compared the rank in the file with the one reading it. And a
+    missing file of this world size was told to reshard (item 8)."""
     results = _load_damaged(transport, tmp_path, damage)
     for rank, (outcome, untouched) in enumerate(results):
         assert outcome.startswith("CheckpointError"), (rank, outcome)
@@ -356,6 +361,9 @@ def test_rank_files_that_are_sound_alone_but_not_this_ranks_are_refused(transpor
         if damage == "swap":
             assert "holds the shards of rank" in outcome, outcome
             assert "renamed or copied over each other" in outcome, outcome
+        elif damage == "missing":  # before: "reshard with ... --world_size 2", which cannot bring it back
+            assert "missing rank file" in outcome and "reshard" not in outcome, outcome
+            assert "The other 1 rank file(s) of this world size are there: restore this one" in outcome, outcome
         else:
             assert "come from different saves" in outcome and "no rank has loaded anything" in outcome, outcome
 
@@ -553,3 +561,73 @@ def test_ctrl_c_while_saving_stops_every_rank_cleanly(tmp_path, at):
     third = run(3, 0)
     assert third.returncode == 0, third.stderr[-3000:]
     assert os.path.exists(ckpt / "step-000000002.complete")
+
+
+# ------------------------------------------------------------- 10. messages that name the cause and the fix
+@pytest.mark.fast
+def test_messages_name_the_cause_and_the_fix(ckpts, tmp_path, capsys, monkeypatch):
+    """Issue 53 item 8, each before -> after: the free-space check of a consolidation with --optimizer
+    counted the model only; an unwritable folder named our temporary file; a rank file's name or a
+    folder given as the prefix found nothing, with no hint."""
+    import errno
+
+    from xla_fsdp.checkpoints import files
+    _copy(ckpts, tmp_path)
+    prefix = str(tmp_path / "ours")
+    assert consolidate_cli(["--ckpt_prefix", prefix, "--optimizer", "--save_path", str(tmp_path / "a.pth")]) == 0
+    size = os.path.getsize(tmp_path / "a.pth")
+    capsys.readouterr()
+    model_bytes = sum(t.numel() * t.element_size() for t in torch.load(tmp_path / "a.pth", weights_only=True)[
+        "model"].values())
+    monkeypatch.setattr(files, "free_bytes", lambda directory: 2 * model_bytes)  # room for the model only
+    assert consolidate_cli(["--ckpt_prefix", prefix, "--optimizer", "--save_path", str(tmp_path / "b.pth")]) == 2
+    err = capsys.readouterr().err
+    needed = int(err.split("(")[1].split(" bytes")[0])
+    assert "not enough space" in err and 2 * model_bytes < needed <= size, (err, model_bytes, size)
+    monkeypatch.undo()
+
+    real_open = os.open
+
+    def read_only(path, *args, **kwargs):
+        if str(path).endswith(".tmp"):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), path)
+        return real_open(path, *args, **kwargs)
+    monkeypatch.setattr(os, "open", read_only)
+    assert consolidate_cli(["--ckpt_prefix", prefix, "--save_path", str(tmp_path / "out.pth")]) == 2
+    err = capsys.readouterr().err
+    monkeypatch.undo()
+    assert f"cannot write '{tmp_path / 'out.pth'}': cannot create files in '{tmp_path}' (Read-only file system)" \
+        in err and ".tmp" not in err, err
+
+    rank0 = prefix + "_rank-00000000-of-00000002.pth"
+    for given, hint in [(rank0, f"is a rank file's name: did you mean --ckpt_prefix {prefix}?"),
+                        (str(tmp_path), f"is a folder, and the prefix is the rank files' path up to '_rank-': did "
+                                        f"you mean --ckpt_prefix {tmp_path / 'plain'} (or {prefix})?")]:
+        assert consolidate_cli(["--ckpt_prefix", given]) == 2
+        err = capsys.readouterr().err
+        assert hint in err and err.count("\n") == 1, err
+
+
+@pytest.mark.fast
+def test_modules_that_cannot_be_sharded_are_named_with_the_fix(gloo):
+    """Issue 53 item 8 / issue 54 item 7. Before: nn.Embedding(sparse=True) failed in backward with
+    'reshape is not implemented for sparse tensors'; a complex64 parameter was told to 'register
+    non-trainable integer tensors as buffers'."""
+    import torch.nn as nn
+
+    from xla_fsdp import XlaFullyShardedDataParallel as FSDP
+
+    class Complex(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(3, dtype=torch.complex64))
+
+        def forward(self, x):
+            return x * self.w
+    with pytest.raises(TypeError, match=r"parameter '1.weight' belongs to Embedding\(sparse=True\).*sparse=False"):
+        FSDP(nn.Sequential(nn.Linear(2, 2), nn.Embedding(10, 4, sparse=True)))
+    with pytest.raises(TypeError, match=r"parameter 'w' is torch.complex64; complex parameters cannot be sharded.*"
+                                        r"view_as_real"):
+        FSDP(Complex())
+    frozen = nn.Embedding(10, 4, sparse=True).requires_grad_(False)  # no gradient: nothing sparse to reduce
+    FSDP(nn.Sequential(frozen, nn.Linear(4, 2)))

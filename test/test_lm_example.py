@@ -160,3 +160,41 @@ def test_xla_devices_stop_and_resume_at_another_device_count_with_host_offload(w
     assert xla["start_step"] == "10" and xla["world_size"] == "4" and xla["cpu_offload"] == "True"
     assert abs(float(xla["final_loss"]) - float(gloo["final_loss"])) <= TOL
     assert abs(float(xla["eval_loss"]) - float(gloo["eval_loss"])) <= TOL
+
+
+def _as_shown(text):
+    """What a terminal shows of ``text``: each line with its carriage returns applied."""
+    shown = []
+    for line in text.split("\n"):
+        screen = ""
+        for part in line.split("\r"):
+            screen = part + screen[len(part):]
+        shown.append(screen.rstrip())
+    return shown
+
+
+def test_the_example_says_what_it_did_instead_of_nan(workdir):
+    """Issue 53 item 9. Before: a run stopped by --stop_after_step printed eval_loss=nan, a run resumed
+    at its --num_steps printed final_loss=nan tokens/s=nan, and the 'step N: loss' lines were written
+    through the progress bar (on a terminal: 'step 10: loss 4.9327...|' over the bar's remains)."""
+    cwd, env = workdir
+    out_dir = os.path.join(cwd, "said")
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+            "--log-dir", os.path.join(out_dir, "torchrun"), "examples/train_lm_fsdp.py", "--num_steps", "4",
+            "--log_every", "2", "--ckpt_every", "2", "--resume", "auto", "--out_dir", out_dir]
+
+    def merged(*extra):  # stdout and the bar's stderr into one stream, as on a terminal
+        done = subprocess.run(argv + list(extra), cwd=cwd, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, timeout=300)
+        assert done.returncode == 0, done.stdout[-3000:]
+        return done.stdout
+    stopped = merged("--stop_after_step", "2")
+    assert "stopped after step 2 of 4 (--stop_after_step): no evaluation" in stopped, stopped[-2000:]
+    assert "eval_loss" not in summary(stopped) and "=nan" not in stopped
+    shown = [line for line in _as_shown(stopped) if line.startswith("step ")]
+    assert len(shown) == 1 and re.fullmatch(r"step 2: loss \d+\.\d{6}", shown[0]), shown
+    finished = merged()
+    assert {"final_loss", "eval_loss", "tokens/s"} <= set(summary(finished))
+    again = merged()
+    assert "nothing to train: the run is at step 4, and it ends at step 4 (--num_steps): it is finished" in again
+    assert "=nan" not in again and "final_loss" not in summary(again) and "tokens/s" not in summary(again)

@@ -12,7 +12,7 @@ from typing import Dict, Tuple
 
 import torch
 
-from .files import FileSet, prepare_output, refuse_overwriting_inputs
+from .files import FileSet, prepare_output, refuse_overwriting_inputs, stored_bytes
 from .reader import ShardedCheckpoint
 from .stream_save import PthStreamWriter, SafetensorsStreamWriter
 
@@ -52,8 +52,9 @@ def write_consolidated(ckpt: ShardedCheckpoint, save_path: str, fmt: str = "pth"
                     w.add(name, tensor)
     model_bytes = sum(math.prod(shape) * torch.empty((), dtype=dtype).element_size()
                       for _, dtype, shape in ckpt.model_specs())
+    in_file = model_bytes + (stored_bytes(optimizer) if fmt == "pth" and optimizer else 0)
     with FileSet() as outputs:  # the model file and the optimizer's beside it: both or neither
-        outputs.write(save_path, write, model_bytes)
+        outputs.write(save_path, write, in_file)
         if include_optimizer and fmt == "safetensors":
             outputs.torch_save({"optimizer": ckpt.full_optimizer_state()}, opt_path)
     ckpt.release()

@@ -13,6 +13,7 @@ import errno
 import glob
 import json
 import os
+import pickle
 import re
 import shutil
 import sys
@@ -198,6 +199,10 @@ def write_temporary(path: str, write: Callable[[str], None], size: Optional[int]
             os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
         except PermissionError as e:
             raise CheckpointError(f"cannot write '{path}': no permission to create files in '{directory}'") from e
+        except OSError as e:
+            if e.errno in _NO_ROOM:
+                raise
+            raise CheckpointError(f"cannot write '{path}': cannot create files in '{directory}' ({e.strerror})") from e
         write(tmp)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
@@ -206,6 +211,9 @@ def write_temporary(path: str, write: Callable[[str], None], size: Optional[int]
         full = as_disk_full(e, path, size)
         if full is not None:
             raise full from e
+        if isinstance(e, OSError) and not isinstance(e, CheckpointError):  # named by our file, not the temporary
+            raise CheckpointError(f"cannot write '{path}': {e.strerror or e}; nothing was written and earlier files "
+                                  "are untouched") from e
         raise
     return tmp
 
@@ -389,8 +397,14 @@ def load_rank_file(path: str, mmap: bool = True) -> Dict[str, Any]:
         # TorchVersion object: allowed explicitly, it is a str.
         with torch.serialization.safe_globals([TorchVersion]):
             ckpt = torch.load(path, map_location="cpu", mmap=mmap, weights_only=True)
+    except pickle.UnpicklingError as e:  # weights_only refused a global: never relay torch's retry advice
+        refused = next((line.strip() for line in str(e).splitlines() if "GLOBAL" in line or "Unsupported" in line),
+                       str(e).strip().splitlines()[0] if str(e).strip() else "")
+        raise CheckpointError(f"'{path}' is refused, nothing in it was run: it holds objects a checkpoint does not "
+                              f"({refused}); it was not written by xla_fsdp or torch_xla, or was altered") from None
     except Exception as e:  # torch raises several types for damaged zip files
-        raise CheckpointError(f"'{path}' is not a readable checkpoint ({type(e).__name__}: {e})") from e
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise CheckpointError(f"'{path}' is not a readable checkpoint ({type(e).__name__}: {first})") from e
     if not isinstance(ckpt, dict) or "model" not in ckpt or "shard_metadata" not in ckpt:
         raise CheckpointError(f"'{path}' is not a sharded checkpoint: it has no 'model' and "
                               "'shard_metadata' entries (is it a consolidated file?)")
@@ -416,7 +430,7 @@ def find_rank_files(ckpt_prefix: str, ckpt_suffix: str = DEFAULT_SUFFIX) -> List
         files = [_rank_file_from_metadata(p) for p in paths]
     if not files:
         raise CheckpointError(f"no rank files match '{ckpt_prefix}{ckpt_suffix}' (expected names like "
-                              f"'{rank_path(ckpt_prefix, 0, 2)}')")
+                              f"'{rank_path(ckpt_prefix, 0, 2)}'){_did_you_mean(ckpt_prefix)}")
     sizes = sorted({f.world_size for f in files})
     if len(sizes) > 1:
         raise CheckpointError(f"rank files for '{ckpt_prefix}' come from different world sizes {sizes}: "
@@ -435,6 +449,24 @@ def find_rank_files(ckpt_prefix: str, ckpt_suffix: str = DEFAULT_SUFFIX) -> List
     if extra:
         raise CheckpointError(f"rank files {extra} are outside world size {world_size}")
     return [by_rank[r] for r in range(world_size)]
+
+
+def _did_you_mean(ckpt_prefix: str) -> str:
+    """The prefixes meant by a rank file's name or a folder given as a prefix, as a hint."""
+    m = RANK_FILE.search(ckpt_prefix)
+    if m and ckpt_prefix.endswith(m.group(0)):
+        return f"; '{ckpt_prefix}' is a rank file's name: did you mean --ckpt_prefix {ckpt_prefix[:m.start()]}?"
+    if os.path.isdir(ckpt_prefix):
+        found = sorted({p[:RANK_FILE.search(p).start()] for p in glob.glob(os.path.join(glob.escape(ckpt_prefix),
+                        "*_rank-*-of-*.pth")) if RANK_FILE.search(p)})
+        if found:
+            others = found[:-1][-3:]  # the last in name order is suggested: step-N names sort by step
+            more = f" (or {', '.join(reversed(others))}{', ...' if len(found) > 4 else ''})" if others else ""
+            return (f"; '{ckpt_prefix}' is a folder, and the prefix is the rank files' path up to '_rank-': did you "
+                    f"mean --ckpt_prefix {found[-1]}{more}?")
+        return (f"; '{ckpt_prefix}' is a folder with no rank files in it: the prefix is the rank files' path up "
+                "to '_rank-'")
+    return ""
 
 
 def _rank_file_from_metadata(path: str) -> RankFile:

@@ -394,9 +394,16 @@ def _ranks_that_failed(model, failed: bool) -> list:
 def _read_checked(model, optimizer, path: str, ckpt_prefix: str) -> Dict[str, Any]:
     """This rank's file, read and checked against the model (changes nothing)."""
     if not os.path.exists(path):
-        others = sorted(glob.glob(f"{ckpt_prefix}_rank-*-of-*.pth"))
-        hint = (f" Found files for another world size (e.g. '{os.path.basename(others[0])}'): reshard with "
-                f"python -m xla_fsdp.reshard --world_size {model.world_size}.") if others else ""
+        others = sorted(glob.glob(glob.escape(ckpt_prefix) + "_rank-*-of-*.pth"))
+        sizes = {int(m.group(2)) for m in (RANK_FILE.search(o) for o in others) if m}
+        if sizes - {model.world_size}:
+            hint = (f" Found files for another world size (e.g. '{os.path.basename(others[0])}'): reshard with "
+                    f"python -m xla_fsdp.reshard --world_size {model.world_size}.")
+        elif others:  # the set of this world size lacks this file: resharding would not bring it back
+            hint = (f" The other {len(others)} rank file(s) of this world size are there: restore this one from "
+                    "where the checkpoint was written, or resume from an earlier checkpoint.")
+        else:
+            hint = ""
         raise CheckpointError(f"missing rank file '{path}' for rank {model.rank} of {model.world_size}.{hint}")
     verify_archive(path)
     ckpt = load_rank_file(path, mmap=False)

@@ -119,6 +119,11 @@ def collect_params(module: nn.Module, leave: Set[int] = frozenset(), storage_dty
             refs[id(p)].aliases.append(fqn)
             return
         _check_shardable(p, fqn, storage_dtype)
+        if getattr(m, "sparse", False) is True and isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and p.requires_grad:
+            raise TypeError(
+                f"xla_fsdp: parameter '{fqn}' belongs to {type(m).__name__}(sparse=True), whose gradient is a "
+                "sparse tensor; sharded gradients are dense. Build it with sparse=False (the same training, with "
+                "a dense gradient of the table's size), or freeze it (requires_grad_(False)) before wrapping.")
         refs[id(p)] = ParamRef(p, fqn, [(m, name)], [])
 
     for prefix, m in owned_modules(module):
@@ -166,6 +171,14 @@ def _check_shardable(p: nn.Parameter, fqn: str, storage_dtype: torch.dtype = tor
             f"xla_fsdp: parameter '{fqn}' is shared with another FSDP unit. Tied parameters must live "
             "in one unit: let auto_wrap_policy build the units (the closest unit enclosing every user of "
             "the parameter then owns it), or wrap the modules that share it together.")
+    if p.layout != torch.strided:
+        raise TypeError(f"xla_fsdp: parameter '{fqn}' is a {p.layout} tensor; only dense (strided) parameters can "
+                        "be sharded: store it dense (p.to_dense()) before wrapping.")
+    if p.is_complex():
+        raise TypeError(
+            f"xla_fsdp: parameter '{fqn}' is {p.dtype}; complex parameters cannot be sharded. Store it as a "
+            "real float32 parameter with a trailing dimension of 2 (torch.view_as_real(p)) and view it as "
+            "complex in forward (torch.view_as_complex).")
     if not p.is_floating_point():
         raise TypeError(
             f"xla_fsdp: parameter '{fqn}' has dtype {p.dtype}; only float32 parameters can "
