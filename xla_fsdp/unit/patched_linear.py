@@ -31,6 +31,10 @@ class LinearSavingWeight(torch.autograd.Function):
 
 
 def _patched_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    if torch.is_autocast_enabled(x.device.type):
+        # autocast casts the weight to its dtype inside F.linear and saves that copy (what plain torch_xla
+        # does): a Function here would get fp32 weights and a bf16 gradient, which XLA's verifier rejects
+        return F.linear(x, self.weight, self.bias)
     return LinearSavingWeight.apply(x, self.weight, self.bias)
 
 
