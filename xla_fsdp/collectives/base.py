@@ -163,5 +163,7 @@ class Collectives(abc.ABC):
     def optimization_barrier(self, tensors: Sequence[torch.Tensor]) -> None:
         """Stop the compiler from moving work across this point (no-op for eager transports)."""
 
-    def sync(self) -> None:
-        """Run pending device work (no-op for eager transports)."""
+    def sync(self, keep_rng: bool = True) -> None:
+        """Run pending device work (no-op for eager transports). ``keep_rng``: a cut the package makes
+        for itself leaves the device's random state as the program would have it without the cut;
+        False where the cut stands for the program's own step marker (``sync_on_finalization``)."""

@@ -174,7 +174,7 @@ class XlaCollectives(Collectives):
             self._meet_before_check(everyone)
         mine = torch.tensor([CHANNELS.peek()], dtype=torch.int32).to(self._device)
         counters = self._gather(mine, CHECK_CHANNEL, [everyone])
-        sync(reset_scope=False)
+        self.sync()
         values = counters.cpu().tolist()
         if len(set(values)) > 1:
             raise RuntimeError(
@@ -191,7 +191,7 @@ class XlaCollectives(Collectives):
         check's graph is then tiny and the same on every rank."""
         import torch_xla.runtime as xr
 
-        sync(reset_scope=False)
+        self.sync()
         if everyone != list(range(xr.world_size())):
             return  # a subset of the process's devices: the meeting would wait for ranks not in it
         thread_exchange("construction check", len(everyone)).gather(self.global_rank, None)
@@ -344,8 +344,44 @@ class XlaCollectives(Collectives):
         if floats:
             xm.optimization_barrier_(floats)
 
-    def sync(self) -> None:
+    def sync(self, keep_rng: bool = True) -> None:
+        if not keep_rng:
+            sync(reset_scope=False)
+            return
+        import torch_xla.core.xla_model as xm
+        before = xm.get_rng_state(self.device)
         sync(reset_scope=False)
+        after = xm.get_rng_state(self.device)
+        xm.set_rng_state(before, self.device)
+        if _seed_before_step(after) != before:
+            _warn_draws_before_cut()
+
+
+# torch_xla advances a device's seed at every graph cut: seed' = 1012031 + seed * 7012063 (mod 2**64),
+# from the seed of the last cut, whatever was drawn since (draws advance a running seed from it).
+_SEED_ADD, _SEED_MUL, _SEED_MOD = 1012031, 7012063, 2 ** 64
+_SEED_MUL_INVERSE = pow(_SEED_MUL, -1, _SEED_MOD)
+_WARNED_DRAWS = threading.Event()
+
+
+def _seed_before_step(seed: int) -> int:
+    """The seed of the previous cut, given the seed a cut made from it."""
+    return ((seed - _SEED_ADD) * _SEED_MUL_INVERSE) % _SEED_MOD
+
+
+def _warn_draws_before_cut() -> None:
+    """Random numbers were drawn on the device before a cut xla_fsdp made: the rest of the step draws
+    as the program would, but the seed of the program's next cut cannot be the one it would have
+    been (torch_xla sets seed and running seed together)."""
+    if _WARNED_DRAWS.is_set():
+        return
+    _WARNED_DRAWS.set()
+    import warnings
+    warnings.warn("xla_fsdp had to run the graph (a sync) after random numbers were drawn on the device in this "
+                  "step (dropout, torch.rand): from the next step on, the random numbers differ from the same "
+                  "program unwrapped (torch_xla advances its seed at every graph cut). This happens with "
+                  "host-offloaded gradients (land_gradients) and host reads inside a step; see docs/usage.md, "
+                  "'Exactness rules'", stacklevel=3)
 
 
 # --- gradient collectives outside torch_xla's collective token --------------------------------------

@@ -235,4 +235,4 @@ class GradientReduction:
         # on XLA this runs the step, and a live full parameter would be one more output of it).
         land_gradients([u._offload for u in self.step_state.units_in_tree if u._offload is not None], self.comms.sync)
         if self.sync_on_finalization:
-            self.comms.sync()
+            self.comms.sync(keep_rng=False)  # the program's step marker: the seed advances as at its own
