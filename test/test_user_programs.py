@@ -315,3 +315,57 @@ def test_xla_random_draws_are_the_unwrapped_programs(world_size):
         for name in ("wrapper", "fully_shard"):
             worst = max(abs(a - b) for a, b in zip(results[name], results["unwrapped"]))
             assert worst <= 1e-6, (rank, name, results)
+
+
+class _TiedLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.body, self.head = nn.Embedding(10, 8), nn.Linear(8, 8), nn.Linear(8, 10, bias=False)
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.body(self.emb(ids))))
+
+
+def _tie_after_wrapping(rank: int, world_size: int, how: str = "wrapper", device: Any = None) -> str:
+    """Tie head.weight to emb.weight after wrapping, as Hugging Face's tie_weights()/post_init do:
+    the next forward must refuse (before, it trained the untied model: loss 2.5844 at step 0 where
+    the tied model's is 7.8235)."""
+    import xla_fsdp
+    with _RNG_LOCK:  # XLA:CPU device threads share the CPU generator
+        torch.manual_seed(0)
+        net = _TiedLM() if device is None else _TiedLM().to(device)
+    if how == "fully_shard":
+        xla_fsdp.fully_shard(net)
+        model, inner = net, net
+    else:
+        model = FSDP(net, flatten_parameters=how == "flat")
+        inner = model.module
+    inner.head.weight = inner.emb.weight
+    ids = torch.tensor([[1, 2, 3]]) if device is None else torch.tensor([[1, 2, 3]]).to(device)
+    try:
+        model(ids).sum().backward()
+    except RuntimeError as e:
+        return str(e)
+    return "trained"
+
+
+@pytest.mark.parametrize("how", ["wrapper", "flat"])
+def test_tying_after_wrapping_is_refused_naming_both_parameters(how):
+    """Issue 54 item 1 on 2 gloo ranks (per-parameter and flat shards)."""
+    for outcome in run_ranks(functools.partial(_tie_after_wrapping, how=how), 2):
+        assert "'head.weight' was given the parameter 'emb.weight' after wrapping" in outcome, outcome
+        assert "tie them before wrapping" in outcome and "summon_full_params" in outcome, outcome
+
+
+def _xla_tie_after_wrapping(how: str) -> str:
+    import torch_xla
+    return _tie_after_wrapping(0, 0, how, torch_xla.device())
+
+
+@pytest.mark.xla
+def test_tying_after_wrapping_is_refused_on_xla_devices():
+    """Issue 54 item 1 on 2 XLA:CPU devices: the wrapper (per-parameter, flat) and fully_shard."""
+    with xla_cpu_devices(2):
+        for how in ("wrapper", "flat", "fully_shard"):
+            for outcome in run_multiprocess(_xla_tie_after_wrapping, how).values():
+                assert "'head.weight' was given the parameter 'emb.weight' after wrapping" in outcome, (how, outcome)

@@ -133,6 +133,7 @@ class ForwardPass:
             self._unshard(backward=True)
         else:
             if self.step_state.is_root:
+                _refuse_reassigned_parameters(self)
                 # Parameters frozen or unfrozen since the last step: every rank must do the same.
                 if any([unit._follow_requires_grad() for unit in self.step_state.units_in_tree]):
                     self._find_trainable_groups()
@@ -279,3 +280,23 @@ class ForwardPass:
         """Free this unit's full parameters; the shards stay (FSDP2's ``reshard()``)."""
         for group in self.gather_groups:
             group.reshard()
+
+
+def _refuse_reassigned_parameters(root: Any) -> None:
+    """A parameter attribute assigned after wrapping (tying ``head.weight = emb.weight`` as Hugging
+    Face's ``tie_weights()`` does, or a new ``nn.Parameter``) would be dropped at the next gather and
+    training would go on with the unit's own shard: refused at the root's next forward instead."""
+    for unit in root.step_state.units_in_tree:
+        for group in unit.gather_groups:
+            found = group.reassigned_slot()
+            if found is None:
+                continue
+            prefix = next(p for p, u in named_units(root) if u is unit)
+            name, value = found
+            source = getattr(value, "_xla_fsdp_name", None)
+            what = f"the parameter '{source}'" if source is not None else f"a {type(value).__name__} of its own"
+            raise RuntimeError(
+                f"xla_fsdp: '{prefix}{name}' was given {what} after wrapping, but the unit computes with its own "
+                f"shard of '{prefix}{name}': training would ignore the assignment. To tie parameters (tie_weights(), "
+                "post_init), tie them before wrapping: tied parameters then share one shard. To give a parameter "
+                "new values, assign or copy them inside `with XlaFullyShardedDataParallel.summon_full_params(model):`.")

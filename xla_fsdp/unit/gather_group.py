@@ -137,6 +137,7 @@ class GatherGroup:
                 self.full.register_hook(hook)  # ``full`` is the parameter the module computes with
         # The originals stop being registered parameters; the module reads full data through
         # plain attributes that ``install`` refreshes after every gather.
+        self._set_values: List[Optional[torch.Tensor]] = []  # what install last gave each member's places
         for ref in refs:
             for module, attr in ref.slots:
                 module._parameters.pop(attr, None)
@@ -288,6 +289,20 @@ class GatherGroup:
             self._installed = values if self.state is ShardedState.UNSHARDED else None
             self._record_edges()
 
+    def reassigned_slot(self) -> Optional[Tuple[str, torch.Tensor]]:
+        """(name in the unit, value) of a member's attribute the program gave a tensor of its own since
+        the last install (``module.weight = other.weight``, as ``tie_weights()`` does), if any: the
+        next install would silently put the unit's own back."""
+        for ref, installed in zip(self.refs, self._set_values):
+            for (module, attr), name in zip(ref.slots, [ref.fqn, *ref.aliases]):
+                value = module._parameters.get(attr)  # a Parameter: registered by nn.Module.__setattr__
+                if value is None:
+                    value = module.__dict__.get(attr)  # a plain tensor (another member's FreedParameter)
+                    if value is installed or not isinstance(value, torch.Tensor):
+                        continue
+                return name, value
+        return None
+
     def _freed_values(self) -> List[torch.Tensor]:
         """Stand-ins that know each member's shape and refuse data access (see freed.py)."""
         shapes = [self.full_shape] if not self.flat else self.layout.shapes
@@ -417,6 +432,7 @@ class GatherGroup:
         for ref, value in zip(self.refs, values):
             for module, attr in ref.slots:
                 set_module_tensor(module, attr, value)
+        self._set_values = list(values)
 
     def module_values(self) -> List[torch.Tensor]:
         """What the module's first place of each member holds now (a program may have assigned a
