@@ -629,5 +629,7 @@ def test_modules_that_cannot_be_sharded_are_named_with_the_fix(gloo):
     with pytest.raises(TypeError, match=r"parameter 'w' is torch.complex64; complex parameters cannot be sharded.*"
                                         r"view_as_real"):
         FSDP(Complex())
+    with pytest.raises(TypeError, match=r"parameter .0.weight. belongs to Embedding\(max_norm=1.0\), which renorm"):
+        FSDP(nn.Sequential(nn.Embedding(10, 4, max_norm=1.0), nn.Linear(4, 2)))  # issue 54 item 3
     frozen = nn.Embedding(10, 4, sparse=True).requires_grad_(False)  # no gradient: nothing sparse to reduce
     FSDP(nn.Sequential(frozen, nn.Linear(4, 2)))

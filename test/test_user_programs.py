@@ -369,3 +369,92 @@ def test_tying_after_wrapping_is_refused_on_xla_devices():
         for how in ("wrapper", "flat", "fully_shard"):
             for outcome in run_multiprocess(_xla_tie_after_wrapping, how).values():
                 assert "'head.weight' was given the parameter 'emb.weight' after wrapping" in outcome, (how, outcome)
+
+
+class _ClampsItsWeight(nn.Module):
+    """Keeps its weight in [-0.2, 0.2] by clamping it in place in forward (a constraint some models
+    enforce so): unsharded, the clamp changes the parameter for good."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 8)
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.fc.weight.clamp_(-0.2, 0.2)
+        return self.fc(x)
+
+
+def _clamp_net() -> nn.Module:
+    torch.manual_seed(0)
+    net = nn.Sequential(_ClampsItsWeight(), nn.Tanh(), nn.Linear(8, 3))
+    with torch.no_grad():
+        net[0].fc.weight.mul_(3.0)  # most of it outside the range: the first clamp changes it
+    return net
+
+
+def _clamp_batches(rank: int, world_size: int) -> List[torch.Tensor]:
+    return [torch.randn(4, 6, generator=torch.Generator().manual_seed(100 * s + rank)) for s in range(3)]
+
+
+def _clamp_sharded(rank: int, world_size: int, how: str = "per_param") -> Dict[str, Any]:
+    kw = {"flat": {"flatten_parameters": True}, "zero2": {"sharding_strategy": "SHARD_GRAD_OP"}}.get(how, {})
+    model = FSDP(nn.Sequential(FSDP(_clamp_net()[0], **kw), *list(_clamp_net())[1:]), **kw)
+    losses = _train(model, _clamp_batches(rank, world_size))
+    return {"losses": losses, "full": full_state_dict(model, rank0_only=False)}
+
+
+@pytest.mark.parametrize("how", ["per_param", "zero2"])
+def test_a_module_that_edits_its_weight_in_forward_keeps_the_edit(how):
+    """Issue 54 item 3, 2 gloo ranks. Before: the clamp landed on the gathered copy and was dropped at
+    the next gather (the weights came out off by up to 0.29). Now the edit becomes the shards, as
+    unsharded. (Flattened on gloo, PyTorch itself refuses the in-place edit of a split view.)"""
+    world_size = 2
+    results = run_ranks(functools.partial(_clamp_sharded, how=how), world_size)
+    reference = _clamp_net()
+    batches = [torch.cat([_clamp_batches(r, world_size)[s] for r in range(world_size)]) for s in range(3)]
+    want_losses = _train(reference, batches)
+    for result in results:
+        assert not isinstance(result, str), result
+        mean = [sum(r["losses"][s] for r in results) / world_size for s in range(3)]
+        assert max(abs(a - b) for a, b in zip(mean, want_losses)) <= 1e-5, (mean, want_losses)
+        want = reference.state_dict()
+        worst = max((result["full"][k] - want[k]).abs().max().item() for k in want)
+        assert worst <= 1e-5, worst
+
+
+def _xla_clamp_programs() -> Dict[str, List[float]]:
+    """The clamping model on an XLA device: unwrapped and wrapped (nested, per-parameter), every
+    rank the same batches."""
+    import torch_xla
+
+    import xla_fsdp
+    device = torch_xla.device()
+
+    def train(wrap: Callable[[nn.Module], nn.Module]) -> List[float]:
+        with _RNG_LOCK:
+            net = _clamp_net().to(device)
+        model = wrap(net)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        losses = []
+        for x in _clamp_batches(0, 1):
+            loss = model(x.to(device)).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            xla_fsdp.sync()
+            losses.append(loss.item())
+        return losses
+    return {"unwrapped": train(lambda m: m), "wrapped": train(lambda m: FSDP(nn.Sequential(FSDP(m[0]), *list(m)[1:])))}
+
+
+@pytest.mark.xla
+@pytest.mark.xfail(strict=True, reason="open (issue 54 item 3 on XLA): the clamp in forward does not reach the "
+                   "computation on XLA (loss 0.4239 at step 0 where unwrapped gives 0.1494), before and after the "
+                   "gloo fix; the cause is not found yet")
+def test_a_module_that_edits_its_weight_in_forward_keeps_the_edit_on_xla():
+    """Issue 54 item 3 on 2 XLA:CPU devices."""
+    with xla_cpu_devices(2):
+        by_rank = run_multiprocess(_xla_clamp_programs)
+    for results in by_rank.values():
+        assert max(abs(a - b) for a, b in zip(results["wrapped"], results["unwrapped"])) <= 1e-6, results

@@ -119,6 +119,12 @@ def collect_params(module: nn.Module, leave: Set[int] = frozenset(), storage_dty
             refs[id(p)].aliases.append(fqn)
             return
         _check_shardable(p, fqn, storage_dtype)
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None and name == "weight":
+            raise TypeError(
+                f"xla_fsdp: parameter '{fqn}' belongs to {type(m).__name__}(max_norm={m.max_norm}), which renormalises "
+                "in place, in forward, the rows its batch looks up: each rank would edit other rows of the shared "
+                "table. Build it with max_norm=None and renormalise the table after each optimizer step on every "
+                "rank, inside `with XlaFullyShardedDataParallel.summon_full_params(model):`.")
         if getattr(m, "sparse", False) is True and isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and p.requires_grad:
             raise TypeError(
                 f"xla_fsdp: parameter '{fqn}' belongs to {type(m).__name__}(sparse=True), whose gradient is a "

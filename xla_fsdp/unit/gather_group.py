@@ -427,6 +427,20 @@ class GatherGroup:
             block = shard_of(padded, self.comms.rank, self.comms.world_size)
             self.shard.copy_(block.reshape(self.shard.shape).to(self.shard.device, self.shard.dtype))
 
+    def installed_versions(self) -> List[int]:
+        """The version counters of what the module holds now (each member, or the flat buffer its
+        views share), to tell an in-place edit in forward."""
+        return [v._version if isinstance(v, torch.Tensor) else -1 for v in self._set_values]
+
+    def keep_edits(self, versions: List[int]) -> bool:
+        """A module that changed its own full parameters in place during forward (a clamp under
+        ``no_grad``, ``nn.Embedding(max_norm=...)``'s renorm) changed them for good in unsharded
+        training: its edit becomes this rank's shard, as ``summon_full_params`` writes back."""
+        if self.state is not ShardedState.UNSHARDED or self.installed_versions() == versions:
+            return False
+        self.write_back(self.module_values())
+        return True
+
     def set_module_values(self, values: List[Optional[torch.Tensor]]) -> None:
         """Point every place that refers to a member at ``values`` (``install`` puts ``full`` back)."""
         for ref, value in zip(self.refs, values):
