@@ -99,6 +99,7 @@ class GatherGroup:
         # Its gradient is reduced here: torch_xla's all-reduce of every gradient (xm.optimizer_step,
         # Accelerate's XLA path) must leave it out (see collectives/xla_gradients.py).
         self.shard._xla_fsdp_reduced = True
+        self.shard._xla_fsdp_group = self  # the optimizer check reads the original names and shapes
         self._fingerprint_version = self.shard._version  # a load before the first forward makes it stale
         # torch_xla's attributes, read by its clients (Lightning's XLAFSDPStrategy finds the optimizer's
         # shards by ``_is_sharded``): the size and name of what the shard is part of; ``_name`` is set

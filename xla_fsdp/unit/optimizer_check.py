@@ -4,7 +4,7 @@ warned about once (its steps on shards differ from unsharded training)."""
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import Any, List, Tuple
 
 import torch
 
@@ -24,6 +24,66 @@ def _warn_if_shape_dependent(optimizer: torch.optim.Optimizer) -> None:
             "shards (1-D or dim-0 blocks of each parameter), so its steps differ from unsharded training. Use an "
             "element-wise optimizer (SGD, Adam, AdamW, RMSprop, Adagrad, ...), which are exact; see docs/usage.md.",
             stacklevel=3)
+
+
+# The usual no-decay recipes: by name (transformers' ["bias", "LayerNorm.weight"]) and by dimension
+# (nanoGPT, timm: p.dim() >= 2 decays). Each is applied to what the program sees: the shards' names and
+# dims, and to the original parameters the shards hold.
+def _no_decay_by_name(names: List[str]) -> bool:
+    return any("bias" in n or "LayerNorm.weight" in n or "layer_norm.weight" in n for n in names)
+
+
+def _no_decay_by_dim(shapes: List[Tuple[int, ...]]) -> bool:
+    return any(len(s) < 2 for s in shapes)
+
+
+def _refuse_recipes_applied_to_shards(optimizer: torch.optim.Optimizer) -> None:
+    """Parameter groups that split weight decay the way a no-decay recipe splits the shards, where the
+    same recipe splits the original parameters otherwise: the program applied its recipe to the
+    shards' names or dims (1-D blocks, names the unit made), so the optimizer would decay the wrong
+    parameters, silently. Refused at the first step with the supported way."""
+    decays = {float(g.get("weight_decay", 0.0) or 0.0) for g in optimizer.param_groups}
+    if len(decays) < 2:
+        return
+    shards = [(p, g) for g in optimizer.param_groups for p in g["params"] if hasattr(p, "_xla_fsdp_group")]
+    if not shards:
+        return
+    no_decay_seen = [float(g.get("weight_decay", 0.0) or 0.0) == 0.0 for _, g in shards]
+    for rule, on_shard, on_originals in (
+            ("by name (['bias', 'LayerNorm.weight'])",
+             lambda p: _no_decay_by_name([_shard_name(p)]),
+             lambda grp: [_no_decay_by_name([n]) for n in grp.names]),
+            ("by dimension (p.dim() < 2)",
+             lambda p: _no_decay_by_dim([tuple(p.shape)]),
+             lambda grp: [_no_decay_by_dim([tuple(s)]) for s in _member_shapes(grp)])):
+        if [on_shard(p) for p, _ in shards] != no_decay_seen:
+            continue  # not this recipe on the shards
+        for p, _ in shards:
+            group = p._xla_fsdp_group
+            wanted = on_originals(group)
+            if len(set(wanted)) > 1 or wanted[0] != on_shard(p):
+                name = next(n for n, w in zip(group.names, wanted) if w != on_shard(p))
+                raise RuntimeError(
+                    f"xla_fsdp: this {type(optimizer).__name__}'s groups split weight decay {rule} applied to the "
+                    f"shards, which gives another split than on the original parameters (e.g. '{name}' would get "
+                    f"{'no ' if on_shard(p) else ''}weight decay, unlike unsharded training): shards are 1-D blocks "
+                    "named by the unit. Build the groups from the original names with "
+                    "model.optimizer_param_groups(lambda name: {'weight_decay': 0.0} if <your rule on name> else {})"
+                    " (docs/usage.md, 'Optimizer groups by original name').")
+
+
+def _shard_name(shard: torch.Tensor) -> str:
+    """The name the program saw for a shard in named_parameters() (its last part): '_fsdp_shard...'
+    with the original dots replaced, or 'flat_param_N'."""
+    from ..shard_names import SHARD_PREFIX, SHARD_SEPARATOR
+    group = shard._xla_fsdp_group
+    if group.flat:
+        return group.flat_name or "flat_param"
+    return SHARD_PREFIX + group.names[0].replace(".", SHARD_SEPARATOR)
+
+
+def _member_shapes(group: Any) -> List[Tuple[int, ...]]:
+    return [tuple(s) for s in group.layout.shapes] if group.flat or not group.dim0 else [tuple(group.full_shape)]
 
 
 def install_optimizer_check() -> None:
@@ -46,6 +106,7 @@ def install_optimizer_check() -> None:
                 "would change nothing. Build the optimizer after wrapping, from the wrapped model: "
                 "optimizer = torch.optim.AdamW(fsdp_model.parameters(), ...)")
         _warn_if_shape_dependent(optimizer)
+        _refuse_recipes_applied_to_shards(optimizer)
         optimizer._xla_fsdp_checked = count
 
     patches.add_hook("hook: torch.optim optimizer step pre-hook (xla_fsdp optimizer check)",
