@@ -85,7 +85,7 @@ def pytest_sessionfinish(session, exitstatus):
 # passes --no-loadscope-reorder: without it xdist hands files out by their number of tests instead.
 # Measured: `python tools/test_times.py` after make test (both environments, 2026-11-26, stop 48).
 SLOWEST_FILES = ["test_checkpoints.py", "test_preemption.py", "test_differential.py", "test_examples.py",
-                 "test_docs.py", "test_equivalence.py", "test_hf_trainer.py", "test_spmd.py",
+                 "test_install.py", "test_docs.py", "test_equivalence.py", "test_hf_trainer.py", "test_spmd.py",
                  "test_llama_fsdp2_example.py", "test_lm_example.py",
                  "test_dcp.py", "test_output_rule.py", "test_offload.py", "test_user_collectives.py",
                  "test_user_programs.py", "test_patches.py", "test_hf_export.py", "test_xla_defects.py",
