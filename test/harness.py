@@ -589,6 +589,25 @@ def _xla_worker(names: List[str], kwargs: dict) -> Dict[str, Any]:
     return {name: train_sharded(name, rank, device, xla_fsdp.sync, barrier, **kwargs) for name in names}
 
 
+def xla_steps(model: nn.Module, optimizer: torch.optim.Optimizer, batches: List[torch.Tensor],
+              forward_context: Callable[[], Any] = contextlib.nullcontext) -> List[float]:
+    """A user's plain XLA training loop: each batch to the model's device, forward (inside
+    ``forward_context()``, e.g. autocast), the mean square of the output as the loss, a step and
+    ``xla_fsdp.sync()``; the losses."""
+    import torch_xla
+    losses = []
+    for x in batches:
+        with forward_context():
+            out = model(x.to(torch_xla.device()))
+        loss = out.float().square().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        xla_fsdp.sync()
+        losses.append(loss.item())
+    return losses
+
+
 def run_multiprocess(fn: Callable[..., Any], *args: Any) -> Dict[int, Any]:
     """torch_xla's ``pjrt.run_multiprocess`` (results by rank) with what several XLA:CPU devices need
     (``xla_fsdp.enable_xla_cpu_devices``), installed for this call only, as ``xla_fsdp.launch`` does."""

@@ -128,19 +128,9 @@ def _autocast_programs():
                                  nn.Linear(16, 4)).to(device)
 
     def train(model):
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        losses = []
-        for step in range(3):
-            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step)).to(device)
-            with torch.autocast("xla", dtype=torch.bfloat16):
-                out = model(x)
-            loss = out.float().square().mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            xla_fsdp.sync()
-            losses.append(loss.item())
-        return losses
+        batches = [torch.randn(4, 8, generator=torch.Generator().manual_seed(step)) for step in range(3)]
+        return harness.xla_steps(model, torch.optim.AdamW(model.parameters(), lr=1e-2), batches,
+                                 lambda: torch.autocast("xla", dtype=torch.bfloat16))
 
     results = {"unwrapped": train(build())}
     results["wrapper"] = train(FSDP(build()))

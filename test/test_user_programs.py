@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from harness import _free_port, end_process_group, run_multiprocess, xla_cpu_devices
+from harness import _free_port, end_process_group, run_multiprocess, xla_cpu_devices, xla_steps
 from xla_fsdp import XlaFullyShardedDataParallel as FSDP
 from xla_fsdp.checkpoints import full_state_dict
 
@@ -279,17 +279,8 @@ def _xla_dropout_programs() -> Dict[str, List[float]]:
         model = build()
         xm.set_rng_state(1234, device)  # before wrapping: the wrap's own syncs must not move it
         model = wrap(model)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        losses = []
-        for step in range(3):
-            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step)).to(device)
-            loss = model(x).square().mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            xla_fsdp.sync()
-            losses.append(loss.item())
-        return losses
+        batches = [torch.randn(4, 8, generator=torch.Generator().manual_seed(step)) for step in range(3)]
+        return xla_steps(model, torch.optim.SGD(model.parameters(), lr=0.1), batches)
 
     def nested(model: nn.Module) -> nn.Module:
         return FSDP(model, auto_wrap_policy=lambda module, recurse, **k: recurse or isinstance(module, Block))
@@ -428,23 +419,13 @@ def _xla_clamp_programs() -> Dict[str, List[float]]:
     rank the same batches."""
     import torch_xla
 
-    import xla_fsdp
     device = torch_xla.device()
 
     def train(wrap: Callable[[nn.Module], nn.Module]) -> List[float]:
         with _RNG_LOCK:
             net = _clamp_net().to(device)
         model = wrap(net)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        losses = []
-        for x in _clamp_batches(0, 1):
-            loss = model(x.to(device)).square().mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            xla_fsdp.sync()
-            losses.append(loss.item())
-        return losses
+        return xla_steps(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), _clamp_batches(0, 1))
     return {"unwrapped": train(lambda m: m), "wrapped": train(lambda m: FSDP(nn.Sequential(FSDP(m[0]), *list(m)[1:])))}
 
 
