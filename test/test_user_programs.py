@@ -4,6 +4,7 @@ The training-loop patterns themselves (freezing, clipping, loss scaling, hooks, 
 outputs) are dimensions of the differential suite (test_differential.py)."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import tempfile
@@ -414,31 +415,77 @@ def test_a_module_that_edits_its_weight_in_forward_keeps_the_edit(how):
         assert worst <= 1e-5, worst
 
 
-def _xla_clamp_programs() -> Dict[str, List[float]]:
-    """The clamping model on an XLA device: unwrapped and wrapped (nested, per-parameter), every
-    rank the same batches."""
+def _xla_clamp_programs(how: str) -> Dict[str, Any]:
+    """The clamping model on an XLA device, every rank the same batches: the wrapped program must
+    refuse at its first forward; the advised fix (clamp once before training and after each step,
+    inside summon_full_params(writeback=True)) must train as the unwrapped clamping model."""
     import torch_xla
+    import xla_fsdp
 
     device = torch_xla.device()
 
-    def train(wrap: Callable[[nn.Module], nn.Module]) -> List[float]:
-        with _RNG_LOCK:
-            net = _clamp_net().to(device)
+    def wrap(net: nn.Module) -> nn.Module:
+        if how == "fully_shard":
+            xla_fsdp.fully_shard(net[0])
+            return xla_fsdp.fully_shard(net)
+        kw = {"flatten_parameters": how == "flat"}
+        return FSDP(nn.Sequential(FSDP(net[0], **kw), *list(net)[1:]), **kw)
+
+    with _RNG_LOCK:
+        net = _clamp_net().to(device)
+    try:
         model = wrap(net)
-        return xla_steps(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), _clamp_batches(0, 1))
-    return {"unwrapped": train(lambda m: m), "wrapped": train(lambda m: FSDP(nn.Sequential(FSDP(m[0]), *list(m)[1:])))}
+        refused = "trained: " + str(xla_steps(model, torch.optim.SGD(model.parameters(), lr=0.1), _clamp_batches(0, 1)))
+    except RuntimeError as e:
+        refused = str(e)
+    if how != "per_param":
+        return {"refused": refused}
+
+    def clamped_after_each_step(model: nn.Module, inner: nn.Module) -> List[float]:
+        def clamp() -> None:
+            with FSDP.summon_full_params(model, writeback=True) if isinstance(model, FSDP) else \
+                    contextlib.nullcontext(), torch.no_grad():
+                inner.fc.weight.clamp_(-0.2, 0.2)
+        clamp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        losses = []
+        for x in _clamp_batches(0, 1):
+            losses += xla_steps(model, opt, [x])
+            clamp()
+        return losses
+
+    with _RNG_LOCK:
+        plain = _clamp_net()
+    plain[0].forward = lambda x, m=plain[0]: m.fc(x)  # the constraint kept by the loop instead
+    plain = plain.to(device)
+    with _RNG_LOCK:
+        edited = _clamp_net()
+    edited[0].forward = lambda x, m=edited[0]: m.fc(x)
+    edited = edited.to(device)
+    wrapped = FSDP(nn.Sequential(FSDP(edited[0]), *list(edited)[1:]))
+    with _RNG_LOCK:
+        reference = _clamp_net().to(device)
+    return {"refused": refused, "reference": xla_steps(reference, torch.optim.SGD(reference.parameters(), lr=0.1,
+                                                                                    momentum=0.9), _clamp_batches(0, 1)),
+            "unwrapped_fix": clamped_after_each_step(plain, plain[0]),
+            "wrapped_fix": clamped_after_each_step(wrapped, wrapped.module[0].module)}
 
 
 @pytest.mark.xla
-@pytest.mark.xfail(strict=True, reason="open (issue 54 item 3 on XLA): the clamp in forward does not reach the "
-                   "computation on XLA (loss 0.4239 at step 0 where unwrapped gives 0.1494), before and after the "
-                   "gloo fix; the cause is not found yet")
-def test_a_module_that_edits_its_weight_in_forward_keeps_the_edit_on_xla():
-    """Issue 54 item 3 on 2 XLA:CPU devices."""
+def test_a_module_that_edits_its_weight_in_forward_is_refused_on_xla():
+    """Issue 54 item 3 on 2 XLA:CPU devices. Before: the clamp wrote through XLA's gathered parameter
+    (a broadcast view) to garbage, silently (loss 0.4239 at step 0 where unwrapped gives 0.1494). Now
+    the first forward refuses on every rank, naming the parameter and the fix; the fix trains as the
+    clamping model does unsharded (1e-6)."""
     with xla_cpu_devices(2):
-        by_rank = run_multiprocess(_xla_clamp_programs)
-    for results in by_rank.values():
-        assert max(abs(a - b) for a, b in zip(results["wrapped"], results["unwrapped"])) <= 1e-6, results
+        for how in ("per_param", "flat", "fully_shard"):
+            by_rank = run_multiprocess(_xla_clamp_programs, how)
+            for results in by_rank.values():
+                assert "'fc.weight' was changed in place during forward" in results["refused"], (how, results)
+                assert "summon_full_params(model, writeback=True)" in results["refused"], results["refused"]
+                for fix in ("unwrapped_fix", "wrapped_fix") if how == "per_param" else ():
+                    worst = max(abs(a - b) for a, b in zip(results[fix], results["reference"]))
+                    assert worst <= 1e-6, (how, fix, results)
 
 
 class _WithNorm(nn.Module):

@@ -113,6 +113,11 @@ class Collectives(abc.ABC):
     #: ``Schedule.end_forward``) then only live longer and raise the peak
     compiles_step: bool = False
 
+    #: whether ``full`` takes an in-place edit (a module clamping its weight in forward) as eager
+    #: storage does; XLA's ``full`` is born a broadcast view (see ``new_full``), whose in-place ops
+    #: write through to its one-element base and come back as other values
+    takes_in_place_edits: bool = True
+
     @abc.abstractmethod
     def free(self, full: torch.Tensor) -> None:
         """Release the memory behind ``full``; the next ``gather_into`` refills it."""

@@ -102,6 +102,7 @@ class XlaCollectives(Collectives):
     name = "xla"
     views_see_refills = False
     compiles_step = True
+    takes_in_place_edits = False
 
     def __init__(self, groups: Optional[Sequence[Sequence[int]]] = None,
                  rank: Optional[int] = None, world_size: Optional[int] = None,

@@ -149,13 +149,13 @@ class ForwardPass:
         versions = None if in_backward else [g.installed_versions() for g in self.gather_groups]
         try:
             outputs = self._fsdp_wrapped_module(*args, **kwargs)
+            if versions is not None:  # parameters the module edited in place: the edit stays, as unsharded
+                for group, before in zip(self.gather_groups, versions):
+                    group.keep_edits(before)
         except BaseException:
             if not in_backward:
                 self._abandon_forward()
             raise
-        if versions is not None:  # parameters the module edited in place: the edit stays, as unsharded
-            for group, before in zip(self.gather_groups, versions):
-                group.keep_edits(before)
         if self.step_state.is_root and not in_backward:
             self.step_state.schedule.end_forward(self.step_state.units_in_tree,
                                                  keep_last=not self.comms.compiles_step)

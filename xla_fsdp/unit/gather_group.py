@@ -437,8 +437,19 @@ class GatherGroup:
         """A module that changed its own full parameters in place during forward (a clamp under
         ``no_grad``, ``nn.Embedding(max_norm=...)``'s renorm) changed them for good in unsharded
         training: its edit becomes this rank's shard, as ``summon_full_params`` writes back."""
-        if self.state is not ShardedState.UNSHARDED or self.installed_versions() == versions:
+        now = self.installed_versions()
+        if self.state is not ShardedState.UNSHARDED or now == versions:
             return False
+        if not self.comms.takes_in_place_edits:
+            edited = [ref for ref, a, b in zip(self.refs, versions, now) if a != b] if self.flat else self.refs
+            name = edited[0].fqn if edited else self.refs[0].fqn
+            raise RuntimeError(
+                f"xla_fsdp: '{name}' was changed in place during forward (a clamp_ or other in-place op "
+                f"under torch.no_grad(), a renorm): on {self.comms.name} a unit's gathered parameters cannot "
+                "keep an in-place edit, and this step would compute with other values than unsharded. Edit "
+                "the weights outside forward (after optimizer.step(), inside "
+                "`with XlaFullyShardedDataParallel.summon_full_params(model, writeback=True):`), or compute with an edited copy "
+                "(`F.linear(x, self.fc.weight.clamp(-1, 1), self.fc.bias)`); docs/usage.md, exactness rules")
         self.write_back(self.module_values())
         return True
 
