@@ -465,8 +465,8 @@ def _xla_clamp_programs(how: str) -> Dict[str, Any]:
     wrapped = FSDP(nn.Sequential(FSDP(edited[0]), *list(edited)[1:]))
     with _RNG_LOCK:
         reference = _clamp_net().to(device)
-    return {"refused": refused, "reference": xla_steps(reference, torch.optim.SGD(reference.parameters(), lr=0.1,
-                                                                                    momentum=0.9), _clamp_batches(0, 1)),
+    sgd = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    return {"refused": refused, "reference": xla_steps(reference, sgd, _clamp_batches(0, 1)),
             "unwrapped_fix": clamped_after_each_step(plain, plain[0]),
             "wrapped_fix": clamped_after_each_step(wrapped, wrapped.module[0].module)}
 
@@ -526,3 +526,85 @@ def test_no_decay_recipes_applied_to_shards_are_refused_at_the_first_step(gloo, 
     opt = torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.1)
     model(torch.randn(4, 6)).sum().backward()
     opt.step()  # the supported way passes
+
+
+class _InnerCheckpointed(nn.Module):
+    """A block that checkpoints part of itself with a reentrant checkpoint of the user's own
+    (``fc1`` alone, or its whole MLP), inside ``checkpoint_module``'s checkpoint of the block."""
+
+    def __init__(self, part: str, checkpoint: Callable[..., Any]):
+        super().__init__()
+        self.part, self.checkpoint = part, checkpoint
+        self.mlp = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 6))
+
+    def forward(self, x):
+        if self.part == "fc1":
+            return self.mlp[2](torch.tanh(self.checkpoint(self.mlp[0], x))) + x
+        return self.checkpoint(self.mlp, x) + x
+
+
+def _inner_checkpoint_net(part: str, checkpoint: Callable[..., Any]) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 6), _InnerCheckpointed(part, checkpoint), nn.Linear(6, 3))
+
+
+def _wrap_inner_checkpointed(net: nn.Module, flat: bool) -> nn.Module:
+    from xla_fsdp import checkpoint_module
+    return FSDP(nn.Sequential(net[0], FSDP(checkpoint_module(net[1]), flatten_parameters=flat), net[2]),
+                flatten_parameters=flat)
+
+
+def _gloo_checkpoint(fn: Callable[..., Any], *args: Any) -> Any:
+    import torch.utils.checkpoint
+    return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=True)
+
+
+def _inner_checkpoint_sharded(rank: int, world_size: int, part: str, flat: bool) -> List[float]:
+    return _train(_wrap_inner_checkpointed(_inner_checkpoint_net(part, _gloo_checkpoint), flat),
+                  _clamp_batches(rank, world_size))
+
+
+@pytest.mark.parametrize("part", ["fc1", "mlp"])
+@pytest.mark.parametrize("flat", [True, False])
+def test_the_users_reentrant_checkpoint_inside_checkpoint_module(part, flat):
+    """Issue 54 item 5 on 2 gloo ranks: the user's reentrant torch.utils.checkpoint inside
+    FSDP(checkpoint_module(block)) trains as unsharded (the mean of the ranks' losses, 1e-5)."""
+    world_size = 2
+    results = run_ranks(functools.partial(_inner_checkpoint_sharded, part=part, flat=flat), world_size)
+    batches = [torch.cat([_clamp_batches(r, world_size)[s] for r in range(world_size)]) for s in range(3)]
+    want = _train(_inner_checkpoint_net(part, _gloo_checkpoint), batches)
+    assert all(not isinstance(r, str) for r in results), results
+    mean = [sum(r[s] for r in results) / world_size for s in range(3)]
+    assert max(abs(a - b) for a, b in zip(mean, want)) <= 1e-5, (mean, want)
+
+
+def _xla_inner_checkpoint_programs() -> Dict[str, List[float]]:
+    import torch_xla
+    import torch_xla.utils.checkpoint
+
+    def checkpoint(fn: Callable[..., Any], *args: Any) -> Any:  # PyTorch's own cannot run on XLA (torch.xla)
+        return torch_xla.utils.checkpoint.checkpoint(fn, *args)
+    results = {}
+    for part in ("fc1", "mlp"):
+        for how in ("unwrapped", "flat", "per_param"):
+            with _RNG_LOCK:
+                net = _inner_checkpoint_net(part, checkpoint).to(torch_xla.device())
+            model = net if how == "unwrapped" else _wrap_inner_checkpointed(net, how == "flat")
+            results[f"{part}_{how}"] = xla_steps(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                                 _clamp_batches(0, 1))
+    return results
+
+
+@pytest.mark.xla
+def test_the_users_reentrant_checkpoint_inside_checkpoint_module_on_xla():
+    """Issue 54 item 5 on 2 XLA:CPU devices (torch_xla's reentrant checkpoint, every rank the same
+    batches). Before, flattened with fc1 alone checkpointed: the unit reduced and freed its
+    parameters when the outer recompute's backward left fc1 without gradient, and the inner
+    recompute then found them freed ('fc1.weight' ... holds no data here)."""
+    with xla_cpu_devices(2):
+        by_rank = run_multiprocess(_xla_inner_checkpoint_programs)
+    for results in by_rank.values():
+        for part in ("fc1", "mlp"):
+            for how in ("flat", "per_param"):
+                got, want = results[f"{part}_{how}"], results[f"{part}_unwrapped"]
+                assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-5, (part, how, got, want)

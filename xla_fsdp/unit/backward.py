@@ -157,8 +157,9 @@ class GradientReduction:
             return
         if not self.step_state.require_backward_grad_sync:
             return  # no_sync: keep accumulating the full gradient
-        if not final and self._more_gradient_may_come():
+        if not final and (self._more_gradient_may_come() or group.grad_incomplete):
             return  # stays in full.grad: the outer backward, or the end of backward, reduces it
+        group.grad_incomplete = False
         full.grad = None
         if self.comms.world_size == 1 and self.comms.num_replicas == 1:
             # Nothing to reduce (one rank): straight into the shard gradient, no bookkeeping.

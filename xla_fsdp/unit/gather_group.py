@@ -117,6 +117,8 @@ class GatherGroup:
         # The shard's version counter when ``full`` was last gathered from it: any in-place change
         # since (a load, an optimizer step) makes the full copy stale (see ``is_unsharded``).
         self._gathered_version = -1
+        #: a backward pass left some flattened member without gradient (set by ``_SplitFlat``)
+        self.grad_incomplete = False
         # FSDP2's int reshard_after_forward: after forward, this rank's rows of the padded full
         # parameter within a smaller group (its collectives, the piece, the shard version it is of)
         self._post_forward: Optional[Tuple[Collectives, torch.Tensor, int]] = None
@@ -320,6 +322,7 @@ class GatherGroup:
         """A root's forward begins: members handed out before are no longer saved by any graph
         that will run backward. ``record_edges``: note which tensors the module is given (flat)."""
         self._member_sets = [self._members] if self._members is not None and self.is_unsharded() else []
+        self.grad_incomplete = False
         if self.flat and record_edges:
             self.forward_edges = [[] for _ in self.refs]
             self._record_edges()
@@ -356,7 +359,8 @@ class GatherGroup:
                 for member, piece, shape in zip(members, pieces, self.layout.shapes):
                     self.comms.fill_full(member, piece, tuple(shape), lambda t: t)
         else:
-            self._members = self._hooked(list(_SplitFlat.apply(self.full, tuple(sizes), tuple(self.layout.shapes))))
+            members = _SplitFlat.apply(self.full, tuple(sizes), tuple(self.layout.shapes), self)
+            self._members = self._hooked(list(members))
             self._member_sets.append(self._members)
         return self._members
 
@@ -448,7 +452,8 @@ class GatherGroup:
                 f"under torch.no_grad(), a renorm): on {self.comms.name} a unit's gathered parameters cannot "
                 "keep an in-place edit, and this step would compute with other values than unsharded. Edit "
                 "the weights outside forward (after optimizer.step(), inside "
-                "`with XlaFullyShardedDataParallel.summon_full_params(model, writeback=True):`), or compute with an edited copy "
+                "`with XlaFullyShardedDataParallel.summon_full_params(model, writeback=True):`), or compute "
+                "with an edited copy "
                 "(`F.linear(x, self.fc.weight.clamp(-1, 1), self.fc.bias)`); docs/usage.md, exactness rules")
         self.write_back(self.module_values())
         return True
@@ -535,17 +540,27 @@ class _SplitFlat(torch.autograd.Function):
     they can be refilled in place); their gradients join back with one concatenation."""
 
     @staticmethod
-    def forward(ctx, full: torch.Tensor, sizes: Tuple[int, ...], shapes: Tuple[Tuple[int, ...], ...]):
-        ctx.padding = sizes[-1]
+    def forward(ctx, full: torch.Tensor, sizes: Tuple[int, ...], shapes: Tuple[Tuple[int, ...], ...],
+                group: "GatherGroup"):
+        ctx.padding, ctx.group = sizes[-1], group
+        ctx.set_materialize_grads(False)  # a member this backward pass did not reach is told apart
         pieces = torch.split(full, list(sizes))
         return tuple(piece.view(shape).clone() for piece, shape in zip(pieces, shapes))
 
     @staticmethod
-    def backward(ctx, *grads: torch.Tensor):
-        flat = [g.reshape(-1) for g in grads]
+    def backward(ctx, *grads: Optional[torch.Tensor]):
+        # A member without gradient in this pass may get it in a later one (a reentrant checkpoint
+        # inside the module recomputes it in a backward of its own): the unit then waits for the
+        # end of backward before reducing and freeing (see ``ForwardPass._on_full_grad_ready``).
+        ctx.group.grad_incomplete = ctx.group.grad_incomplete or any(g is None for g in grads)
+        some = next((g for g in grads if g is not None), None)
+        if some is None:
+            return None, None, None, None
+        flat = [g.reshape(-1) if g is not None else some.new_zeros(n)
+                for g, n in zip(grads, ctx.group.layout.numels)]
         if ctx.padding:
-            flat.append(grads[0].new_zeros(ctx.padding))
-        return torch.cat(flat), None, None
+            flat.append(some.new_zeros(ctx.padding))
+        return torch.cat(flat), None, None, None
 
 
 def fingerprint(tensors: List[torch.Tensor], samples: int = 1024) -> torch.Tensor:
