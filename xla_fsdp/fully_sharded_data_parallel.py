@@ -359,6 +359,16 @@ class XlaFullyShardedDataParallel(ModuleAdoption, ForwardPass, GradientReduction
         with shards_held_back(self):
             return super()._apply(fn, recurse)
 
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "XlaFullyShardedDataParallel":
+        """A copy would share this rank's process group and gather state with the original and
+        hold only shards: refused, with the way an EMA teacher or a snapshot is made instead."""
+        raise TypeError(
+            f"xla_fsdp: a sharded model ({type(self).__name__}) cannot be deep-copied: its units hold this "
+            "rank's shards, process group and gather state. Copy the model before wrapping and wrap the copy "
+            "the same way (an EMA teacher: `teacher = FSDP(copy.deepcopy(net), **same_arguments)` before "
+            "`student = FSDP(net, **same_arguments)`; its shards then pair with the student's), or take a "
+            "full copy with xla_fsdp.checkpoints.full_state_dict(model)")
+
     # ------------------------------------------------------------------ public methods
     @contextlib.contextmanager
     def no_sync(self) -> Generator[None, None, None]:
