@@ -147,6 +147,14 @@ class GradientReduction:
         return (task is not None and torch._C._current_graph_task_id() != task
                 and not getattr(self._fsdp_wrapped_module, "_xla_fsdp_checkpointed", False))
 
+    def _rest_may_come_in_a_later_pass(self, group: GatherGroup) -> bool:
+        """A nested backward (a checkpoint's recompute) left some of ``group``'s flattened members
+        without gradient: a reentrant checkpoint inside the module may still compute theirs in a pass of
+        its own. Only in nested passes, which run alike on every rank; in the root's pass a member
+        without gradient is one this rank's forward did not use, and its group reduces now, in the
+        same order as on the ranks that used it."""
+        return group.grad_incomplete and torch._C._current_graph_task_id() != self.step_state.schedule.backward_task
+
     @torch.no_grad()
     def _on_full_grad_ready(self, group: GatherGroup, full: torch.Tensor, final: bool = False) -> None:
         """All gradient for ``group`` has been accumulated into ``full.grad``: reduce-scatter it.
@@ -157,7 +165,7 @@ class GradientReduction:
             return
         if not self.step_state.require_backward_grad_sync:
             return  # no_sync: keep accumulating the full gradient
-        if not final and (self._more_gradient_may_come() or group.grad_incomplete):
+        if not final and (self._more_gradient_may_come() or self._rest_may_come_in_a_later_pass(group)):
             return  # stays in full.grad: the outer backward, or the end of backward, reduces it
         group.grad_incomplete = False
         full.grad = None
