@@ -79,6 +79,21 @@ class CountSteps(TrainerCallback):
         self.steps += 1
 
 
+class ShardedDecayTrainer(Trainer):
+    """The documented way to keep the Trainer's weight-decay groups on xla_fsdp's shards: its decay
+    names, found on the unwrapped model (LayerNorms by module type, which shards lack), carried over
+    with ``shard_names_of`` once it has wrapped the model (docs/usage.md)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.unwrapped_decay = super().get_decay_parameter_names(self.model)
+
+    def get_decay_parameter_names(self, model):
+        if hasattr(model, "shard_names_of"):
+            return model.shard_names_of(self.unwrapped_decay)
+        return super().get_decay_parameter_names(model)
+
+
 def _mp_fn(index, flags):
     import torch_xla.runtime as xr
     world_size = xr.world_size()
@@ -90,11 +105,12 @@ def _mp_fn(index, flags):
     args = TrainingArguments(
         output_dir=flags.out, max_steps=flags.steps, per_device_train_batch_size=flags.global_batch // world_size,
         per_device_eval_batch_size=4, learning_rate=3e-3, logging_steps=1, save_steps=flags.save_steps,
-        fsdp="full_shard", fsdp_config=fsdp_config, report_to=[], seed=0, dataloader_drop_last=True,
-        save_safetensors=False, optim="adamw_torch")
+        fsdp="" if flags.plain else "full_shard", fsdp_config=None if flags.plain else fsdp_config, report_to=[],
+        seed=0, dataloader_drop_last=True, save_safetensors=False, optim="adamw_torch", weight_decay=flags.weight_decay)
     counter = CountSteps()
-    trainer = Trainer(model=initial_model(flags.model), args=args, train_dataset=Tokens(256, 0),
-                      eval_dataset=eval_data(), callbacks=[counter])
+    trainer_class = ShardedDecayTrainer if flags.weight_decay else Trainer
+    trainer = trainer_class(model=initial_model(flags.model), args=args, train_dataset=Tokens(256, 0),
+                            eval_dataset=eval_data(), callbacks=[counter])
     trainer.train(resume_from_checkpoint=flags.resume)
     metrics = trainer.evaluate()
     if xr.global_ordinal() == 0:
@@ -120,6 +136,9 @@ if __name__ == "__main__":
     parser.add_argument("--grad_ckpt", action="store_true")
     parser.add_argument("--model", default="gpt2", choices=sorted(BLOCKS))
     parser.add_argument("--resume", default=None, help="a checkpoint directory the Trainer wrote")
+    parser.add_argument("--weight_decay", type=float, default=0.0,
+                        help="the Trainer's weight decay, its groups kept through ShardedDecayTrainer")
+    parser.add_argument("--plain", action="store_true", help="no FSDP: the Trainer on one device, unwrapped")
     parser.add_argument("--v2", action="store_true", help="the Trainer's FSDPv2 path: SPMD, one process for "
                         "all devices (the global batch is the one process's batch)")
     flags = parser.parse_args()

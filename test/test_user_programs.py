@@ -670,3 +670,88 @@ def test_an_ema_teacher_as_a_second_root(flat, zero2):
         worst = max((result["teacher"][k] - v).abs().max().item() for k, v in teacher.state_dict().items())
         assert worst <= 1e-5, worst
         assert "cannot be deep-copied" in result["refused"] and "copy.deepcopy(net)" in result["refused"], result
+
+
+class _Gpt2Like(nn.Module):
+    """GPT-2's naming: LayerNorms called ln_1 / ln_f, which the Trainer finds by module type."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.ln_1, self.mid, self.ln_f, self.out = (nn.Linear(6, 8), nn.LayerNorm(8), nn.Linear(8, 8),
+                                                             nn.LayerNorm(8), nn.Linear(8, 3))
+        with torch.no_grad():
+            for ln in (self.ln_1, self.ln_f):
+                ln.weight.uniform_(0.5, 1.5)
+                ln.bias.uniform_(-0.5, 0.5)
+
+    def forward(self, x):
+        return self.out(self.ln_f(self.mid(self.ln_1(self.fc(x)))))
+
+
+def _gpt2_like() -> nn.Module:
+    torch.manual_seed(0)
+    return _Gpt2Like()
+
+
+def _trainer_groups(model: nn.Module, decay: List[str]) -> List[Dict[str, Any]]:
+    """The two groups transformers' Trainer.create_optimizer builds from its decay names."""
+    return [{"params": [p for n, p in model.named_parameters() if n in decay], "weight_decay": 0.5},
+            {"params": [p for n, p in model.named_parameters() if n not in decay], "weight_decay": 0.0}]
+
+
+def _trainer_recipe_sharded(rank: int, world_size: int) -> Dict[str, Any]:
+    from transformers import Trainer
+    model = FSDP(_gpt2_like())
+    opt = torch.optim.AdamW(_trainer_groups(model, Trainer.get_decay_parameter_names(None, model)), lr=1e-2)
+    model(torch.randn(4, 6)).sum().backward()
+    try:
+        opt.step()
+        refused = "stepped"
+    except RuntimeError as e:
+        refused = str(e)
+    net = _gpt2_like()
+    decay = Trainer.get_decay_parameter_names(None, net)  # on the unwrapped model, before wrapping
+    model = FSDP(net)
+    opt = torch.optim.AdamW(_trainer_groups(model, model.shard_names_of(decay)), lr=1e-2)
+    losses = []
+    for x in _clamp_batches(rank, world_size):
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    flat_model = FSDP(_gpt2_like(), flatten_parameters=True)  # flattening keeps matrices and 1-D apart
+    flat = {"decayed": flat_model.shard_names_of(decay)}
+    try:
+        flat_model.shard_names_of(["fc.bias"])  # a rule that cuts through a flattened shard
+    except ValueError as e:
+        flat["mixed"] = str(e)
+    return {"refused": refused, "losses": losses, "full": full_state_dict(model, rank0_only=False), "flat": flat}
+
+
+def test_the_hf_trainers_decay_groups_on_shards_are_refused_and_shard_names_of_gives_its_groups():
+    """Issue 54 item 2, the Hugging Face Trainer's path (its own get_decay_parameter_names, 2 gloo
+    ranks). Applied to the wrapped model, its rule decays the LayerNorm weights (found by module
+    type, which shards do not have): refused at the first step. The names it gives on the unwrapped
+    model, carried over with model.shard_names_of, train as the Trainer's groups unsharded (1e-5)."""
+    transformers = pytest.importorskip("transformers", reason="test extra: pip install -e .[test]")
+    world_size = 2
+    results = run_ranks(_trainer_recipe_sharded, world_size)
+    net = _gpt2_like()
+    opt = torch.optim.AdamW(_trainer_groups(net, transformers.Trainer.get_decay_parameter_names(None, net)), lr=1e-2)
+    want = []
+    for s in range(3):
+        loss = net(torch.cat([_clamp_batches(r, world_size)[s] for r in range(world_size)])).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        want.append(loss.item())
+    for result in results:
+        assert not isinstance(result, str), result
+        assert "split weight decay" in result["refused"] and "shard_names_of" in result["refused"], result["refused"]
+        assert len(result["flat"]["decayed"]) == 1 and "flat_param_0" in result["flat"]["decayed"][0], result["flat"]
+        assert "one flattened shard holds parameters named (['fc.bias'])" in result["flat"]["mixed"], result["flat"]
+        worst = max((result["full"][k] - v).abs().max().item() for k, v in net.state_dict().items())
+        assert worst <= 1e-5, worst
+    mean = [sum(r["losses"][s] for r in results) / world_size for s in range(3)]
+    assert max(abs(a - b) for a, b in zip(mean, want)) <= 1e-5, (mean, want)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Any, Callable, Dict, Generator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Generator, Iterable, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -434,6 +434,14 @@ class XlaFullyShardedDataParallel(ModuleAdoption, ForwardPass, GradientReduction
         ``flatten_group_fn`` when wrapping, so flattening keeps those parameters apart.
         """
         return param_names.optimizer_param_groups(self, options_fn)
+
+    def shard_names_of(self, original_names: Iterable[str]) -> List[str]:
+        """The names in ``named_parameters()`` of the shards holding the parameters named in
+        ``original_names`` (unwrapped names): a set a recipe computed on the unwrapped model, such as
+        the Hugging Face Trainer's ``get_decay_parameter_names``, carried over to the wrapped one
+        (docs/usage.md, 'Optimizer groups by original name'). A flattened shard that holds named and
+        unnamed parameters raises: pass the same rule as ``flatten_group_fn``."""
+        return param_names.shard_names_of(self, original_names)
 
     def get_shard_metadata(self) -> Dict[str, Any]:
         """What consolidation needs to rebuild full parameters from every rank's ``state_dict()``.

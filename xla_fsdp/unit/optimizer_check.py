@@ -3,6 +3,7 @@
 warned about once (its steps on shards differ from unsharded training)."""
 from __future__ import annotations
 
+import re
 import warnings
 from typing import Any, List, Tuple
 
@@ -37,6 +38,21 @@ def _no_decay_by_dim(shapes: List[Tuple[int, ...]]) -> bool:
     return any(len(s) < 2 for s in shapes)
 
 
+# The Hugging Face Trainer's rule (transformers 4.4x-4.5x get_decay_parameter_names): parameters of
+# nn.LayerNorm modules, and names that match these patterns (lowercased), get no weight decay.
+_TRAINER_PATTERNS = [re.compile(p) for p in (r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)",
+                                             r"_norm(?:$|\.)")]
+
+
+def _no_decay_by_trainer_name(name: str) -> bool:
+    return any(p.search(name.lower()) for p in _TRAINER_PATTERNS)
+
+
+def _no_decay_by_trainer(group: Any) -> List[bool]:
+    return [isinstance(ref.slots[0][0], torch.nn.LayerNorm) or _no_decay_by_trainer_name(ref.fqn)
+            for ref in group.refs]
+
+
 def _refuse_recipes_applied_to_shards(optimizer: torch.optim.Optimizer) -> None:
     """Parameter groups that split weight decay the way a no-decay recipe splits the shards, where the
     same recipe splits the original parameters otherwise: the program applied its recipe to the
@@ -55,7 +71,9 @@ def _refuse_recipes_applied_to_shards(optimizer: torch.optim.Optimizer) -> None:
              lambda grp: [_no_decay_by_name([n]) for n in grp.names]),
             ("by dimension (p.dim() < 2)",
              lambda p: _no_decay_by_dim([tuple(p.shape)]),
-             lambda grp: [_no_decay_by_dim([tuple(s)]) for s in _member_shapes(grp)])):
+             lambda grp: [_no_decay_by_dim([tuple(s)]) for s in _member_shapes(grp)]),
+            ("as the Hugging Face Trainer does (nn.LayerNorm modules; names with bias or norm)",
+             lambda p: _no_decay_by_trainer_name(_shard_name(p)), _no_decay_by_trainer)):
         if [on_shard(p) for p, _ in shards] != no_decay_seen:
             continue  # not this recipe on the shards
         for p, _ in shards:
@@ -69,7 +87,8 @@ def _refuse_recipes_applied_to_shards(optimizer: torch.optim.Optimizer) -> None:
                     f"{'no ' if on_shard(p) else ''}weight decay, unlike unsharded training): shards are 1-D blocks "
                     "named by the unit. Build the groups from the original names with "
                     "model.optimizer_param_groups(lambda name: {'weight_decay': 0.0} if <your rule on name> else {})"
-                    " (docs/usage.md, 'Optimizer groups by original name').")
+                    "; a Trainer: model.shard_names_of(<the names it decays on the unwrapped model>) "
+                    "(docs/usage.md, 'Optimizer groups by original name').")
 
 
 def _shard_name(shard: torch.Tensor) -> str:

@@ -2,7 +2,7 @@
 nested units, and optimizer groups chosen by original name."""
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch.nn as nn
 
@@ -100,3 +100,24 @@ def optimizer_param_groups(root: ShardedUnit,
             entry = groups.setdefault(keys[0], dict(options[0], params=[]))
             entry["params"].append(group.shard)
     return list(groups.values())
+
+
+def shard_names_of(root: ShardedUnit, original_names: Iterable[str]) -> List[str]:
+    """See ``XlaFullyShardedDataParallel.shard_names_of``."""
+    wanted = set(original_names)
+    shard_name = {id(p): n for n, p in root.named_parameters()}
+    found = []
+    for prefix, unit in named_units(root):
+        for group in unit.gather_groups:
+            names = [prefix + n for n in group.names]
+            picked = [n in wanted for n in names]
+            if len(set(picked)) > 1 and group.requires_grad:
+                inside = sorted(n for n, p in zip(names, picked) if p)[:2]
+                outside = sorted(n for n, p in zip(names, picked) if not p)[:2]
+                raise ValueError(
+                    f"xla_fsdp: one flattened shard holds parameters named ({inside}) and others not ({outside}): "
+                    "no shard name stands for the named ones alone. Wrap with flatten_group_fn=lambda name, p: "
+                    "<the same rule> so they are flattened separately, or use flatten_parameters=False")
+            if picked[0] and id(group.shard) in shard_name:
+                found.append(shard_name[id(group.shard)])
+    return found
