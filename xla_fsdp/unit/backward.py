@@ -13,8 +13,16 @@ from .coalesce import start_reduce
 from .gather_group import GatherGroup
 from .schedule import TrainingState
 from .tensor_tree import tensors_in
-from .gradient_usage import GradientPlan, reachable_edges, used_members
+from .gradient_usage import GradientPlan, modules_of, reachable_edges, used_members
 
+
+
+def recomputes_in_a_backward_of_its_own(module: torch.nn.Module, device: torch.device) -> bool:
+    """Whether ``checkpoint_module`` made ``module`` recompute in a nested backward pass: torch_xla's
+    checkpoint (XLA devices) is reentrant; PyTorch's non-reentrant one (eager devices) recomputes
+    inside the pass that needs the activations. A nested pass on eager devices is the program's own
+    reentrant checkpoint, which a later pass may follow."""
+    return bool(getattr(module, "_xla_fsdp_checkpointed", False)) and device.type == "xla"
 
 class GradientReduction:
     """Backward hooks of :class:`~xla_fsdp.XlaFullyShardedDataParallel` (a mixin: it uses the
@@ -39,18 +47,30 @@ class GradientReduction:
             self.step_state.schedule.plan.discard()
         self.step_state.schedule.plan = None
         state = self.step_state
-        record = state.plans_gradients and torch.is_grad_enabled() and state.require_backward_grad_sync
-        if not record:
+        if not (torch.is_grad_enabled() and state.require_backward_grad_sync):
             return
-        edges = reachable_edges(outputs)
+        # Walked also where no plan is made (one rank): a program's own reentrant checkpoint must
+        # keep the groups it uses gathered until its later backward pass.
+        recomputed: List[Any] = []
+        edges = reachable_edges(outputs, recomputed)
         # torch_xla's checkpoint is reentrant: what it recomputes is not in this graph. Every
         # parameter the modules of a unit that ran under it hold counts as used (its own, and a
-        # tied one its parent owns).
+        # tied one its parent owns). So do those of the program's own reentrant checkpoints: the
+        # modules its function runs, or, for another function, every unit that ran.
         hidden: Set[int] = set()
-        for unit in self.step_state.units_in_tree:
-            if (unit.comms.name == "xla" and self.step_state.schedule.ran_forward(unit)
-                    and getattr(unit._fsdp_wrapped_module, "_xla_fsdp_checkpointed", False)):
+        ran = [unit for unit in self.step_state.units_in_tree if self.step_state.schedule.ran_forward(unit)]
+        for unit in ran:
+            if recomputes_in_a_backward_of_its_own(unit._fsdp_wrapped_module, unit.comms.device):
                 hidden |= unit._module_ids()
+        later: Set[int] = set()
+        for function in recomputed:
+            modules = modules_of(function)
+            later |= modules if modules is not None else set().union(*[unit._module_ids() for unit in ran])
+        hidden |= later
+        for group in self.step_state.trainable_groups:
+            group.gradient_in_later_pass = any(id(module) in later for ref in group.refs for module, _ in ref.slots)
+        if not state.plans_gradients:
+            return
         used = [used_members(g, edges, hidden)
                 for unit in self.step_state.units_in_tree for g in unit.gather_groups if g.requires_grad]
         for group in self.step_state.trainable_groups:
@@ -139,13 +159,14 @@ class GradientReduction:
         self._gather_listed(listed, backward=True)
 
     def _more_gradient_may_come(self) -> bool:
-        """This gradient arrived in a nested backward (a reentrant checkpoint, torch_xla's, running
-        the backward of a module it recomputed) that is not this unit's own recompute: the group
-        is shared with a checkpointed unit (a tied weight its parent owns), and the outer backward
-        may still add to it. Reducing now would free ``full`` under that second gradient."""
+        """This gradient arrived in a nested backward (a reentrant checkpoint running the backward
+        of what it recomputed) that is not this unit's own recompute: the group is shared with a
+        checkpointed unit (a tied weight its parent owns), or the program's own reentrant checkpoint
+        ran inside the module (another call of it, or the outer backward, may still add to it).
+        Reducing now would free ``full`` under that second gradient."""
         task = self.step_state.schedule.backward_task
         return (task is not None and torch._C._current_graph_task_id() != task
-                and not getattr(self._fsdp_wrapped_module, "_xla_fsdp_checkpointed", False))
+                and not recomputes_in_a_backward_of_its_own(self._fsdp_wrapped_module, self.comms.device))
 
     def _rest_may_come_in_a_later_pass(self, group: GatherGroup) -> bool:
         """A nested backward (a checkpoint's recompute) left some of ``group``'s flattened members
@@ -165,7 +186,8 @@ class GradientReduction:
             return
         if not self.step_state.require_backward_grad_sync:
             return  # no_sync: keep accumulating the full gradient
-        if not final and (self._more_gradient_may_come() or self._rest_may_come_in_a_later_pass(group)):
+        if not final and (self._more_gradient_may_come() or self._rest_may_come_in_a_later_pass(group)
+                          or group.gradient_in_later_pass):
             return  # stays in full.grad: the outer backward, or the end of backward, reduces it
         group.grad_incomplete = False
         full.grad = None

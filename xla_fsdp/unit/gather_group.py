@@ -119,6 +119,9 @@ class GatherGroup:
         self._gathered_version = -1
         #: a backward pass left some flattened member without gradient (set by ``_SplitFlat``)
         self.grad_incomplete = False
+        #: a reentrant checkpoint of the program's own uses a member in this step's forward: its
+        #: gradient comes in a later backward pass than the root's (set by the gradient plan)
+        self.gradient_in_later_pass = False
         # FSDP2's int reshard_after_forward: after forward, this rank's rows of the padded full
         # parameter within a smaller group (its collectives, the piece, the shard version it is of)
         self._post_forward: Optional[Tuple[Collectives, torch.Tensor, int]] = None
@@ -322,7 +325,7 @@ class GatherGroup:
         """A root's forward begins: members handed out before are no longer saved by any graph
         that will run backward. ``record_edges``: note which tensors the module is given (flat)."""
         self._member_sets = [self._members] if self._members is not None and self.is_unsharded() else []
-        self.grad_incomplete = False
+        self.grad_incomplete = self.gradient_in_later_pass = False
         if self.flat and record_edges:
             self.forward_edges = [[] for _ in self.refs]
             self._record_edges()
@@ -333,7 +336,8 @@ class GatherGroup:
     def _record_edges(self) -> None:
         if self.forward_edges is not None and self._installed is not None and self.requires_grad:
             for edges, value in zip(self.forward_edges, self._installed):
-                edges.append(tensor_edge(value))
+                if value.requires_grad:  # made under no_grad (a reentrant checkpoint's forward): no edge
+                    edges.append(tensor_edge(value))
 
     def _flat_values(self, refill_saved: bool) -> List[torch.Tensor]:
         """A flat group's parameters, cut from ``full``.

@@ -34,8 +34,12 @@ def tensor_edge(tensor: torch.Tensor) -> Edge:
     return edge.node, edge.output_nr
 
 
-def reachable_edges(outputs: Any) -> Set[Edge]:
-    """Every gradient edge of the autograd graph behind ``outputs`` (a pytree of tensors)."""
+def reachable_edges(outputs: Any, recomputed: Optional[List[Any]] = None) -> Set[Edge]:
+    """Every gradient edge of the autograd graph behind ``outputs`` (a pytree of tensors).
+    ``recomputed``: collects the function of each reentrant checkpoint of the program's own in the
+    graph (PyTorch's and torch_xla's keep it as ``ctx.run_function``; ``checkpoint_module``'s is
+    left out): the parameters it uses are not in the graph, and get their gradients in a backward
+    pass of their own, after the pass the rest of the graph runs in."""
     edges: Set[Edge] = set()
     seen: Set[Any] = set()
     stack = []
@@ -47,7 +51,11 @@ def reachable_edges(outputs: Any) -> Set[Edge]:
                 seen.add(node)
                 stack.append(node)
     while stack:
-        for fn, nr in stack.pop().next_functions:
+        node = stack.pop()
+        if (recomputed is not None and hasattr(node, "run_function")
+                and not getattr(node.run_function, "recomputes_a_unit", False)):
+            recomputed.append(node.run_function)
+        for fn, nr in node.next_functions:
             if fn is None:
                 continue
             edges.add((fn, nr))
@@ -55,6 +63,16 @@ def reachable_edges(outputs: Any) -> Set[Edge]:
                 seen.add(fn)
                 stack.append(fn)
     return edges
+
+
+def modules_of(function: Any) -> Optional[Set[int]]:
+    """Ids of the modules a reentrant checkpoint's function runs: a module, or a module's bound
+    method (``self.fc``, ``self.mlp.forward``); None for any other function (a lambda, a closure),
+    which may use any parameter."""
+    owner = function if isinstance(function, torch.nn.Module) else getattr(function, "__self__", None)
+    if isinstance(owner, torch.nn.Module):
+        return {id(m) for m in owner.modules()}
+    return None
 
 
 class GradientPlan:
