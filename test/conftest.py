@@ -102,11 +102,6 @@ ENVIRONMENTS = {"xla-env": os.environ.get("XLA_FSDP_XLA_PYTHON") or os.path.join
                 or os.path.join(_ROOT, ".venv-newest", "bin", "python")}
 NO_XLA = pytest.mark.skip(reason="needs torch_xla, which this environment does not have (the xla extra; "
                                  "make test runs it in its first environment)")
-#: A case without XLA runs once per make test, in the newest environment: the same code on gloo again in the
-#: torch 2.9 environment doubled the suite's time (1650 s of 4771 s there, stop 56). The torch 2.9 gloo
-#: path keeps the cases marked ``fast`` (each layer once) and those marked ``every_env``.
-IN_NEWEST_ENV = pytest.mark.skip(reason="a case without XLA: make test runs it in its second environment "
-                                        "(the newest torch, make test-newest); here only the fast ones run")
 
 
 def _needs_xla(item) -> bool:
@@ -119,12 +114,10 @@ def _needs_xla(item) -> bool:
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(SLOWEST_FILES)}
     items.sort(key=lambda item: rank.get(os.path.basename(str(item.fspath)), len(rank)))  # stable: file order kept
-    for item in items:
-        if not HAS_TORCH_XLA and _needs_xla(item):
-            item.add_marker(NO_XLA)
-        elif (HAS_TORCH_XLA and not _needs_xla(item) and item.get_closest_marker("fast") is None
-              and item.get_closest_marker("every_env") is None):
-            item.add_marker(IN_NEWEST_ENV)
+    if not HAS_TORCH_XLA:
+        for item in items:
+            if _needs_xla(item):
+                item.add_marker(NO_XLA)
 
 
 # The equivalence figures printed at the end: test_equivalence's own when it ran in this process,
