@@ -92,10 +92,7 @@ class Program:
     #                                    (inside checkpoint_module's when remat): torch's, torch_xla's on XLA
 
 
-def programs(world_size: int, round_3: bool = True) -> st.SearchStrategy[Program]:
-    """``round_3``: also draw issue 54's dimensions (clamp, inner_ckpt). The XLA lists leave them out
-    (drawn the same as before them): a clamp is refused there, and the program's own reentrant
-    checkpoint with GradScaler aborts on XLA:CPU (open); their XLA cases have tests of their own."""
+def programs(world_size: int) -> st.SearchStrategy[Program]:
     strategies = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"]
     if world_size >= 4:
         strategies += ["HYBRID_SHARD", "HYBRID_SHARD_ZERO2"]
@@ -112,11 +109,11 @@ def programs(world_size: int, round_3: bool = True) -> st.SearchStrategy[Program
         scaler=st.sampled_from([False, False, True]), hook=st.booleans(),
         output=st.sampled_from(["tensor", "tuple", "dict", "dataclass"]), reinit=st.booleans(), rnn=st.booleans(),
         offload=st.sampled_from([False, False, True]),
-        **(dict(clamp=st.sampled_from([False, False, True]), inner_ckpt=st.booleans()) if round_3 else {}))
+        clamp=st.sampled_from([False, False, True]), inner_ckpt=st.booleans())
     return program.filter(functools.partial(_exact, world_size=world_size))
 
 
-def fully_shard_programs(world_size: int, round_3: bool = True) -> st.SearchStrategy[Program]:
+def fully_shard_programs(world_size: int) -> st.SearchStrategy[Program]:
     """Programs written against FSDP2's API (``xla_fsdp.fully_shard`` on the blocks, the branch and
     then the root; dim-0 shards; ZeRO-3 or ZeRO-2 blocks; bf16 through ``MixedPrecisionPolicy``;
     ``CPUOffloadPolicy``; accumulation with ``set_requires_gradient_sync``), for XLA devices: on the
@@ -128,7 +125,7 @@ def fully_shard_programs(world_size: int, round_3: bool = True) -> st.SearchStra
         zero2 = p.strategy == "SHARD_GRAD_OP"
         return dataclasses.replace(p, wrap="fully_shard", layout="dim0", tied="none", int_reshard=int_reshard,
                                    strategy="SHARD_GRAD_OP" if zero2 else "FULL_SHARD", prefetch=prefetch)
-    return st.tuples(programs(world_size, round_3), st.booleans(), st.booleans()).map(as_fsdp2).filter(
+    return st.tuples(programs(world_size), st.booleans(), st.booleans()).map(as_fsdp2).filter(
         functools.partial(_exact, world_size=world_size))
 
 

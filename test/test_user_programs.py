@@ -543,9 +543,14 @@ class _InnerCheckpointed(nn.Module):
         return self.checkpoint(self.mlp, x) + x
 
 
-def _inner_checkpoint_net(part: str, checkpoint: Callable[..., Any]) -> nn.Module:
+def _inner_checkpoint_net(part: str, checkpoint: Callable[..., Any], device: Any = "cpu") -> nn.Module:
+    """With a gradient hook on the head, outside every checkpoint (registered on the device: moving
+    to XLA makes new parameters): flattened with the root, it must not run in the checkpoint's own
+    backward pass, which gives the head no gradient."""
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 6), _InnerCheckpointed(part, checkpoint), nn.Linear(6, 3))
+    net = nn.Sequential(nn.Linear(6, 6), _InnerCheckpointed(part, checkpoint), nn.Linear(6, 3)).to(device)
+    net[2].weight.register_hook(lambda grad: grad * 0.5)
+    return net
 
 
 def _wrap_inner_checkpointed(net: nn.Module, flat: bool) -> nn.Module:
@@ -586,10 +591,13 @@ def _xla_inner_checkpoint_programs() -> Dict[str, List[float]]:
         return torch_xla.utils.checkpoint.checkpoint(fn, *args)
     results = {}
     for part in ("fc1", "mlp"):
-        for how in ("unwrapped", "flat", "per_param"):
+        for how in ("unwrapped", "flat", "per_param", "root_flat"):
             with _RNG_LOCK:
-                net = _inner_checkpoint_net(part, checkpoint).to(torch_xla.device())
-            model = net if how == "unwrapped" else _wrap_inner_checkpointed(net, how == "flat")
+                net = _inner_checkpoint_net(part, checkpoint, torch_xla.device())
+            if how == "root_flat":  # one flat shard: the head's hook and the checkpointed layers in one split
+                model = FSDP(net, flatten_parameters=True)
+            else:
+                model = net if how == "unwrapped" else _wrap_inner_checkpointed(net, how == "flat")
             results[f"{part}_{how}"] = xla_steps(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                                                  _clamp_batches(0, 1))
     return results
@@ -600,12 +608,14 @@ def test_the_users_reentrant_checkpoint_inside_checkpoint_module_on_xla():
     """Issue 54 item 5 on 2 XLA:CPU devices (torch_xla's reentrant checkpoint, every rank the same
     batches). Before, flattened with fc1 alone checkpointed: the unit reduced and freed its
     parameters when the outer recompute's backward left fc1 without gradient, and the inner
-    recompute then found them freed ('fc1.weight' ... holds no data here)."""
+    recompute then found them freed ('fc1.weight' ... holds no data here). The head's gradient hook
+    was called with None in the checkpoint's backward pass (AttributeError on one rank, the other
+    aborted in a rendezvous)."""
     with xla_cpu_devices(2):
         by_rank = run_multiprocess(_xla_inner_checkpoint_programs)
     for results in by_rank.values():
         for part in ("fc1", "mlp"):
-            for how in ("flat", "per_param"):
+            for how in ("flat", "per_param", "root_flat"):
                 got, want = results[f"{part}_{how}"], results[f"{part}_unwrapped"]
                 assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-5, (part, how, got, want)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Set, Tuple, Union
+from typing import Any, Callable, List, Optional, Set, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -610,4 +610,13 @@ def _hooks_kept_from(ref: ParamRef) -> List[Callable]:
             f"xla_fsdp: parameter '{ref.fqn}' has a post-accumulate-grad hook registered before wrapping; "
             "the original parameter gets no gradient once sharded. Register it after wrapping on the shard "
             "(a parameter of model.parameters()): it then runs once the reduced gradient block is in shard.grad.")
-    return list((ref.param._backward_hooks or {}).values())
+    return [_only_with_gradient(hook) for hook in (ref.param._backward_hooks or {}).values()]
+
+
+def _only_with_gradient(hook: Callable[[torch.Tensor], Optional[torch.Tensor]]) -> Callable[..., Any]:
+    """A flat member's hook runs in every backward pass that reaches the unit's split, also one
+    (a reentrant checkpoint's own) that gives this member no gradient: autograd then calls it with
+    None, where the original parameter's hook would not have run at all."""
+    def run(grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        return None if grad is None else hook(grad)
+    return run
