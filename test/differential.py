@@ -9,11 +9,15 @@ the optimizer state (Adam moments, SGD momentum) by parameter name.
 Tolerances: fp32 compute 2e-5 (absolute on losses and tensors, relative on gradient norms; eager
 and XLA:CPU fuse differently); bf16 compute 5e-2 absolute on losses and 1e-1 on tensors (the
 reference computes in fp32, so this bounds bf16 rounding over a few steps, not a bit-exact match:
-the wrong-reduction self-test runs in fp32).
+the wrong-reduction self-test runs in fp32); the same for fp32 parameters under autocast to bf16.
 
 Semantics that cannot equal unsharded training, and are kept out of the drawn programs (each has
-its own test): a flat shard only partly used in a step (warned, see ``xla_fsdp.unit.gradient_usage``), and
-BatchNorm running statistics (each rank's forward updates its own; they are not compared).
+its own test): a flat shard only partly used in a step (warned, see ``xla_fsdp.unit.gradient_usage``),
+BatchNorm running statistics (each rank's forward updates its own; they are not compared), and
+dropout (each rank draws masks for its own batch from its own generator; the reference draws one
+mask for the global batch: test_user_programs compares seeded dropout with every rank on the same
+batch). Refusals are not drawn either (tying after wrapping, a weight clamped in forward on XLA):
+their errors have tests of their own.
 """
 from __future__ import annotations
 
@@ -90,6 +94,8 @@ class Program:
     #                                    unflattened only: refused on XLA, and PyTorch refuses it on a split view
     inner_ckpt: bool = False           # each block runs its fc through the program's own reentrant checkpoint
     #                                    (inside checkpoint_module's when remat): torch's, torch_xla's on XLA
+    autocast: bool = False             # the sharded forward runs under torch.autocast(<device>, bfloat16) over
+    #                                    fp32 parameters (the reference in fp32: bf16 tolerances)
 
 
 def programs(world_size: int) -> st.SearchStrategy[Program]:
@@ -109,7 +115,8 @@ def programs(world_size: int) -> st.SearchStrategy[Program]:
         scaler=st.sampled_from([False, False, True]), hook=st.booleans(),
         output=st.sampled_from(["tensor", "tuple", "dict", "dataclass"]), reinit=st.booleans(), rnn=st.booleans(),
         offload=st.sampled_from([False, False, True]),
-        clamp=st.sampled_from([False, False, True]), inner_ckpt=st.booleans())
+        clamp=st.sampled_from([False, False, True]), inner_ckpt=st.booleans(),
+        autocast=st.sampled_from([False, False, True]))
     return program.filter(functools.partial(_exact, world_size=world_size))
 
 
@@ -139,8 +146,10 @@ def _exact(p: Program, world_size: int) -> bool:
     is drawn with fp32 compute only: in bf16, batch statistics of 3 samples turn rounding into
     gradient differences of 20 % and more against the fp32 reference (README: keep BatchNorm in an
     fp32 unit)."""
-    if p.dtype == "bf16" and p.batchnorm:
+    if (p.dtype == "bf16" or p.autocast) and p.batchnorm:
         return False
+    if p.autocast and p.dtype == "bf16":
+        return False  # bf16 parameters already: autocast changes nothing
     if p.clamp and p.tied != "none":
         return False  # the clamped weight is tied to one an earlier block saved for backward: unsharded fails too
     if p.clamp and (p.layout == "flat" or p.wrap == "auto"):
@@ -501,7 +510,8 @@ def train_sharded(p: Program, rank: int, world_size: int, device, sync,
                     model.set_requires_gradient_sync(k == p.micro - 1)
                 ctx = model.no_sync() if k < p.micro - 1 and p.wrap != "fully_shard" else _Null()
                 with ctx:
-                    loss = _loss(p, model, x.to(device), y.to(device), uses_branch(p, step, rank))
+                    with torch.autocast(torch.device(device).type, torch.bfloat16, enabled=p.autocast):
+                        loss = _loss(p, model, x.to(device), y.to(device), uses_branch(p, step, rank))
                     (scaler.scale(loss) if scaler is not None else loss).backward()
                 sync()
                 total += loss.item()
@@ -570,7 +580,7 @@ def train_reference(p: Program, world_size: int, toggled: Optional[List[str]] = 
 def compare(p: Program, sharded: List[Dict[str, Any]], ref: Dict[str, Any]) -> float:
     """Raise AssertionError where sharded training (every rank's result) departs from ``ref``;
     returns the largest deviation seen."""
-    loss_tol, tol = (5e-2, 1e-1) if p.dtype == "bf16" else (2e-5, 2e-5)
+    loss_tol, tol = (5e-2, 1e-1) if p.dtype == "bf16" or p.autocast else (2e-5, 2e-5)
     worst = 0.0
 
     def close(what: str, got, want, tolerance: float) -> None:
