@@ -4,6 +4,7 @@ size, and xla_fsdp continues the run as FSDP2 continues it; xla_fsdp's checkpoin
 ``--to dcp`` to FSDP2 and to a plain model. Model and AdamW state both (1e-5 on losses and
 parameters: the frameworks sum gradients in different orders)."""
 import os
+import threading
 
 import pytest
 
@@ -149,7 +150,10 @@ def _state_dict_api_steps(rank, world_size, name, phase, dcp_dir, out_dir):
         model_sd, optim_sd = get_state_dict(model, opt, options=full)
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=dcp_dir)
-        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"], options=full)
+        # the tutorial's other way: rank 0 holds the dict, the others an empty one
+        from_rank0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_state_dict(model, opt, model_state_dict=state["model"] if rank == 0 else {},
+                       optim_state_dict=state["optim"] if rank == 0 else {}, options=from_rank0)
         start = K
     losses = []
     for step in range(start, start + K):
@@ -175,7 +179,8 @@ def _state_dict_api_steps(rank, world_size, name, phase, dcp_dir, out_dir):
 
 def test_the_fsdp2_tutorials_state_dict_code_runs_on_xla_fsdp_across_world_sizes(tmp_path):
     """get_state_dict(full_state_dict=True) -> dcp.save at 2 ranks; dcp.load -> set_state_dict at 4
-    ranks; the 4-rank run continues as the uninterrupted unsharded run does (1e-5)."""
+    ranks (broadcast_from_rank0=True, the dicts on rank 0 only); the 4-rank run continues as the
+    uninterrupted unsharded run does (1e-5)."""
     import torch
     import torch.multiprocessing as mp
     name, folder = "zero3_nested_adamw", str(tmp_path / "dcp")
@@ -312,3 +317,67 @@ def test_a_dcp_export_past_the_file_size_limit_is_one_line(tmp_path):
     assert done.stderr.count("\n") == 1 and "the file size limit (ulimit -f) is reached" in done.stderr, done.stderr
     assert "ulimit -f unlimited" in done.stderr and "free space" not in done.stderr, done.stderr
     assert not (tmp_path / "out").exists()
+
+
+def _broadcast_from_rank0_on_xla(how: str):
+    """Rank 0's full state dicts loaded into a differently initialized model on every rank with
+    broadcast_from_rank0=True, the tutorial's xla process group initialized."""
+    import torch
+    import torch.distributed as dist
+    import torch_xla
+
+    import xla_fsdp
+    from xla_fsdp.checkpoints.state_dict_api import StateDictOptions, get_state_dict, set_state_dict
+    dist.init_process_group("xla", init_method="xla://")
+    try:
+        def build(seed):
+            with _BUILD_LOCK:
+                torch.manual_seed(seed)
+                net = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+            net = net.to(torch_xla.device())
+            if how == "fully_shard":
+                xla_fsdp.fully_shard(net[0])
+                model = xla_fsdp.fully_shard(net)
+            else:
+                model = xla_fsdp.XlaFullyShardedDataParallel(net, flatten_parameters=how == "flat")
+            opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+            model(torch.ones(2, 6, device=torch_xla.device())).square().mean().backward()
+            opt.step()
+            xla_fsdp.sync()
+            return model, opt
+        model, opt = build(0)
+        saved = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        other, other_opt = build(1)
+        rank = dist.get_rank()
+        set_state_dict(other, other_opt, model_state_dict=saved[0] if rank == 0 else {},
+                       optim_state_dict=saved[1] if rank == 0 else {},
+                       options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        full = StateDictOptions(full_state_dict=True)
+        want, got = get_state_dict(model, opt, options=full), get_state_dict(other, other_opt, options=full)
+        return {"want": want, "got": got}
+    finally:
+        dist.destroy_process_group()
+
+
+_BUILD_LOCK = threading.Lock()  # the device threads share the CPU generator
+
+
+@pytest.mark.xla
+@pytest.mark.parametrize("how", ["fully_shard", "flat"])
+def test_set_state_dict_broadcast_from_rank0_on_xla(how):
+    """Issue 55 item 3: before, set_state_dict(..., broadcast_from_rank0=True) on the xla process
+    group failed inside torch_xla ('Check failed: device.type() == at::kXLA (cpu vs. xla)'). Now rank 0's
+    dicts reach every rank's model and optimizer: equal to the saved model's, 2 XLA:CPU devices."""
+    import torch
+    with harness.xla_cpu_devices(2):
+        results = harness.run_multiprocess(_broadcast_from_rank0_on_xla, how)
+    for rank, r in results.items():
+        want_model, want_optim = r["want"]
+        got_model, got_optim = r["got"]
+        assert want_model.keys() == got_model.keys()
+        for k in want_model:
+            assert torch.equal(want_model[k], got_model[k]), (rank, k)
+        assert want_optim["state"].keys() == got_optim["state"].keys()
+        for k, fields in want_optim["state"].items():
+            for f, v in fields.items():
+                assert torch.equal(torch.as_tensor(v), torch.as_tensor(got_optim["state"][k][f])), (rank, k, f)

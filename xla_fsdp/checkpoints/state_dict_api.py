@@ -9,7 +9,7 @@ is on the torch transport) goes to PyTorch's functions unchanged, so one program
 Same signatures and semantics for full state dicts: tensors keyed by the original parameter names,
 optimizer state and param_groups keyed by them too, on every rank (``cpu_offload=True``: on rank 0
 only, the others get ``{}``); ``set_*`` takes a full dict on every rank, or on rank 0 only with
-``broadcast_from_rank0=True``. Sharded state dicts (``full_state_dict=False``) are DTensors in
+``broadcast_from_rank0=True`` (on XLA devices too: it travels through the model's transport). Sharded state dicts (``full_state_dict=False``) are DTensors in
 PyTorch; xla_fsdp's flat shards are not row blocks of the original tensors, so that option is an
 error that names the alternatives: per-rank files (``save_sharded_checkpoint``), which load at any
 world size, or a DCP folder written offline (``python -m xla_fsdp.convert --to dcp``).
@@ -20,7 +20,6 @@ import functools
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple, TypeVar, Union
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint.state_dict as upstream
 from torch.distributed.checkpoint.state_dict import StateDictOptions, _init_optim_state
 from torch.nn.modules.module import _IncompatibleKeys
@@ -103,14 +102,11 @@ def get_state_dict(model, optimizers: Optimizers, *, submodules=None, options: O
 
 
 def _from_rank0(model, value: Any, options: StateDictOptions) -> Any:
+    """Rank 0's dict on every rank, through the model's own transport (on XLA devices not the ``xla``
+    process group's ``broadcast_object_list``, which fails inside torch_xla on host tensors)."""
     if not options.broadcast_from_rank0 or model.world_size * model.comms.num_replicas == 1:
         return value
-    if not dist.is_initialized():
-        raise CheckpointError("broadcast_from_rank0 needs a torch.distributed process group; on XLA devices pass "
-                              "the full state dict on every rank")
-    box = [value if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    return model.comms.broadcast_object_from_rank_0(value)
 
 
 @_upstream_unless_ours

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import abc
-from typing import Callable, List, Optional, Sequence, Tuple
+import io
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -155,6 +156,22 @@ class Collectives(abc.ABC):
         """Global rank 0's value of ``tensor`` (same shape on every rank), on every rank of the job
         (``sync_module_states``). Default: one rank, its own value."""
         return tensor
+
+    def broadcast_object_from_rank_0(self, value: Any) -> Any:
+        """Global rank 0's ``value`` (a state dict: tensors, containers, numbers, strings) on every rank,
+        through :meth:`broadcast_from_rank_0` as bytes (its length first): ``set_state_dict(...,
+        broadcast_from_rank0=True)`` on any transport, the ``xla`` process group included, whose
+        ``broadcast_object_list`` fails inside torch_xla on host tensors. Read back with
+        ``weights_only=True``; the other ranks' ``value`` is ignored."""
+        mine = b""
+        if self.global_rank == 0:
+            buffer = io.BytesIO()
+            torch.save(value, buffer)
+            mine = buffer.getvalue()
+        length = int(self.broadcast_from_rank_0(torch.tensor([len(mine)], dtype=torch.int64)).item())
+        data = torch.frombuffer(bytearray(mine), dtype=torch.uint8) if mine else torch.zeros(length, dtype=torch.uint8)
+        data = self.broadcast_from_rank_0(data)
+        return torch.load(io.BytesIO(data.cpu().numpy().tobytes()), weights_only=True)
 
     def start_broadcast_from_rank_0(self, tensor: torch.Tensor) -> Callable[[], torch.Tensor]:
         """:meth:`broadcast_from_rank_0` begun now and taken by the returned call. Every rank starts
