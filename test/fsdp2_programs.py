@@ -406,6 +406,53 @@ def run_meta_init_facts(world_size: int) -> List[Dict[str, Any]]:
     return [results[r] for r in range(world_size)]
 
 
+def meta_init_draws(_=None) -> Dict[str, Any]:
+    """FSDP2's meta-init order with the program's own seeded random init (``model.apply``), beside the
+    same program unsharded: on the XLA device with ``xm.set_rng_state`` before ``fully_shard``, and with
+    ``CPUOffloadPolicy`` and ``to_empty(device="cpu")`` from the CPU generator. The full state dicts
+    after the first forward, and the device seed ``fully_shard`` left."""
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+    from xla_fsdp.checkpoints.full_state import full_state_dict
+    device = torch_xla.device()
+
+    def meta_net() -> nn.Sequential:
+        with torch.device("meta"):
+            return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+
+    def init(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight)
+            nn.init.normal_(module.bias)
+
+    def sharded(**kw: Any) -> nn.Module:
+        model = meta_net()
+        fully_shard(model[0], **kw)
+        return fully_shard(model, **kw)
+
+    out: Dict[str, Any] = {}
+    xm.set_rng_state(101)
+    plain = meta_net().to_empty(device=device).apply(init)
+    out["xla_want"] = {k: v.cpu() for k, v in plain.state_dict().items()}
+    xm.set_rng_state(101)
+    model = sharded()
+    out["seed_after_fully_shard"] = xm.get_rng_state()
+    model.to_empty(device=device).apply(init)
+    model(torch.ones(2, 8, device=device))
+    out["xla_got"] = full_state_dict(model, rank0_only=False)
+    model = sharded(offload_policy=CPUOffloadPolicy())
+    model.to_empty(device="cpu")
+    with _LOCK:  # the device threads share the CPU generator
+        torch.manual_seed(5)
+        out["cpu_want"] = {k: v.clone() for k, v in meta_net().to_empty(device="cpu").apply(init).state_dict().items()}
+        torch.manual_seed(5)
+        model.apply(init)
+    model(torch.ones(2, 8, device=device))
+    out["cpu_got"] = full_state_dict(model, rank0_only=False)
+    xla_fsdp.sync()
+    return out
+
+
 # ----------------------------------------------------------------------------- runners
 def _xla_entry(names: List[str]) -> Dict[str, Any]:
     import torch_xla

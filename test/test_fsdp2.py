@@ -65,6 +65,23 @@ def test_meta_init_in_fsdp2_order_equals_unsharded_training(world_size):
 
 
 @pytest.mark.xla
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_meta_init_draws_what_the_unsharded_program_draws(world_size):
+    """Issue 55 item 4: the program's seeded init after fully_shard on the meta device and to_empty
+    gives the unsharded program's values exactly: on the device with xm.set_rng_state (fully_shard's
+    syncs leave the seed), and with CPUOffloadPolicy and to_empty(device="cpu") from the CPU generator
+    (before: drawn on the XLA device, off by up to 4.8)."""
+    import harness
+    with harness.xla_cpu_devices(world_size):
+        results = harness.run_multiprocess(programs.meta_init_draws, None)
+    for rank, r in results.items():
+        assert r["seed_after_fully_shard"] == 101, rank
+        for where in ("xla", "cpu"):
+            for k, want in r[f"{where}_want"].items():
+                assert torch.equal(r[f"{where}_got"][k], want), (rank, where, k)
+
+
+@pytest.mark.xla
 def test_meta_init_draws_full_tensors_on_xla():
     """A random init after to_empty draws each full tensor, so the rank blocks differ (upstream FSDP2
     on CPU draws every rank's block from the same generator state: rank 0's and rank 1's rows of

@@ -337,13 +337,15 @@ class _InPlaceUnit(XlaFullyShardedDataParallel):
         shapes and draws the values the unsharded model would; the next forward (or a state dict,
         or ``summon_full_params``) keeps each rank's rows. ``model.parameters()`` stays the shards,
         for the optimizer. On XLA the full tensors are lazy: computed and cut in one graph."""
-        self._check_init_device(torch.device(device))
+        device = torch.device(device)
+        self._check_init_device(device)
+        device = device if device.type == "cpu" else self.comms.device  # "xla" means this rank's device
         units = summon.units_under(self, recurse)
         for unit in units:
             if unit.training_state is not TrainingState.IDLE:
                 raise RuntimeError("xla_fsdp.fully_shard: to_empty inside forward or backward; call it before "
                                    "training, as FSDP2's meta-device init does")
-            unit.begin_late_init()
+            unit.begin_late_init(device)
             unit._awaiting_to_empty = False
         self._late_init_units = units
         return self
@@ -373,7 +375,12 @@ class _InPlaceUnit(XlaFullyShardedDataParallel):
     def apply(self, fn: Callable[[nn.Module], None]) -> "_InPlaceUnit":
         """``fn`` on every module once, on the full parameters (written back to the shards): the
         contents hold the module's own state and are an instance of its class, so ``fn`` runs on them
-        and not again on this converted module, as FSDP2 runs it once on its one object."""
+        and not again on this converted module, as FSDP2 runs it once on its one object. Between
+        ``to_empty`` and the first forward the module already holds full parameters for the init (on
+        the host with ``CPUOffloadPolicy``, so ``fn`` draws from the CPU generator, as unsharded)."""
+        if any(group.in_late_init() for group in self.gather_groups):
+            self._fsdp_wrapped_module.apply(fn)
+            return self
         with summon.summon_full_params(self, recurse=False):
             self._fsdp_wrapped_module.apply(fn)
         return self

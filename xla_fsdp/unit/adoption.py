@@ -80,14 +80,14 @@ class ModuleAdoption:
                 if now is not None and not (now is built and now._version != version):
                     now.copy_(value)
 
-    def begin_late_init(self) -> None:
+    def begin_late_init(self, device: torch.device) -> None:
         """``to_empty`` on a sharded module (FSDP2's meta-init order: shard on the meta device, then
         ``to_empty`` and the program's init): the module's parameter attributes become full-size
-        uninitialized parameters on the device until :meth:`take_deferred_values` shards what the
+        uninitialized parameters on ``device`` until :meth:`take_deferred_values` shards what the
         init wrote; its buffers get uninitialized storage there, as ``nn.Module.to_empty`` gives.
         On XLA the full tensors are lazy: the device computes each one where its shard is cut."""
         for group in self.gather_groups:
-            group.begin_late_init()
+            group.begin_late_init(device)
         for _, m in construction.owned_modules(self._fsdp_wrapped_module):
             for name, b in list(m._buffers.items()):
                 if b is not None:

@@ -487,14 +487,21 @@ class GatherGroup:
         self.init_fingerprint = fingerprint(values)
         self._fingerprint_version = self.shard._version
 
-    def begin_late_init(self) -> None:
+    def begin_late_init(self, device: torch.device) -> None:
         """``to_empty`` after sharding (FSDP2's meta-init order): every place that refers to a member
-        gets a full-size uninitialized Parameter on the device, for the program's own init
-        (``reset_parameters``, ``init_weights``) to fill; :meth:`finish_late_init` shards it."""
+        gets a full-size uninitialized Parameter on ``device`` (the unit's device, or the host with
+        ``CPUOffloadPolicy``: the init then draws from the CPU generator, as unsharded), for the
+        program's own init (``reset_parameters``, ``init_weights``) to fill; :meth:`finish_late_init`
+        shards it."""
         shapes = [self.full_shape] if not self.flat else self.layout.shapes
-        self.set_module_values([nn.Parameter(torch.empty(shape, dtype=self.shard.dtype, device=self.comms.device),
+        self.set_module_values([nn.Parameter(torch.empty(shape, dtype=self.shard.dtype, device=device),
                                              requires_grad=self.shard.requires_grad) for shape in shapes])
         self._late_init_version = self.shard._version
+
+    def in_late_init(self) -> bool:
+        """Between ``to_empty`` and :meth:`finish_late_init`: the module holds full-size parameters
+        of its own for the program's init."""
+        return self._late_init_version is not None
 
     def finish_late_init(self) -> None:
         """Make the shard this rank's block of what the program's init left in the module (not if
@@ -505,7 +512,7 @@ class GatherGroup:
         if self.shard._version == version:
             values = self.module_values()
             self.write_back(values)
-            self.init_fingerprint = fingerprint(values)
+            self.init_fingerprint = fingerprint(values).to(self.comms.device)
             self._fingerprint_version = self.shard._version
         self.reshard()  # a full copy kept gathered (ZeRO-2, the root) is stale now
         self.install()
