@@ -307,8 +307,7 @@ def train(ctx, args) -> None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_norm)
         opt.step()
         opt.zero_grad()
-        scheduler.step()
-        ctx.sync()
+        scheduler.step()  # no step marker: on XLA the optimizer step of fully_shard's shards cuts the graph
         losses[str(step)] = ctx.mean(loss.item())
         ctx.log(f"step {step} loss {losses[str(step)]:.5f} lr {scheduler.get_last_lr()[0]:.2e}")
         if (step + 1) % args.ckpt_every == 0 or step + 1 == args.steps:

@@ -453,6 +453,43 @@ def meta_init_draws(_=None) -> Dict[str, Any]:
     return out
 
 
+def step_cut_facts(mode: str) -> Dict[str, Any]:
+    """The FSDP2 tutorial's loop (forward, backward, ``clip_grad_norm_``, step, ``zero_grad``, the
+    loss read back) on XLA for 6 steps, every rank on the same batches, with ``mode``: ``none`` (no
+    sync in the program, as FSDP2 programs are), ``off`` (the same with
+    ``set_sync_after_optimizer_step(False)``), ``own`` (the program syncs after each step) or
+    ``unwrapped`` (the model unsharded, syncing after each step). Per step: the graphs compiled and
+    the step markers run (process-wide counters: read at one device); the losses."""
+    import torch_xla
+    import torch_xla.debug.metrics as met
+    device = torch_xla.device()
+    with _LOCK:
+        torch.manual_seed(0)
+        model = Net().to(device)
+    if mode != "unwrapped":
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+    if mode == "off":
+        model.set_sync_after_optimizer_step(False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    compiles, marks, losses = [], [], []
+    for step in range(6):
+        compiled, marked = (met.metric_data("CompileTime") or (0,))[0], met.counter_value("MarkStep") or 0
+        x = torch.randn(PER_RANK, 4, generator=torch.Generator().manual_seed(step)).to(device)
+        loss = model(x).square().mean()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        if mode in ("own", "unwrapped"):
+            xla_fsdp.sync()
+        compiles.append((met.metric_data("CompileTime") or (0,))[0] - compiled)
+        marks.append((met.counter_value("MarkStep") or 0) - marked)
+    return {"compiles": compiles, "marks": marks, "losses": losses}
+
+
 # ----------------------------------------------------------------------------- runners
 def _xla_entry(names: List[str]) -> Dict[str, Any]:
     import torch_xla

@@ -104,6 +104,16 @@ class FSDPModule(metaclass=abc.ABCMeta):  # noqa: B024 - an ABC for register(), 
         needs this call with a gradient divide factor; PyTorch's FSDP2 would use PREMUL_SUM)."""
         self._force_sum_reduction = bool(enable)
 
+    def set_sync_after_optimizer_step(self, enabled: bool, *, recurse: bool = True) -> None:
+        """xla_fsdp only (PyTorch's FSDP2 has no such method: leave the call out of programs that also
+        run there). Whether an optimizer step over this module's shards ends the traced step on XLA
+        with a graph cut, as ``torch_xla.sync()`` after the step would, where the program marks no
+        steps itself (default: on; a program with its own syncs is left as it is). Off: the graph
+        grows across steps until the program's own cut."""
+        for unit in _units(self, recurse):
+            for group in unit.gather_groups:
+                group.sync_after_optimizer_step = bool(enabled)
+
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Accepted. xla_fsdp finishes every backward's reduction within that backward, so there is
         no deferred work for the last one to wait for."""
@@ -403,6 +413,7 @@ def _shard_in_place(module: nn.Module, options: Dict[str, Any], cast_forward_inp
     XlaFullyShardedDataParallel.__init__(module, inner, **options)
     for group in module.gather_groups:
         _give_dtensor_calls(group)
+        group.sync_after_optimizer_step = True
     module.cast_forward_inputs = cast_forward_inputs
     module._fsdp2_ready = True
     return module

@@ -185,6 +185,15 @@ class Collectives(abc.ABC):
     def optimization_barrier(self, tensors: Sequence[torch.Tensor]) -> None:
         """Stop the compiler from moving work across this point (no-op for eager transports)."""
 
+    def step_mark(self) -> Any:
+        """Something that later tells whether a step marker (a graph cut: ``torch_xla.sync()``) ran
+        since it was made (:meth:`marked_since`); None where steps are not traced."""
+        return None
+
+    def marked_since(self, mark: Any) -> bool:
+        """Whether a step marker ran since :meth:`step_mark` made ``mark``."""
+        return True
+
     def sync(self, keep_rng: bool = True) -> None:
         """Run pending device work (no-op for eager transports). ``keep_rng``: a cut the package makes
         for itself leaves the device's random state as the program would have it without the cut;

@@ -345,6 +345,19 @@ class XlaCollectives(Collectives):
         if floats:
             xm.optimization_barrier_(floats)
 
+    def step_mark(self) -> torch.Tensor:
+        """A 0-d tensor left pending in the trace: the next graph cut gives it device data (reading
+        a value, ``loss.item()``, runs only the graph of that value and leaves it pending)."""
+        return torch.zeros((), device=self.device) + 1
+
+    def marked_since(self, mark: Any) -> bool:
+        import torch_xla
+        try:
+            torch_xla._XLAC._get_tensors_handle([mark])
+        except RuntimeError:  # "XlaTensor does not have data handle": still pending
+            return False
+        return True
+
     def sync(self, keep_rng: bool = True) -> None:
         if not keep_rng:
             sync(reset_scope=False)

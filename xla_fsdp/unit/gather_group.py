@@ -100,6 +100,9 @@ class GatherGroup:
         # Accelerate's XLA path) must leave it out (see collectives/xla_gradients.py).
         self.shard._xla_fsdp_reduced = True
         self.shard._xla_fsdp_group = self  # the optimizer check reads the original names and shapes
+        # whether an optimizer step over this shard ends the traced step (fully_shard: FSDP2 programs
+        # have no step marker; see optimizer_check.sync_after_step)
+        self.sync_after_optimizer_step = False
         self._fingerprint_version = self.shard._version  # a load before the first forward makes it stale
         # torch_xla's attributes, read by its clients (Lightning's XLAFSDPStrategy finds the optimizer's
         # shards by ``_is_sharded``): the size and name of what the shard is part of; ``_name`` is set

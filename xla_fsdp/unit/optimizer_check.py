@@ -105,6 +105,33 @@ def _member_shapes(group: Any) -> List[Tuple[int, ...]]:
     return [tuple(s) for s in group.layout.shapes] if group.flat or not group.dim0 else [tuple(group.full_shape)]
 
 
+def _shard_groups(optimizer: torch.optim.Optimizer) -> List[Any]:
+    seen: dict = {}
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            group = getattr(p, "_xla_fsdp_group", None)
+            if group is not None:
+                seen.setdefault(id(group), group)
+    return list(seen.values())
+
+
+def sync_after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """An optimizer step over shards of a ``fully_shard`` module ends the traced step when the
+    program marks no steps itself (FSDP2 programs do not): on XLA a graph cut right after it, as
+    ``torch_xla.sync()`` there would do (the device seed advances as there), so each step compiles
+    once and runs as one graph. Without it the graph of step k+1 grows from step k's and every step
+    takes longer than the last. Whether the program marks steps is seen at its second step: if a
+    cut ran since the first step's end, the program has its own and nothing is added (its graphs
+    and random draws stay as they were). Off with ``model.set_sync_after_optimizer_step(False)``."""
+    group = next((g for g in getattr(optimizer, "_xla_fsdp_groups", ()) if g.sync_after_optimizer_step), None)
+    if group is None or not group.comms.compiles_step:
+        return
+    mark = getattr(optimizer, "_xla_fsdp_step_mark", None)
+    if mark is not None and not group.comms.marked_since(mark):
+        group.comms.sync(keep_rng=False)
+    optimizer._xla_fsdp_step_mark = group.comms.step_mark()
+
+
 def install_optimizer_check() -> None:
     """Once per process: every optimizer step first makes sure the optimizer does not hold
     parameters that xla_fsdp replaced with shards. An optimizer built before wrapping holds the
@@ -126,6 +153,9 @@ def install_optimizer_check() -> None:
                 "optimizer = torch.optim.AdamW(fsdp_model.parameters(), ...)")
         _warn_if_shape_dependent(optimizer)
         _refuse_recipes_applied_to_shards(optimizer)
+        if not hasattr(optimizer, "_xla_fsdp_groups"):
+            optimizer.register_step_post_hook(sync_after_step)
+        optimizer._xla_fsdp_groups = _shard_groups(optimizer)
         optimizer._xla_fsdp_checked = count
 
     patches.add_hook("hook: torch.optim optimizer step pre-hook (xla_fsdp optimizer check)",
