@@ -299,6 +299,7 @@ def _errors() -> dict:
     attempt("twice", lambda: fully_shard(twice))
     attempt("prefetch", lambda: twice.set_modules_to_forward_prefetch([nn.Linear(4, 4)]))
     attempt("unsupported_method", lambda: twice.set_requires_all_reduce(False))
+    attempt("set_int", lambda: twice.set_reshard_after_forward(2))
     got["isinstance"] = isinstance(twice, (FSDPModule, nn.Linear)) and type(twice).__name__ == "FSDPLinear"
     # buffers keep their dtype under a bf16 param_dtype (FSDP2 does not cast them)
     norm = fully_shard(nn.BatchNorm1d(4), mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
@@ -338,6 +339,7 @@ def test_what_xla_cannot_honour_is_a_clear_error():
     assert "already sharded" in got["twice"]
     assert "set_modules_to_forward_prefetch" in got["prefetch"]
     assert "set_requires_all_reduce is not supported" in got["unsupported_method"]
+    assert "takes True or False" in got["set_int"] and "fully_shard(module, reshard_after_forward=N)" in got["set_int"]
     assert got["isinstance"] and got["attribute_on_inner"]
     assert got["buffer_dtype"] == "torch.float32"
     assert got["looped"] == ["FSDPBlock"] * 3

@@ -765,3 +765,72 @@ def test_the_hf_trainers_decay_groups_on_shards_are_refused_and_shard_names_of_g
         assert worst <= 1e-5, worst
     mean = [sum(r["losses"][s] for r in results) / world_size for s in range(3)]
     assert max(abs(a - b) for a, b in zip(mean, want)) <= 1e-5, (mean, want)
+
+
+def _state_dict_options(rank: int, world_size: int) -> Dict[str, Any]:
+    from xla_fsdp.checkpoints.files import CheckpointError
+    from xla_fsdp.checkpoints.state_dict_api import StateDictOptions, get_model_state_dict, set_model_state_dict
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    net[0].requires_grad_(False)
+    model = FSDP(nn.Sequential(FSDP(net[0]), net[1], net[2]))
+    full = StateDictOptions(full_state_dict=True)
+    state = get_model_state_dict(model, options=full)
+    out: Dict[str, Any] = {"keys": sorted(state)}
+    out["without_frozen"] = sorted(get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, ignore_frozen_params=True)))
+    for case, given, options in (
+            ("unexpected", dict(state, extra=torch.ones(1)), full),
+            ("missing", {k: v for k, v in state.items() if k != "2.weight"}, full),
+            ("submodules", None, None), ("flatten", state, None)):
+        try:
+            if case == "submodules":
+                get_model_state_dict(model, submodules={net[2]}, options=full)
+            elif case == "flatten":
+                set_model_state_dict(model, state, options=StateDictOptions(
+                    full_state_dict=True, flatten_optimizer_state_dict=True))
+            else:
+                set_model_state_dict(model, given, options=options)
+            out[case] = "no error"
+        except CheckpointError as e:
+            out[case] = str(e)
+    # strict=False: what is there loads, the rest comes back
+    changed = {k: v + 1 for k, v in state.items() if k != "2.bias"}
+    changed["extra"] = torch.ones(1)
+    keys = set_model_state_dict(model, changed, options=StateDictOptions(full_state_dict=True, strict=False))
+    out["lenient"] = (keys.missing_keys, keys.unexpected_keys)
+    after = get_model_state_dict(model, options=full)
+    out["lenient_loaded"] = all(torch.equal(after[k], changed[k]) for k in changed if k != "extra")
+    out["lenient_kept"] = torch.equal(after["2.bias"], state["2.bias"])
+    # ignore_frozen_params: the frozen layer may be missing, strict or not
+    trained = {k: v for k, v in state.items() if not k.startswith("0.")}
+    keys = set_model_state_dict(model, trained,
+                                options=StateDictOptions(full_state_dict=True, ignore_frozen_params=True))
+    out["frozen_missing"] = (keys.missing_keys, keys.unexpected_keys)
+    model(torch.ones(2, 6)).sum().backward()
+    try:
+        model.clip_grad_norm_(1.0, groups=[[0, 1]])  # torch_xla's argument: the norm's replica groups
+        out["clip_groups"] = "no error"
+    except ValueError as e:
+        out["clip_groups"] = str(e)
+    return out
+
+
+def test_state_dict_api_options_are_pytorchs_or_refused_and_clip_groups_too():
+    """The state_dict_api's options as PyTorch gives them, on 2 gloo ranks: strict (the default)
+    refuses unexpected and missing keys naming them (before: unexpected keys were dropped silently),
+    strict=False loads what is there and returns the rest, ignore_frozen_params leaves frozen
+    parameters out of get and lets them be missing in set (before: ignored); submodules= and
+    flatten_optimizer_state_dict=True are refused (before: ignored); so is clip_grad_norm_(groups=...)
+    (before: ignored: the norm spans the model's own groups)."""
+    for r in run_ranks(_state_dict_options, 2):
+        assert not isinstance(r, str), r
+        assert r["keys"] == ["0.bias", "0.weight", "2.bias", "2.weight"]
+        assert r["without_frozen"] == ["2.bias", "2.weight"]
+        assert "has keys the model does not: ['extra']" in r["unexpected"] and "strict=False" in r["unexpected"]
+        assert "lacks ['2.weight']" in r["missing"]
+        assert "leave out submodules=" in r["submodules"]
+        assert "flatten_optimizer_state_dict" in r["flatten"]
+        assert r["lenient"] == (["2.bias"], ["extra"]) and r["lenient_loaded"] and r["lenient_kept"]
+        assert r["frozen_missing"] == ([], [])
+        assert "leave out groups" in r["clip_groups"]

@@ -264,9 +264,10 @@ def _check_placements(module: nn.Module, fn: Callable[[nn.Parameter], Any]) -> N
 def _check_reshard_value(value: Any, world_size: Optional[int]) -> None:
     if isinstance(value, bool):
         return
-    raise NotImplementedError(
-        f"xla_fsdp.fully_shard on XLA: reshard_after_forward={value!r}; only True or False are supported "
-        "(an int, resharding to a smaller group after forward, is not)")
+    raise ValueError(
+        f"xla_fsdp: set_reshard_after_forward takes True or False, as FSDP2's does, not {value!r}; an int (the "
+        "size of the groups that keep the parameters' pieces from forward to backward) goes to "
+        "fully_shard(module, reshard_after_forward=N)")
 
 
 def _world_size(mesh: Any) -> int:

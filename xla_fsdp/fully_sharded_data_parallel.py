@@ -146,7 +146,7 @@ class XlaFullyShardedDataParallel(ModuleAdoption, ForwardPass, GradientReduction
             otherwise stops every rank with an error naming the first that differs.
         auto_wrap_policy: ``policy(module, recurse, unwrapped_params) -> bool`` deciding which
             children become their own units (see :mod:`xla_fsdp.wrap`); every keyword of this
-            constructor is passed on to them.
+            constructor but ``output_dtype`` is passed on to them.
         auto_wrapper_callable: ``fn(module, *args, **kwargs)`` used instead of this class for
             auto-wrapped children, e.g. to apply ``checkpoint_module`` first.
         param_init_fn: ``fn(module)`` materializing meta-device parameters; default is
@@ -398,8 +398,13 @@ class XlaFullyShardedDataParallel(ModuleAdoption, ForwardPass, GradientReduction
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         groups: Optional[List[List[int]]] = None) -> torch.Tensor:
-        """Clip the gradient norm of the whole model, computed over all shards; returns the norm."""
+        """Clip the gradient norm of the whole model, computed over all shards; returns the norm.
+        ``groups`` (torch_xla's replica groups for the norm's all-reduce) is refused unless None: the
+        norm already spans every rank that holds part of the model, as the unit's groups say."""
         from .unit.grad_norm import clip_sharded_grad_norm_
+        if groups is not None:
+            raise ValueError("xla_fsdp: clip_grad_norm_(groups=...) is not used: the norm spans every rank that "
+                             "holds part of the model (its sharding and replica groups); leave out groups")
         self._lazy_init()
         if not self.step_state.is_root:
             raise RuntimeError("xla_fsdp: clip_grad_norm_() must be called on the root unit")

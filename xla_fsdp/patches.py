@@ -1,4 +1,5 @@
-"""Every change xla_fsdp makes outside itself, in one registry, each undoable.
+"""The changes xla_fsdp makes to torch, torch_xla, Accelerate, the HF Trainer and the process
+environment, in one registry, each undoable. What is not in it is listed at the end.
 
 Importing xla_fsdp changes nothing. A few changes are needed at run time, and each is installed by
 the code that needs it, through this module, with its reason:
@@ -13,6 +14,26 @@ the code that needs it, through this module, with its reason:
 
 :func:`installed` lists what is in place, :func:`uninstall` puts the originals back (all, or what one
 :func:`scope` added).
+
+Not in the registry, so neither listed by :func:`installed` nor undone by :func:`uninstall`:
+
+- changes to the objects a program hands to xla_fsdp, which live and go with those objects: children
+  replaced by units (``wrap.recursive_wrap``); the original parameters, emptied and marked
+  (``unit/gather_group.py``); on XLA, each plain ``nn.Linear`` given a forward of its own, per
+  instance (``unit/patched_linear.py``, called from ``unit/adoption.py``; ``_use_xla_patched_linear=False``
+  keeps it out); the forward ``checkpoint_module`` replaces (``remat.py``); the class ``fully_shard``
+  gives a module (``fsdp2.py``); the step post-hook and attributes the optimizer check adds to each
+  optimizer (``unit/optimizer_check.py``);
+- exit handlers, registered once per process with ``atexit`` and run at exit: the torch transport
+  waits (up to 10 s) until gloo/NCCL let go of its collectives' tensors (``collectives/torch_dist.py``),
+  and the checkpoint folder locks this process holds are released (``checkpoints/folder_lock.py``);
+- SIGINT handlers set for the length of a call and restored when it returns
+  (``collectives/xla_launch.py``, ``checkpoints/safe_file.py``);
+- xla_fsdp's own process default ``unit.options.defaults.threads_take_rank_0``, which
+  ``replace_torch_xla_fsdp()`` sets and :func:`uninstall` leaves set;
+- what the program asks for by name: ``xla_fsdp.spmd.enable()`` calls torch_xla's ``use_spmd()``
+  (``spmd/mesh.py``), and resuming a training checkpoint sets the random generators' states
+  (``checkpoints/resume.py``).
 """
 from __future__ import annotations
 

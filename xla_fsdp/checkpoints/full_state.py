@@ -6,7 +6,7 @@ communication: each rank cuts its own shard out of the full tensors with the sam
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
@@ -50,13 +50,32 @@ def full_state_dict(model, rank0_only: bool = True) -> Optional[Dict[str, torch.
     return out
 
 
+def full_state_keys(model) -> Tuple[List[str], List[str]]:
+    """The keys of the model's full state dict (tied names included), and those of its frozen
+    parameters (``requires_grad=False`` shards)."""
+    metadata, params = _shard_of_layout(model)
+    keys: List[str] = []
+    frozen: List[str] = []
+    for key, entry in metadata["layout"].items():
+        names = list(entry["names"]) + [a for n in entry["names"] for a in entry.get("aliases", {}).get(n, [])]
+        keys += names
+        if not params[key].requires_grad:
+            frozen += names
+    keys += [clean_name(k) for k in model.state_dict() if k not in metadata["layout"]]
+    return keys, frozen
+
+
 @torch.no_grad()
-def load_full_state_dict(model, state_dict: Mapping[str, torch.Tensor]) -> None:
-    """Load a full (unsharded) state dict, keyed by original names, into a wrapped model."""
+def load_full_state_dict(model, state_dict: Mapping[str, torch.Tensor], skip_missing: bool = False) -> None:
+    """Load a full (unsharded) state dict, keyed by original names, into a wrapped model.
+    ``skip_missing``: a shard none of whose parameters is in ``state_dict`` keeps its values (a flat
+    shard with some of them is still an error: it cannot be loaded in part)."""
     metadata, params = _shard_of_layout(model)
     multiple = metadata["shard_size_multiple"]
     for key, entry in metadata["layout"].items():
         missing = [n for n in entry["names"] if n not in state_dict]
+        if missing and skip_missing and len(missing) == len(entry["names"]):
+            continue
         if missing:
             raise CheckpointError(f"full state dict lacks {missing[:3]} (needed for shard '{key}')")
         tensors = [state_dict[n].detach().cpu().to(torch.float32) for n in entry["names"]]
@@ -68,6 +87,8 @@ def load_full_state_dict(model, state_dict: Mapping[str, torch.Tensor]) -> None:
     buffers = {k: v for k, v in model.state_dict().items() if k not in metadata["layout"]}
     for key, value in buffers.items():
         name = clean_name(key)
+        if name not in state_dict and skip_missing:
+            continue
         if name not in state_dict:
             raise CheckpointError(f"full state dict lacks buffer '{name}'")
         value.copy_(state_dict[name].to(value.dtype).to(value.device))

@@ -6,13 +6,16 @@ with ``from xla_fsdp.checkpoints.state_dict_api import ...`` in place of torch's
 A model that holds no xla_fsdp unit (PyTorch's own ``fully_shard``, which ``xla_fsdp.fully_shard``
 is on the torch transport) goes to PyTorch's functions unchanged, so one program serves both.
 
-Same signatures and semantics for full state dicts: tensors keyed by the original parameter names,
-optimizer state and param_groups keyed by them too, on every rank (``cpu_offload=True``: on rank 0
-only, the others get ``{}``); ``set_*`` takes a full dict on every rank, or on rank 0 only with
-``broadcast_from_rank0=True`` (on XLA devices too: it travels through the model's transport). Sharded state dicts (``full_state_dict=False``) are DTensors in
-PyTorch; xla_fsdp's flat shards are not row blocks of the original tensors, so that option is an
-error that names the alternatives: per-rank files (``save_sharded_checkpoint``), which load at any
-world size, or a DCP folder written offline (``python -m xla_fsdp.convert --to dcp``).
+The same signatures, and PyTorch's semantics for full state dicts: tensors keyed by the original
+parameter names, optimizer state and param_groups keyed by them too, on every rank
+(``cpu_offload=True``: on rank 0 only, the others get ``{}``); ``set_*`` takes a full dict on every
+rank, or on rank 0 only with ``broadcast_from_rank0=True`` (on XLA devices too: it travels through
+the model's transport); ``strict`` (default) refuses missing and unexpected keys, ``strict=False``
+returns them; ``ignore_frozen_params`` leaves frozen parameters out. What is refused, each with the
+way that works: sharded state dicts (``full_state_dict=False``: DTensors in PyTorch; xla_fsdp's flat
+shards are not row blocks of the original tensors, so use per-rank files, ``save_sharded_checkpoint``,
+which load at any world size, or a DCP folder written offline, ``python -m xla_fsdp.convert --to
+dcp``), ``submodules=`` and ``flatten_optimizer_state_dict=True``.
 """
 from __future__ import annotations
 
@@ -26,7 +29,8 @@ from torch.nn.modules.module import _IncompatibleKeys
 
 from ..unit.base import is_unit
 from .files import CheckpointError
-from .full_state import full_optim_state_dict, full_state_dict, load_full_optim_state_dict, load_full_state_dict
+from .full_state import (full_optim_state_dict, full_state_dict, full_state_keys, load_full_optim_state_dict,
+                         load_full_state_dict)
 
 Optimizers = Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]]
 
@@ -47,8 +51,14 @@ def _upstream_unless_ours(fn: F) -> F:
     return call  # type: ignore[return-value]
 
 
-def _options(options: Optional[StateDictOptions]) -> StateDictOptions:
+def _options(options: Optional[StateDictOptions], submodules: Any = None) -> StateDictOptions:
+    if submodules is not None:
+        raise CheckpointError("xla_fsdp's state dict functions give the whole model: leave out submodules= "
+                              "(deprecated in PyTorch too) and pick the keys you need from the full dict")
     options = options or StateDictOptions()
+    if getattr(options, "flatten_optimizer_state_dict", False):
+        raise CheckpointError("xla_fsdp's optimizer state dicts are keyed by parameter name, not flattened: "
+                              "leave out flatten_optimizer_state_dict=True")
     if not options.full_state_dict:
         raise CheckpointError(
             "xla_fsdp gives full state dicts here: pass options=StateDictOptions(full_state_dict=True) (tensors "
@@ -69,10 +79,16 @@ def _one(optimizers: Optimizers) -> torch.optim.Optimizer:
 @_upstream_unless_ours
 def get_model_state_dict(model, *, submodules=None, options: Optional[StateDictOptions] = None
                          ) -> Dict[str, torch.Tensor]:
-    """The full model state dict (CPU tensors), on every rank or, with ``cpu_offload``, rank 0."""
-    options = _options(options)
+    """The full model state dict (CPU tensors), on every rank or, with ``cpu_offload``, rank 0;
+    ``ignore_frozen_params``: without the parameters that do not train."""
+    options = _options(options, submodules)
     state = full_state_dict(model, rank0_only=options.cpu_offload)
-    return {} if state is None else dict(state)
+    if state is None:
+        return {}
+    if options.ignore_frozen_params:
+        frozen = set(full_state_keys(model)[1])
+        return {k: v for k, v in state.items() if k not in frozen}
+    return dict(state)
 
 
 @_upstream_unless_ours
@@ -81,7 +97,7 @@ def get_optimizer_state_dict(model, optimizers: Optimizers, *, submodules=None,
     """The full optimizer state dict keyed by parameter names. A fresh optimizer's state is
     created first (a step with zero gradients and lr 0, as PyTorch does), so the dict is a complete
     template for ``dcp.load``."""
-    options = _options(options)
+    options = _options(options, submodules)
     optimizer = _one(optimizers)
     _init_optim_state(optimizer)
     state = full_optim_state_dict(model, optimizer, rank0_only=options.cpu_offload)
@@ -112,9 +128,24 @@ def _from_rank0(model, value: Any, options: StateDictOptions) -> Any:
 @_upstream_unless_ours
 def set_model_state_dict(model, model_state_dict: Dict[str, torch.Tensor], *,
                          options: Optional[StateDictOptions] = None) -> _IncompatibleKeys:
+    """As PyTorch's: ``strict`` (the default) refuses missing and unexpected keys, naming them;
+    ``strict=False`` loads what is there and returns the rest as missing / unexpected keys (a flat
+    shard cannot be loaded in part); ``ignore_frozen_params`` lets frozen parameters be missing."""
     options = _options(options)
-    load_full_state_dict(model, _from_rank0(model, model_state_dict, options))
-    return _IncompatibleKeys([], [])
+    state = _from_rank0(model, model_state_dict, options)
+    keys, frozen = full_state_keys(model)
+    unexpected = [k for k in state if k not in set(keys)]
+    skippable = set(frozen) if options.ignore_frozen_params else set()
+    missing = [k for k in keys if k not in state and k not in skippable]
+    if options.strict and (missing or unexpected):
+        wrong = ([f"lacks {missing[:3]}"] if missing else []) + (
+            [f"has keys the model does not: {unexpected[:3]}"] if unexpected else [])
+        raise CheckpointError(
+            f"set_model_state_dict: the state dict {' and '.join(wrong)} ({len(missing)} missing, {len(unexpected)} "
+            "unexpected); pass a dict of the model's keys or options=StateDictOptions(full_state_dict=True, "
+            "strict=False)")
+    load_full_state_dict(model, state, skip_missing=bool(missing) or bool(skippable))
+    return _IncompatibleKeys(missing, unexpected)
 
 
 @_upstream_unless_ours
