@@ -319,11 +319,13 @@ def test_a_dcp_export_past_the_file_size_limit_is_one_line(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def _broadcast_from_rank0_on_xla(how: str):
+def _broadcast_from_rank0_on_xla(how: str, folder: str):
     """Rank 0's full state dicts loaded into a differently initialized model on every rank with
-    broadcast_from_rank0=True, the tutorial's xla process group initialized."""
+    broadcast_from_rank0=True, the tutorial's xla process group initialized; then the tutorial's
+    collective DCP save of the first model's full dicts and collective load into a third model."""
     import torch
     import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
     import torch_xla
 
     import xla_fsdp
@@ -354,7 +356,13 @@ def _broadcast_from_rank0_on_xla(how: str):
                        options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
         full = StateDictOptions(full_state_dict=True)
         want, got = get_state_dict(model, opt, options=full), get_state_dict(other, other_opt, options=full)
-        return {"want": want, "got": got}
+        dcp.save({"model": want[0], "optim": want[1]}, checkpoint_id=folder)  # every rank, on the xla group
+        third, third_opt = build(2)
+        template = get_state_dict(third, third_opt, options=full)
+        state = {"model": template[0], "optim": template[1]}
+        dcp.load(state, checkpoint_id=folder)
+        set_state_dict(third, third_opt, model_state_dict=state["model"], optim_state_dict=state["optim"], options=full)
+        return {"want": want, "got": got, "dcp": get_state_dict(third, third_opt, options=full)}
     finally:
         dist.destroy_process_group()
 
@@ -364,20 +372,28 @@ _BUILD_LOCK = threading.Lock()  # the device threads share the CPU generator
 
 @pytest.mark.xla
 @pytest.mark.parametrize("how", ["fully_shard", "flat"])
-def test_set_state_dict_broadcast_from_rank0_on_xla(how):
-    """Issue 55 item 3: before, set_state_dict(..., broadcast_from_rank0=True) on the xla process
-    group failed inside torch_xla ('Check failed: device.type() == at::kXLA (cpu vs. xla)'). Now rank 0's
-    dicts reach every rank's model and optimizer: equal to the saved model's, 2 XLA:CPU devices."""
-    import torch
+def test_the_tutorials_checkpoint_calls_on_the_xla_group(how, tmp_path):
+    """Issue 55 items 2-3 on 2 XLA:CPU devices with the xla process group initialized, as the FSDP2
+    tutorial's program: set_state_dict(..., broadcast_from_rank0=True) (before: 'Check failed:
+    device.type() == at::kXLA (cpu vs. xla)' inside torch_xla) and the collective dcp.save / dcp.load
+    of get_state_dict's full dicts (before: 'Argument gather_list must be specified on destination
+    rank', then the same check failure: torch's object collectives broadcast host tensors) give every
+    rank the saved model and optimizer state exactly."""
     with harness.xla_cpu_devices(2):
-        results = harness.run_multiprocess(_broadcast_from_rank0_on_xla, how)
+        results = harness.run_multiprocess(_broadcast_from_rank0_on_xla, how, str(tmp_path / "dcp"))
     for rank, r in results.items():
-        want_model, want_optim = r["want"]
-        got_model, got_optim = r["got"]
-        assert want_model.keys() == got_model.keys()
-        for k in want_model:
-            assert torch.equal(want_model[k], got_model[k]), (rank, k)
-        assert want_optim["state"].keys() == got_optim["state"].keys()
-        for k, fields in want_optim["state"].items():
-            for f, v in fields.items():
-                assert torch.equal(torch.as_tensor(v), torch.as_tensor(got_optim["state"][k][f])), (rank, k, f)
+        for got_key in ("got", "dcp"):
+            _same_state(r["want"], r[got_key], (rank, got_key))
+
+
+def _same_state(want, got, where) -> None:
+    import torch
+    want_model, want_optim = want
+    got_model, got_optim = got
+    assert want_model.keys() == got_model.keys(), where
+    for k in want_model:
+        assert torch.equal(want_model[k], got_model[k]), (where, k)
+    assert want_optim["state"].keys() == got_optim["state"].keys(), where
+    for k, fields in want_optim["state"].items():
+        for f, v in fields.items():
+            assert torch.equal(torch.as_tensor(v), torch.as_tensor(got_optim["state"][k][f])), (where, k, f)

@@ -19,14 +19,16 @@ SNAPSHOT = textwrap.dedent("""
     TARGETS = [(dist, "init_process_group"), (dist, "get_rank"), (dist, "destroy_process_group"),
                (dist.distributed_c10d, "init_process_group"), (dist.distributed_c10d, "get_rank"),
                (dist.distributed_c10d, "destroy_process_group"), (_safe_globals, "__enter__"),
-               (_safe_globals, "__exit__")]
+               (_safe_globals, "__exit__"), (dist.ProcessGroup, "rank")]
     try:
         import torch_xla, torch_xla.core.xla_model as xm, torch_xla._internal.pjrt as pjrt
         import torch_xla.distributed, torch_xla.experimental
+        from torch_xla.distributed.xla_backend import ProcessGroupXla
         TARGETS += [(torch_xla, "sync"), (xm, "mark_step"), (xm, "all_gather"), (xm, "reduce_scatter"),
                     (xm, "all_reduce"), (xm, "rendezvous"), (xm, "_fetch_gradients"), (pjrt, "run_multiprocess"),
                     (pjrt, "_run_thread_per_device"), (pjrt._SpawnFn, "__call__"),
-                    (torch_xla.distributed, "fsdp"), (torch_xla.experimental, "spmd_fully_sharded_data_parallel")]
+                    (torch_xla.distributed, "fsdp"), (torch_xla.experimental, "spmd_fully_sharded_data_parallel"),
+                    (ProcessGroupXla, "broadcast")]
     except ImportError:
         pass
 
@@ -95,7 +97,7 @@ def test_enabling_xla_cpu_devices_is_listed_and_undone(tmp_path):
     """, PJRT_DEVICE="CPU")
     assert result["enabled"]
     listed = [target for target, _ in result["listed"]]
-    assert len(listed) == len(set(listed)) == 18 and all(reason for _, reason in result["listed"])
+    assert len(listed) == len(set(listed)) == 20 and all(reason for _, reason in result["listed"])
     assert set(result["during"]) == set(listed)
     assert result["after"] == [] and result["installed_after"] == 0
 

@@ -64,6 +64,33 @@ def get_rank(group: Any = None) -> int:
     return _original("get_rank")(group)
 
 
+def _group_rank(group: Any) -> int:
+    """``ProcessGroup.rank()``: the calling thread's ordinal on the shared group (torch's functions
+    ask the group object, as DCP's ``gather_object`` does, and it answers its creator's rank)."""
+    import torch.distributed as dist
+    if _shared_xla_group_in_use() and group is dist.GroupMember.WORLD:
+        import torch_xla.runtime as xr
+        return xr.global_ordinal()
+    return patches.original(dist.ProcessGroup, "rank")(group)
+
+
+def _broadcast_host_tensors(group: Any, tensors: Any, opts: Any) -> Any:
+    """``ProcessGroupXla.broadcast`` of host tensors (torch's ``scatter_object_list``, which DCP's
+    collective save runs, broadcasts the size of the source's objects as a host tensor): through the
+    device and back. torch_xla's own stops on them ('Check failed: device.type() == at::kXLA')."""
+    from torch_xla.distributed.xla_backend import ProcessGroupXla
+    broadcast = patches.original(ProcessGroupXla, "broadcast")
+    if all(t.device.type == "xla" for t in tensors):
+        return broadcast(group, tensors, opts)
+    import torch_xla
+    device = torch_xla.device()
+    moved = [t.to(device) for t in tensors]
+    work = broadcast(group, moved, opts)
+    for t, m in zip(tensors, moved):
+        t.copy_(m.cpu())
+    return work
+
+
 def destroy_process_group(group: Any = None) -> None:
     import torch.distributed as dist
     if group is not None and group is not dist.GroupMember.WORLD:
@@ -86,3 +113,8 @@ def install_shared_xla_group() -> None:
                           ("destroy_process_group", destroy_process_group)):
         for owner in (c10d, dist):  # c10d first: its original is the one the patched functions call
             patches.replace(owner, name, patched, "one torch.distributed 'xla' group shared by XLA:CPU rank threads")
+    from torch_xla.distributed.xla_backend import ProcessGroupXla
+    patches.replace(ProcessGroupXla, "broadcast", _broadcast_host_tensors,
+                    "torch's object collectives broadcast host tensors on the 'xla' group (DCP's collective save)")
+    patches.replace(dist.ProcessGroup, "rank", _group_rank,
+                    "one torch.distributed 'xla' group shared by XLA:CPU rank threads: each asks its own rank")
