@@ -27,7 +27,7 @@ def train_loop(model, opt, w: Workload, spec: Dict[str, Any], rank: int, device,
                barrier: Callable, shard_batch: Callable = lambda t: t, per_rank: int = 0) -> Dict[str, Any]:
     per_rank = per_rank or w.batch
     warmup, steps = spec["warmup"], spec["steps"]
-    times, losses = [], []
+    times, host_times, losses = [], [], []
     compiles_step2 = transfers_start = 0
     for step in range(warmup + steps):
         if step == 2:  # the target: no new XLA compilation after the second step
@@ -38,18 +38,20 @@ def train_loop(model, opt, w: Workload, spec: Dict[str, Any], rank: int, device,
         x, y = batch(w, step, rank, per_rank)
         contenders.new_step()
         barrier()
-        t0 = time.perf_counter()
+        t0, h0 = time.perf_counter(), time.thread_time()
         x, y = shard_batch(x.to(device)), shard_batch(y.to(device))
         opt.zero_grad(set_to_none=True)
         loss = loss_fn(model(x), y)
         loss.backward()
         opt.step()
+        host_times.append(time.thread_time() - h0)  # this rank thread's CPU time tracing the step (pytorch/xla#5280)
         sync()
         value = loss.item()
         times.append(time.perf_counter() - t0)
         losses.append(value)
     return {
-        "rank": rank, "times": times[warmup:], "losses": losses, "state_bytes": measure.state_bytes(model, opt),
+        "rank": rank, "times": times[warmup:], "host_times": host_times[warmup:], "losses": losses,
+        "state_bytes": measure.state_bytes(model, opt),
         "peak_rss_mib": measure.peak_rss_mib(), "collective_bytes_per_step": measure.collective_bytes(device) / steps,
         "all_gathers_per_step": measure.all_gather_calls(device) / steps,
         "compiles_step2": compiles_step2, "compiles_end": measure.xla_compiles(),

@@ -137,10 +137,14 @@ def test_replace_in_process_swaps_the_names():
         "from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel as F; "
         "from torch_xla.distributed.fsdp.wrap import transformer_auto_wrap_policy as p; "
         "import torch_xla.distributed.fsdp.utils as u; "
-        "print(F.__module__, p.__module__, u.checkpoint_module.__module__)"
+        "print(F.__module__, p.__module__, u.checkpoint_module.__module__); "
+        "import xla_fsdp; from xla_fsdp.unit import options as o; "
+        "listed = 'xla_fsdp.unit.options.defaults' in [x.target for x in xla_fsdp.patches.installed()]; "
+        "taken = o.defaults.threads_take_rank_0; xla_fsdp.patches.uninstall(); "
+        "print(listed, taken, o.defaults.threads_take_rank_0)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env=dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    assert out.stdout.split() == ["xla_fsdp.fully_sharded_data_parallel", "xla_fsdp.wrap", "xla_fsdp.remat"], (
-        out.stderr
-    )
+    # the process default it sets (rank threads take rank 0's parameters) is in the registry, undone by uninstall
+    assert out.stdout.split() == ["xla_fsdp.fully_sharded_data_parallel", "xla_fsdp.wrap", "xla_fsdp.remat",
+                                  "True", "True", "False"], out.stderr

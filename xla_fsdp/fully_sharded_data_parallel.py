@@ -29,7 +29,8 @@ from .unit.forward import ForwardPass
 from .unit.base import ShardedUnit
 from .unit.module_view import torch_xla_view
 from .unit.offload import HostOffload, offload_requested, shards_held_back
-from .unit.options import UnitOptions, defaults as option_defaults
+from .unit import options as unit_options
+from .unit.options import UnitOptions
 from .unit.adoption import ModuleAdoption
 from .unit.coalesce import SOLO_NUMEL
 from .unit.gather_group import GatherGroup
@@ -256,7 +257,7 @@ class XlaFullyShardedDataParallel(ModuleAdoption, ForwardPass, GradientReduction
         self.fp32_reduce_scatter = options.fp32_reduce_scatter
         self.prefetch = options.prefetch and self.comms.overlaps
         self._sync_module_states = (options.sync_module_states if options.sync_module_states is not None
-                                    else option_defaults.threads_take_rank_0 and self.comms.ranks_share_a_process)
+                                    else unit_options.defaults.threads_take_rank_0 and self.comms.ranks_share_a_process)
         self.sharding_groups = options.sharding_groups
         self.shard_param_on_dim_0 = options.shard_param_on_dim_0 and not options.flatten_parameters
         self.reduce_scatter_bucket_size_mb = options.reduce_scatter_bucket_size_mb

@@ -29,8 +29,6 @@ Not in the registry, so neither listed by :func:`installed` nor undone by :func:
   and the checkpoint folder locks this process holds are released (``checkpoints/folder_lock.py``);
 - SIGINT handlers set for the length of a call and restored when it returns
   (``collectives/xla_launch.py``, ``checkpoints/safe_file.py``);
-- xla_fsdp's own process default ``unit.options.defaults.threads_take_rank_0``, which
-  ``replace_torch_xla_fsdp()`` sets and :func:`uninstall` leaves set;
 - what the program asks for by name: ``xla_fsdp.spmd.enable()`` calls torch_xla's ``use_spmd()``
   (``spmd/mesh.py``), and resuming a training checkpoint sets the random generators' states
   (``checkpoints/resume.py``).

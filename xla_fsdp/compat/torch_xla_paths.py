@@ -79,4 +79,6 @@ def replace_torch_xla_fsdp() -> None:
     # Such programs build their model in every device thread from the CPU generator the threads of
     # one process share (XLA:CPU), so their models differ at random: the threads take rank 0's.
     from ..unit import options
-    options.defaults.threads_take_rank_0 = True
+    patches.replace(options, "defaults", options.ProcessDefaults(threads_take_rank_0=True),
+                    "unchanged torch_xla programs build their model in every XLA:CPU device thread from one CPU "
+                    "generator: the threads take rank 0's parameters (replace_torch_xla_fsdp)")

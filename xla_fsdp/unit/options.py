@@ -16,7 +16,8 @@ _FLOAT_DTYPES = (None, torch.float32, torch.float16, torch.bfloat16)
 
 @dataclasses.dataclass
 class ProcessDefaults:
-    """Defaults a launcher may set for its process. ``threads_take_rank_0``: with
+    """Defaults a launcher may set for its process (through :mod:`xla_fsdp.patches`, which replaces
+    ``defaults`` and puts it back on ``uninstall``). ``threads_take_rank_0``: with
     ``sync_module_states`` unset, ranks that are threads of one process take rank 0's parameters
     (set by ``python -m xla_fsdp.compat``, whose unchanged torch_xla programs build their model
     in every device thread from the one CPU generator the threads share)."""

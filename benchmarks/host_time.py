@@ -1,0 +1,104 @@
+"""Host time per step on XLA: the CPU time a rank thread spends tracing one training step (forward,
+backward, optimizer step: the Python and IR work a TPU waits on when the device is fast,
+pytorch/xla#5280), from the step's start to its sync.
+
+    python -m benchmarks.host_time [--world_size 2] [--rounds 3] [--workload transformer] [--quick]
+
+Contenders: xla_fsdp's wrapper (its default per-parameter layout), xla_fsdp's ``fully_shard``,
+torch_xla's XlaFSDP (per-parameter) at ``--world_size`` XLA:CPU devices, and the unwrapped model at
+one device. Each run is a fresh process (``benchmarks.worker``); the contenders of a round run back to
+back, their order reversed every other round. A run's figure is the median over its measured steps of
+the slowest rank thread's host time; the pooled figure is the median of the rounds'. Ratios are taken
+per round (same round, side by side) and pooled as their median. Writes
+benchmarks/results/host_time.json and .md.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+from typing import Any, Dict, List, Optional
+
+from .report import write_result
+from .run import run_one
+from .workloads import FULL, QUICK
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PEER = "torchxla_fsdp_perparam"
+OURS = ("xla_fsdp_xla_perparam", "xla_fsdp_fully_shard")
+PLAIN = "xla_plain"
+
+
+def host_seconds(run: Dict[str, Any]) -> Optional[float]:
+    """Median over measured steps of the slowest rank's host time; None for a failed run."""
+    if run["error"] or not run["ranks"]:
+        return None
+    per_step = [max(steps) for steps in zip(*(r["host_times"] for r in run["ranks"]))]
+    return statistics.median(per_step)
+
+
+def measure(world_size: int, rounds: int, workload, warmup: int, steps: int) -> Dict[str, Any]:
+    plan = [(PLAIN, 1), (PEER, world_size)] + [(name, world_size) for name in OURS]
+    figures: Dict[str, List[Optional[float]]] = {name: [] for name, _ in plan}
+    errors: List[str] = []
+    for r in range(rounds):
+        for name, ws in plan if r % 2 == 0 else plan[::-1]:
+            run = run_one(name, ws, workload, warmup, steps, 1800)
+            figures[name].append(host_seconds(run))
+            if run["error"]:
+                errors.append(f"{name} ws{ws} round {r}: {run['error']}")
+    return {"figures": figures, "errors": errors}
+
+
+def _ratios(a: List[Optional[float]], b: List[Optional[float]]) -> List[float]:
+    return [x / y for x, y in zip(a, b) if x is not None and y]
+
+
+def _median(values: List[Optional[float]]) -> Optional[float]:
+    kept = [v for v in values if v is not None]
+    return statistics.median(kept) if kept else None
+
+
+def _seconds(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value:.4f}"
+
+
+def table(figures: Dict[str, List[Optional[float]]], world_size: int) -> List[str]:
+    lines = ["| contender | devices | host s/step, pooled (each round) | / torch_xla XlaFSDP, pooled (each round) |",
+             "|---|---|---|---|"]
+    for name, values in figures.items():
+        ratios = _ratios(values, figures[PEER])
+        per_round = ", ".join(_seconds(v) for v in values)
+        ratio = f"{statistics.median(ratios):.3f} ({', '.join(f'{x:.3f}' for x in ratios)})" if ratios else "-"
+        devices = 1 if name == PLAIN else world_size
+        lines.append(f"| {name} | {devices} | {_seconds(_median(values))} ({per_round}) | {ratio} |")
+    return lines
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--world_size", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--workload", default="transformer")
+    p.add_argument("--quick", action="store_true", help="the quick workload shapes")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--out", default=os.path.join(HERE, "results", "host_time"))
+    args = p.parse_args(argv)
+    workload = (QUICK if args.quick else FULL)[args.workload]
+    result = measure(args.world_size, args.rounds, workload, args.warmup, args.steps)
+    lines = [f"# Host time per step on XLA, {datetime.date.today()}", "",
+             f"Workload {args.workload}{' (quick shapes)' if args.quick else ''}; {args.warmup} warm-up and "
+             f"{args.steps} measured steps per run, {args.rounds} rounds. Host time: a rank thread's CPU time "
+             "(`time.thread_time`) from the step's start to its sync; per run the median over steps of the "
+             "slowest rank's. Ratios are per round, pooled as their median.", ""]
+    lines += table(result["figures"], args.world_size)
+    if result["errors"]:
+        lines += ["", "Errors:"] + [f"- {e}" for e in result["errors"]]
+    write_result(args.out, dict(result, workload=args.workload, quick=args.quick, world_size=args.world_size,
+                                warmup=args.warmup, steps=args.steps), lines)
+
+
+if __name__ == "__main__":
+    main()
