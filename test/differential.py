@@ -41,6 +41,7 @@ from xla_fsdp import XlaFullyShardedDataParallel as FSDP, checkpoint_module
 from xla_fsdp.checkpoints import (full_optim_state_dict, full_state_dict, load_full_optim_state_dict,
                                   load_full_state_dict)
 from xla_fsdp.checkpoints.shard_merge import consolidate_sharded_state_dicts
+from xla_fsdp.unit.base import is_unit, root_unit
 from xla_fsdp.wrap import size_based_auto_wrap_policy
 
 PER_RANK = 3
@@ -408,7 +409,7 @@ def toggled_names(p: Program, model: FSDP) -> List[str]:
     """Original names of every parameter in the shards holding blocks.0.fc.weight (a flat shard
     holds others too: they are toggled with it, in the reference run as well)."""
     names: List[str] = []
-    for layout in model.get_shard_metadata()["layout"].values():
+    for layout in root_unit(model).get_shard_metadata()["layout"].values():
         if "blocks.0.fc.weight" in layout["names"]:
             names += layout["names"]
     return names
@@ -441,7 +442,7 @@ def reinit(model: nn.Module) -> None:
         elif isinstance(m, nn.LayerNorm):
             nn.init.ones_(m.weight)
     model.apply(init)
-    context = FSDP.summon_full_params(model) if isinstance(model, FSDP) else _Null()
+    context = FSDP.summon_full_params(model) if is_unit(model) else _Null()
     with context, torch.no_grad():
         model.head.weight[0].fill_(0.1)
 
@@ -524,8 +525,9 @@ def train_sharded(p: Program, rank: int, world_size: int, device, sync,
             "scale": scaler.get_scale() if scaler is not None else None,
             "full": full_state_dict(model, rank0_only=False),
             "optim": full_optim_state_dict(model, opt, rank0_only=False),
-            "state_dict": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
-            "metadata": model.get_shard_metadata(),
+            # (fully_shard: its unit's, whose keys the metadata names)
+            "state_dict": {k: v.detach().cpu().clone() for k, v in root_unit(model).state_dict().items()},
+            "metadata": root_unit(model).get_shard_metadata(),
             "warnings": sorted({str(w.message) for w in caught
                                 if issubclass(w.category, xla_fsdp.unit.gradient_usage.UnusedFlatParameterWarning)})}
 

@@ -14,6 +14,7 @@ import torch.nn as nn
 import harness
 import xla_fsdp
 from xla_fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from xla_fsdp.unit.base import unit_of
 
 STEPS, PER_RANK, WIDTH = 3, 4, 16
 _LOCK = threading.Lock()
@@ -174,8 +175,8 @@ def train_sharded(name: str, rank: int, world_size: int, device, sync: Callable[
             loss.backward()
             if cfg.get("ignored"):  # what FSDP2 leaves to the program: average the ignored parameters' gradients
                 _average_over_ranks([p.grad for b in blocks for p in b.norm.parameters()], world_size, device)
-            if k < cfg["micro"] - 1 and hasattr(model, "gather_groups"):
-                units = [m for m in model.modules() if hasattr(m, "gather_groups")]
+            if k < cfg["micro"] - 1 and unit_of(model) is not None:
+                units = [unit_of(m) for m in model.modules() if unit_of(m) is not None]
                 shard_grads_after_no_sync.append(all(g.shard.grad is None for u in units for g in u.gather_groups))
             total += loss.detach()
         if not cfg.get("no_clip"):
@@ -184,7 +185,7 @@ def train_sharded(name: str, rank: int, world_size: int, device, sync: Callable[
         scheduler.step()
         sync()
         losses.append(float(total))
-    return {"losses": losses, "full": _full_params(model), "class": type(model).__name__,
+    return {"losses": losses, "full": _full_params(model), "class": type(model).__name__, "tree": tree_facts(model),
             "is_net": isinstance(model, Net), "kept_after_forward": kept_after_forward,
             "root_after_unshard": root_after_unshard, "root_after_forward": root_after_forward,
             "shard_grads_after_no_sync": shard_grads_after_no_sync, "out_dtypes": out_dtypes,
@@ -206,10 +207,10 @@ def _average_over_ranks(grads: List[torch.Tensor], world_size: int, device) -> N
 
 def _pieces(blocks) -> List[List[Any]]:
     """XLA units: per block and parameter, (rows kept after forward for backward, padded rows)."""
-    if not hasattr(blocks[0], "gather_groups"):
+    if unit_of(blocks[0]) is None:
         return []
-    return [[(g._post_forward[1].shape[0] if g._post_forward else 0, g.padded_shape[0]) for g in b.gather_groups]
-            for b in blocks]
+    return [[(g._post_forward[1].shape[0] if g._post_forward else 0, g.padded_shape[0])
+             for g in unit_of(b).gather_groups] for b in blocks]
 
 
 def _watch_gathers(blocks: List[FSDPModule]):
@@ -233,25 +234,47 @@ def _watch_gathers(blocks: List[FSDPModule]):
 def _blocks_issued(blocks) -> tuple:
     """Whether each block's all-gather has been issued: its parameters gathered (XLA unit; FSDP2's
     group unsharded) or, for PyTorch's FSDP2, its asynchronous all-gather under way."""
-    if hasattr(blocks[0], "gather_groups"):
-        return tuple(all(g.is_unsharded() for g in b.gather_groups) for b in blocks)
+    if unit_of(blocks[0]) is not None:
+        return tuple(all(g.is_unsharded() for g in unit_of(b).gather_groups) for b in blocks)
     groups = [b._get_fsdp_state()._fsdp_param_group for b in blocks]
     return tuple(g.is_unsharded or g._all_gather_result is not None for g in groups)
 
 
 def _blocks_gathered(blocks) -> List[bool]:
     """Whether each block holds its full parameters (XLA units; None on gloo)."""
-    if not hasattr(blocks[0], "gather_groups"):
+    if unit_of(blocks[0]) is None:
         return []
-    return [all(g.is_unsharded() for g in b.gather_groups) for b in blocks]
+    return [all(g.is_unsharded() for g in unit_of(b).gather_groups) for b in blocks]
 
 
 def _full_params(model: nn.Module) -> Dict[str, torch.Tensor]:
-    if hasattr(model, "gather_groups"):  # xla_fsdp's unit (XLA)
+    if unit_of(model) is not None:  # xla_fsdp's unit (XLA)
         from xla_fsdp.checkpoints.full_state import full_state_dict
         return {k: v.cpu() for k, v in (full_state_dict(model) or {}).items()}  # rank 0 only
     from torch.distributed.tensor import DTensor  # FSDP2's parameters, and ignored ones as they are
     return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu() for n, p in model.named_parameters()}
+
+
+def tree_facts(model: nn.Module) -> Dict[str, Any]:
+    """What a program sees of its model's tree (FSDP2 keeps it the program's own): parameter names,
+    state-dict keys, the modules, and where an attribute set after sharding lands."""
+    facts = {"names": [n for n, _ in model.named_parameters()], "keys": list(model.state_dict()),
+             "modules": [type(m).__name__.replace("FSDP", "") for m in model.modules()],
+             "children": [n for n, _ in model.named_children()]}
+    model.blocks[0].scale = 3.0  # a plain attribute, set after sharding
+    facts["attribute_is_the_modules_own"] = model.blocks[0].__dict__.get("scale") == 3.0
+    del model.blocks[0].scale
+    # the state dict's tensors are the parameters themselves (shards: FSDP2's are DTensors), and load back
+    state = model.state_dict()
+    facts["state_is_parameters"] = all(state[n].shape == p.shape for n, p in model.named_parameters())
+    model.load_state_dict(state)
+    return facts
+
+
+def unsharded_tree_facts() -> Dict[str, Any]:
+    model = Net()
+    return {"names": [n for n, _ in model.named_parameters()], "keys": list(model.state_dict()),
+            "modules": [type(m).__name__ for m in model.modules()], "children": [n for n, _ in model.named_children()]}
 
 
 def train_unsharded(name: str, world_size: int) -> Dict[str, Any]:
@@ -350,8 +373,7 @@ def dtensor_facts(rank: int, world_size: int, device) -> Dict[str, Any]:
     loss = ((model(x[rank * PER_RANK:(rank + 1) * PER_RANK].to(device)) - y[:PER_RANK].to(device)) ** 2).mean()
     loss.backward()
     opt.step()
-    named = model.get_original_names_and_sharded_parameters()
-    assert len(named) == len(list(model.parameters()))
+    named = list(model.named_parameters())  # the original names, as FSDP2 gives them
     return {"placements": all(p.placements == (Shard(0),) for _, p in named),
             "local_rows": {n: p.to_local().shape[0] for n, p in named},
             "full": {n: p.full_tensor().cpu() for n, p in named},

@@ -7,7 +7,9 @@ program gets upstream FSDP2 exactly, DTensor parameters included. On XLA devices
 module in place with xla_fsdp's unit (the default per-parameter layout, rows split on dim 0 as
 FSDP2's ``Shard(0)``): the module stays the same object, keeps its class (``FSDP<Class>``, a
 subclass of its class and of :class:`FSDPModule`) and stays where it is in its parent, so
-``fully_shard`` on each block and then on the root nests as in FSDP2. What differs on XLA, and
+``fully_shard`` on each block and then on the root nests as in FSDP2. Its contents, parameter names,
+state-dict keys and attributes stay its own: the unit is held beside the module tree (``unit_of``)
+and each shard is registered in its parameter's place. What differs on XLA, and
 why, is in docs/fsdp2.md; every setting this cannot honour is an error that names the way that
 works, never a silent difference.
 """
@@ -24,8 +26,9 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 
 from .collectives import resolve_transport
 from .fully_sharded_data_parallel import XlaFullyShardedDataParallel
-from .unit import construction, summon
-from .unit.base import is_unit
+from .unit import construction, param_names, summon
+from .unit.base import UNIT_ATTR, is_unit
+from .unit.offload import shards_held_back
 from .unit.schedule import TrainingState
 
 __all__ = ["CPUOffloadPolicy", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy", "UnshardHandle",
@@ -47,14 +50,19 @@ class FSDPModule(metaclass=abc.ABCMeta):  # noqa: B024 - an ABC for register(), 
     """A module sharded by ``fully_shard``. PyTorch's ``FSDPModule`` is registered as a virtual
     subclass, so ``isinstance(m, xla_fsdp.FSDPModule)`` holds on either transport.
 
-    On XLA the methods act on xla_fsdp's unit (the module itself); ``reshard()`` is the unit's."""
+    On XLA the methods act on the module's xla_fsdp unit, kept beside its module tree."""
+
+    def reshard(self) -> None:
+        """Free this module's gathered parameters; the shards stay."""
+        _state(self).reshard()
 
     def unshard(self, async_op: bool = False) -> Optional[UnshardHandle]:
         """Gather this module's parameters now (not its children's); its next forward uses them
         without gathering again, then frees them as ``reshard_after_forward`` says."""
-        self.take_deferred_values()  # what an init after to_empty wrote
-        self._start_unshard(backward=False)
-        self.finish_unshard()
+        unit = _state(self)
+        unit.take_deferred_values()  # what an init after to_empty wrote
+        unit._start_unshard(backward=False)
+        unit.finish_unshard()
         return UnshardHandle() if async_op else None
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
@@ -65,7 +73,7 @@ class FSDPModule(metaclass=abc.ABCMeta):  # noqa: B024 - an ABC for register(), 
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Whether forward frees the full parameters (re-gathered in backward)."""
-        _check_reshard_value(reshard_after_forward, self.world_size)
+        _check_reshard_value(reshard_after_forward)
         for unit in _units(self, recurse):
             unit.reshard_after_forward = bool(reshard_after_forward)
             unit.post_forward_comms = None  # True reshards to every rank, as in FSDP2
@@ -83,26 +91,27 @@ class FSDPModule(metaclass=abc.ABCMeta):  # noqa: B024 - an ABC for register(), 
         explicit prefetch); each listed module's forward then gathers nothing. On XLA the gathers
         join this module's optimization barrier, so a compiler that keeps barriers (TPU's) does not
         hoist them earlier (XLA:CPU's removes barriers and schedules gathers itself)."""
-        self._prefetch_forward = _check_prefetch_list(modules, "set_modules_to_forward_prefetch")
+        _state(self)._prefetch_forward = _check_prefetch_list(modules, "set_modules_to_forward_prefetch")
 
     def set_modules_to_backward_prefetch(self, modules: List["FSDPModule"]) -> None:
         """As :meth:`set_modules_to_forward_prefetch`, for backward: the gathers come at this
         module's backward (its barrier takes the incoming gradient), for modules whose backward is
         still to run. Without a list (or with an empty one), FSDP2's default: the module that ran
         forward before this one."""
-        self._prefetch_backward = _check_prefetch_list(modules, "set_modules_to_backward_prefetch")
+        _state(self)._prefetch_backward = _check_prefetch_list(modules, "set_modules_to_backward_prefetch")
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide this module's reduced gradients by ``factor`` instead of the world size."""
         if not factor > 0:
             raise ValueError(f"xla_fsdp.fully_shard: the gradient divide factor must be positive, got {factor}")
-        self.gradient_predivide_factor = 1.0
-        self.gradient_postdivide_factor = float(factor)
+        unit = _state(self)
+        unit.gradient_predivide_factor = 1.0
+        unit.gradient_postdivide_factor = float(factor)
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
         """Accepted: on XLA the reduce-scatter always sums and the division is applied apart (gloo
         needs this call with a gradient divide factor; PyTorch's FSDP2 would use PREMUL_SUM)."""
-        self._force_sum_reduction = bool(enable)
+        _state(self)._force_sum_reduction = bool(enable)
 
     def set_sync_after_optimizer_step(self, enabled: bool, *, recurse: bool = True) -> None:
         """xla_fsdp only (PyTorch's FSDP2 has no such method: leave the call out of programs that also
@@ -117,7 +126,7 @@ class FSDPModule(metaclass=abc.ABCMeta):  # noqa: B024 - an ABC for register(), 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Accepted. xla_fsdp finishes every backward's reduction within that backward, so there is
         no deferred work for the last one to wait for."""
-        self._is_last_backward = bool(is_last_backward)
+        _state(self)._is_last_backward = bool(is_last_backward)
 
 
 def _not_on_xla(name: str) -> Callable[..., None]:
@@ -154,10 +163,6 @@ def fully_shard(module: Union[nn.Module, List[nn.Module]], *, mesh: Optional[Any
     if not isinstance(module, nn.Module):
         raise NotImplementedError("xla_fsdp.fully_shard on XLA takes one module; call it on each module "
                                   "(a list of modules sharing one group is not supported)")
-    if module.__dict__.get("_xla_fsdp_contents"):
-        # the contents of a module sharded in place, met by a loop such as ``for m in model.modules(): if
-        # isinstance(m, Block): fully_shard(m)`` (they are a Block too): already sharded with it
-        return module
     if is_unit(module):
         raise ValueError(f"xla_fsdp.fully_shard: {type(module).__name__} is already sharded; call "
                          "fully_shard once per module")
@@ -171,9 +176,10 @@ def fully_shard(module: Union[nn.Module, List[nn.Module]], *, mesh: Optional[Any
     for p in ignored_params or ():
         p._xla_fsdp_ignored = True
     module = _shard_in_place(module, options, mp_policy.cast_forward_inputs)
-    module._awaiting_to_empty = on_meta
+    unit = _state(module)
+    unit.awaiting_to_empty = on_meta
     if post_forward_size is not None:
-        module.post_forward_comms = module.comms.within_groups_of(post_forward_size)
+        unit.post_forward_comms = unit.comms.within_groups_of(post_forward_size)
     return module
 
 
@@ -261,7 +267,7 @@ def _check_placements(module: nn.Module, fn: Callable[[nn.Parameter], Any]) -> N
                 "(the default) is supported")
 
 
-def _check_reshard_value(value: Any, world_size: Optional[int]) -> None:
+def _check_reshard_value(value: Any) -> None:
     if isinstance(value, bool):
         return
     raise ValueError(
@@ -299,11 +305,11 @@ def _check_prefetch_list(modules: Iterable[Any], method: str) -> List[nn.Module]
         if not isinstance(m, FSDPModule):
             raise ValueError(f"xla_fsdp: {method} takes modules that fully_shard converted; got "
                              f"{type(m).__name__}")
-    return modules
+    return [_state(m) for m in modules]
 
 
-def _units(module: nn.Module, recurse: bool) -> List[nn.Module]:
-    return [m for m in module.modules() if is_unit(m)] if recurse else [module]
+def _units(module: nn.Module, recurse: bool) -> List[XlaFullyShardedDataParallel]:
+    return summon.units_under(module, recurse)
 
 
 # ----------------------------------------------------------------------------- in place
@@ -311,23 +317,64 @@ _CLASSES: Dict[type, type] = {}
 
 
 def _fsdp_class(cls: type) -> type:
-    """``FSDP<Class>``: the unit first (its forward, state dict and hooks), then FSDP2's methods,
-    then the module's own class (``isinstance`` holds; its other methods and properties stay)."""
+    """``FSDP<Class>``: FSDP2's methods, then the module's own class (``isinstance`` holds; its
+    methods, properties and attributes stay the module's own). The unit is held beside the tree."""
     if cls not in _CLASSES:
-        # containers (nn.Sequential, nn.ModuleList) iterate and count their own contents
-        namespace = {name: _delegate(name) for name in ("__iter__", "__len__") if hasattr(cls, name)}
-        _CLASSES[cls] = type(f"FSDP{cls.__name__}", (_InPlaceUnit, FSDPModule, cls), namespace)
+        _CLASSES[cls] = type(f"FSDP{cls.__name__}", (_InPlaceModule, FSDPModule, cls), {})
     return _CLASSES[cls]
 
 
-def _delegate(name: str) -> Callable[..., Any]:
-    return lambda self, *args: getattr(self._fsdp_wrapped_module, name)(*args)
+def _state(module: nn.Module) -> "_FullyShardUnit":
+    """The unit ``fully_shard`` made for ``module`` (FSDP2's ``_get_fsdp_state()``)."""
+    return module.__dict__[UNIT_ATTR]
 
 
-class _InPlaceUnit(XlaFullyShardedDataParallel):
-    """The unit when it is the module itself: its original contents live in ``_fsdp_wrapped_module``
-    (the same class, unconverted). A public attribute the program sets on the module afterwards
-    goes there too (unless the unit has it), so the module's own forward sees it."""
+class _InPlaceModule(nn.Module):
+    """What a converted module does differently from its class: a call runs through its unit
+    (which gathers, calls the module's own hooks and forward, and frees), and the module-wide
+    operations that would otherwise act on the shards as if they were whole parameters."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return _state(self)(*args, **kwargs)
+
+    def to_empty(self, *, device: Union[str, torch.device], recurse: bool = True) -> nn.Module:
+        """FSDP2's meta-device init: ``fully_shard`` on the meta module, then ``to_empty`` and the
+        program's own init (``reset_parameters()``, ``init_weights()``). Here the module's parameter
+        attributes become full-size uninitialized parameters on the device, so the init sees the
+        shapes and draws the values the unsharded model would; the next forward (or a state dict,
+        or ``summon_full_params``) keeps each rank's rows. ``model.parameters()`` stays the shards,
+        for the optimizer. On XLA the full tensors are lazy: computed and cut in one graph."""
+        _state(self).begin_to_empty(torch.device(device), summon.units_under(self, recurse))
+        return self
+
+    def apply(self, fn: Callable[[nn.Module], None]) -> nn.Module:
+        """``fn`` on every module once, on the full parameters (written back to the shards). Between
+        ``to_empty`` and the first forward the module already holds full parameters for the init (on
+        the host with ``CPUOffloadPolicy``, so ``fn`` draws from the CPU generator, as unsharded)."""
+        unit = _state(self)
+        if any(group.in_late_init() for group in unit.gather_groups):
+            return nn.Module.apply(self, fn)
+        with summon.summon_full_params(self, recurse=False):
+            return nn.Module.apply(self, fn)  # nested converted modules summon their own
+
+    def _apply(self, fn: Callable, recurse: bool = True) -> nn.Module:
+        """``.to(device)``, ``.float()``: host-offloaded shards stay where and what they are."""
+        with shards_held_back(_state(self)):
+            return super()._apply(fn, recurse)
+
+    def _fqn_modifiers(self) -> Dict[str, str]:
+        return _state(self)._fqn_modifiers()  # PyTorch's state_dict functions: the unit's error naming ours
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> nn.Module:
+        return _state(self).__deepcopy__(memo)  # the unit's refusal, naming what works
+
+
+class _FullyShardUnit(XlaFullyShardedDataParallel):
+    """The unit of a module ``fully_shard`` converted: held in the module's ``_xla_fsdp_unit``
+    attribute, outside its module tree, with the module as its ``_fsdp_wrapped_module``. Its shards
+    are registered in the original parameters' places (see GatherGroup's ``in_place``)."""
+
+    shards_in_place = True
 
     def _plan(self, options: Any) -> None:
         super()._plan(options)
@@ -339,27 +386,21 @@ class _InPlaceUnit(XlaFullyShardedDataParallel):
         self._force_sum_reduction = False
         self._late_init_units: List[nn.Module] = []  # to_empty's units, until their init is sharded
         self._init_checked = False  # whether a first forward found every meta-built unit given values
-        self._awaiting_to_empty = False  # built from the meta device, not yet to_empty'd
+        self.awaiting_to_empty = False  # built from the meta device, not yet to_empty'd
 
-    def to_empty(self, *, device: Union[str, torch.device], recurse: bool = True) -> "_InPlaceUnit":
-        """FSDP2's meta-device init: ``fully_shard`` on the meta module, then ``to_empty`` and the
-        program's own init (``reset_parameters()``, ``init_weights()``). Here the module's parameter
-        attributes become full-size uninitialized parameters on the device, so the init sees the
-        shapes and draws the values the unsharded model would; the next forward (or a state dict,
-        or ``summon_full_params``) keeps each rank's rows. ``model.parameters()`` stays the shards,
-        for the optimizer. On XLA the full tensors are lazy: computed and cut in one graph."""
-        device = torch.device(device)
+    def _run_module(self, args: Any, kwargs: Any) -> Any:
+        return nn.Module.__call__(self._fsdp_wrapped_module, *args, **kwargs)  # its hooks, its class's forward
+
+    def begin_to_empty(self, device: torch.device, units: List["_FullyShardUnit"]) -> None:
         self._check_init_device(device)
         device = device if device.type == "cpu" else self.comms.device  # "xla" means this rank's device
-        units = summon.units_under(self, recurse)
         for unit in units:
             if unit.training_state is not TrainingState.IDLE:
                 raise RuntimeError("xla_fsdp.fully_shard: to_empty inside forward or backward; call it before "
                                    "training, as FSDP2's meta-device init does")
             unit.begin_late_init(device)
-            unit._awaiting_to_empty = False
+            unit.awaiting_to_empty = False
         self._late_init_units = units
-        return self
 
     def _check_init_device(self, device: torch.device) -> None:
         ours = self.comms.device
@@ -369,7 +410,8 @@ class _InPlaceUnit(XlaFullyShardedDataParallel):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not self._init_checked:
-            unset = [name or "the root" for name, m in self.named_modules() if getattr(m, "_awaiting_to_empty", False)]
+            unset = [prefix.rstrip(".") or "the root" for prefix, unit in param_names.named_units(self)
+                     if getattr(unit, "awaiting_to_empty", False)]
             if unset:
                 raise RuntimeError(
                     f"xla_fsdp.fully_shard: {unset[0]} was sharded on the meta device and has no values yet; call "
@@ -383,40 +425,15 @@ class _InPlaceUnit(XlaFullyShardedDataParallel):
             self.comms.sync()  # on XLA: the init and its cut run now, apart from the step
         return super().forward(*args, **kwargs)
 
-    def apply(self, fn: Callable[[nn.Module], None]) -> "_InPlaceUnit":
-        """``fn`` on every module once, on the full parameters (written back to the shards): the
-        contents hold the module's own state and are an instance of its class, so ``fn`` runs on them
-        and not again on this converted module, as FSDP2 runs it once on its one object. Between
-        ``to_empty`` and the first forward the module already holds full parameters for the init (on
-        the host with ``CPUOffloadPolicy``, so ``fn`` draws from the CPU generator, as unsharded)."""
-        if any(group.in_late_init() for group in self.gather_groups):
-            self._fsdp_wrapped_module.apply(fn)
-            return self
-        with summon.summon_full_params(self, recurse=False):
-            self._fsdp_wrapped_module.apply(fn)
-        return self
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if (name.startswith("_") or name in self.__dict__ or not self.__dict__.get("_fsdp2_ready")
-                or hasattr(XlaFullyShardedDataParallel, name) or hasattr(FSDPModule, name)):
-            super().__setattr__(name, value)
-        else:
-            setattr(self._fsdp_wrapped_module, name, value)
-
 
 def _shard_in_place(module: nn.Module, options: Dict[str, Any], cast_forward_inputs: bool) -> nn.Module:
-    cls = type(module)
-    inner = cls.__new__(cls)
-    inner.__dict__ = module.__dict__  # the module's parameters, buffers, children, hooks, attributes
-    module.__dict__ = {}
-    object.__setattr__(inner, "_xla_fsdp_contents", True)
-    module.__class__ = _fsdp_class(cls)
-    XlaFullyShardedDataParallel.__init__(module, inner, **options)
-    for group in module.gather_groups:
+    unit = _FullyShardUnit(module, **options)
+    for group in unit.gather_groups:
         _give_dtensor_calls(group)
         group.sync_after_optimizer_step = True
-    module.cast_forward_inputs = cast_forward_inputs
-    module._fsdp2_ready = True
+    unit.cast_forward_inputs = cast_forward_inputs
+    object.__setattr__(module, UNIT_ATTR, unit)  # a plain attribute: not a child, so not in the tree
+    module.__class__ = _fsdp_class(type(module))
     return module
 
 

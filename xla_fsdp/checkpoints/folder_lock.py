@@ -18,6 +18,7 @@ import time
 import uuid
 import warnings
 from typing import Dict, Optional, Set
+from ..unit.base import takes_root_unit
 
 LOCK_NAME = ".xla_fsdp-run.lock"
 _PROCESS_RUN = uuid.uuid4().hex[:12]
@@ -108,6 +109,7 @@ def try_claim(ckpt_dir: str) -> Optional[str]:
     return f"could not claim the checkpoint folder '{ckpt_dir}': its lock '{path}' keeps changing hands"
 
 
+@takes_root_unit
 def claim(model, ckpt_dir: str) -> None:
     """Every rank: the run's first rank claims ``ckpt_dir``; all raise its refusal together."""
     from .files import CheckpointError

@@ -14,6 +14,7 @@ from ..shard_names import clean_name
 from .files import CheckpointError
 from ..sharding import split_entry, stitch_entry
 from .metadata import full_optimizer_state_dict, param_order
+from ..unit.base import takes_root_unit
 
 
 def _shard_of_layout(model):
@@ -22,6 +23,7 @@ def _shard_of_layout(model):
     return metadata, params
 
 
+@takes_root_unit
 @torch.no_grad()
 def full_state_dict(model, rank0_only: bool = True) -> Optional[Dict[str, torch.Tensor]]:
     """The full model state dict on CPU, keyed by original names (on rank 0 only by default)."""
@@ -50,6 +52,7 @@ def full_state_dict(model, rank0_only: bool = True) -> Optional[Dict[str, torch.
     return out
 
 
+@takes_root_unit
 def full_state_keys(model) -> Tuple[List[str], List[str]]:
     """The keys of the model's full state dict (tied names included), and those of its frozen
     parameters (``requires_grad=False`` shards)."""
@@ -65,6 +68,7 @@ def full_state_keys(model) -> Tuple[List[str], List[str]]:
     return keys, frozen
 
 
+@takes_root_unit
 @torch.no_grad()
 def load_full_state_dict(model, state_dict: Mapping[str, torch.Tensor], skip_missing: bool = False) -> None:
     """Load a full (unsharded) state dict, keyed by original names, into a wrapped model.
@@ -99,6 +103,7 @@ def _optimizer_keys(model, optimizer):
     return [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
 
 
+@takes_root_unit
 @torch.no_grad()
 def full_optim_state_dict(model, optimizer, rank0_only: bool = True) -> Optional[Dict[str, Any]]:
     """Optimizer state keyed by original parameter names, full tensors on CPU, laid out for the
@@ -168,6 +173,7 @@ def _is_per_element(field: str, value: Any, shape: Any, per_element: Mapping[str
     return per_element.get(field, field != "step")
 
 
+@takes_root_unit
 @torch.no_grad()
 def load_full_optim_state_dict(model, optimizer, full_osd: Mapping[str, Any]) -> None:
     """Load optimizer state keyed by original names (from full_optim_state_dict or consolidation)."""

@@ -29,21 +29,22 @@ def _library_versions() -> Dict[str, str]:
 
 def shard_metadata(root) -> Dict[str, Any]:
     from ..shard_names import WRAPPED, clean_name as _clean_name
-    from ..unit.base import ShardedUnit
-    from ..unit.param_names import names_in_model_order
+    from ..unit.param_names import names_in_model_order, unit_paths
 
     shard_info: Dict[str, Dict[str, Any]] = {}
     flatten_info: Dict[str, Any] = {}
     buffer_info: Dict[str, Any] = {}
     layout: Dict[str, Any] = {}
-    for unit_path, unit in root.named_modules():
-        if not isinstance(unit, ShardedUnit):
-            continue
+    keys = {id(p): name for name, p in root.named_parameters()}  # each shard's key in root.state_dict()
+    for module_path, unit in unit_paths(root):
+        # a wrapper's path (its shards are its own attributes), or in place the module's
+        unit_path = module_path[:-len(WRAPPED)].rstrip(".") if module_path.split(".")[-1] == WRAPPED else module_path
         key_prefix = unit_path + "." if unit_path else ""
         name_prefix = _clean_name(unit_path)
         name_prefix = name_prefix + "." if name_prefix else ""
         shard_info[unit_path] = {}
-        for shard_name, group in unit.named_gather_groups():
+        for _, group in unit.named_gather_groups():
+            shard_name = keys[id(group.shard)][len(key_prefix):]
             if group.flat:
                 orig_name = f"{WRAPPED}.{group.flat_name}"
                 orig_size = torch.Size([group.layout.numel])
@@ -66,7 +67,7 @@ def shard_metadata(root) -> Dict[str, Any]:
                 "requires_grad": group.requires_grad,
             }
         for buffer_key, info in unit.buffer_info.items():
-            buffer_info[f"{key_prefix}{WRAPPED}.{buffer_key}"] = dict(info)
+            buffer_info[f"{module_path}.{buffer_key}" if module_path else buffer_key] = dict(info)
     return {
         "shard_info": shard_info,
         "flatten_info": flatten_info,

@@ -25,6 +25,7 @@ import torch
 from .files import CheckpointError, atomic_write, load_rank_file, rank_path
 from .folder_lock import claim
 from .sharded import load_sharded_checkpoint, save_sharded_checkpoint, values_over_ranks
+from ..unit.base import takes_root_unit
 
 _MARKER = re.compile(r"step-(\d{9})\.complete")
 
@@ -154,6 +155,7 @@ def _threaded_ranks(model) -> bool:
     return xr.world_size() > xr.process_count()
 
 
+@takes_root_unit
 def save_training_checkpoint(model, optimizer: Optional[torch.optim.Optimizer], ckpt_dir: str, step: int, *,
                              lr_scheduler=None, data_state: Any = None, extra: Any = None,
                              keep: int = 2) -> TrainingCheckpoint:
@@ -211,6 +213,7 @@ def _warn_if_restarts_share_the_store(model) -> None:
                       "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment", stacklevel=3)
 
 
+@takes_root_unit
 def resume_training(model, optimizer: Optional[torch.optim.Optimizer], ckpt_dir: str, *,
                     lr_scheduler=None) -> Optional[ResumedState]:
     """Load the newest complete checkpoint of ``ckpt_dir`` (written at any world size) into the

@@ -14,6 +14,7 @@ from .resharded_load import ReshardedLoad, needs_resharding
 from .files import (RANK_FILE, CheckpointError, commit, discard, load_rank_file, rank_path, stored_bytes,
                     tensor_checksum, verify_archive, verify_checksums, write_temporary)
 from .zip_crc import save_with_crc_outside_gil
+from ..unit.base import takes_root_unit
 
 
 def _to_host(obj: Any, staging: Optional[Dict[tuple, torch.Tensor]] = None, path: tuple = ()) -> Any:
@@ -56,6 +57,7 @@ def _agree_on_run_id(model) -> str:
     return f"{first[0]:08x}{first[1]:08x}"
 
 
+@takes_root_unit
 def optimizer_param_keys(model, optimizer) -> list:
     """The shard key of each of ``optimizer``'s parameters, in its order: what a rank file written
     with plain ``torch.save`` needs in ``shard_metadata['optimizer_param_keys']`` to be resharded or
@@ -71,6 +73,7 @@ def optimizer_param_keys(model, optimizer) -> list:
     return keys
 
 
+@takes_root_unit
 def save_sharded_checkpoint(model, optimizer: Optional[torch.optim.Optimizer], ckpt_prefix: str,
                             extra: Optional[Mapping[str, Any]] = None,
                             blocking: bool = True) -> Union[str, "PendingSave"]:
@@ -247,6 +250,7 @@ def _check_matches_model(path: str, saved: Mapping[str, Any], current: Mapping[s
                                   f"({info['mode']})")
 
 
+@takes_root_unit
 def load_sharded_checkpoint(model, optimizer: Optional[torch.optim.Optimizer], ckpt_prefix: str) -> Optional[dict]:
     """Load a sharded checkpoint into ``model`` (and ``optimizer``), after checking it; returns ``extra``.
 
@@ -344,6 +348,7 @@ def _flat_rank(model) -> int:
     return model.comms.replica_rank * model.world_size + model.rank
 
 
+@takes_root_unit
 def values_over_ranks(model, value: int) -> List[int]:
     """Every rank's ``value`` (numbered replica-major): a collective every rank joins."""
     comms = model.comms
@@ -364,6 +369,7 @@ def values_over_ranks(model, value: int) -> List[int]:
 _MESSAGE_BYTES = 1024
 
 
+@takes_root_unit
 def messages_over_ranks(model, message: Optional[str]) -> List[Optional[str]]:
     """Every rank's ``message`` (None: nothing to say; at most 1 KiB of UTF-8 each), numbered
     replica-major: a collective every rank joins, so every rank can name another's problem."""

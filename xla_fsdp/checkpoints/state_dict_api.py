@@ -27,7 +27,7 @@ import torch.distributed.checkpoint.state_dict as upstream
 from torch.distributed.checkpoint.state_dict import StateDictOptions, _init_optim_state
 from torch.nn.modules.module import _IncompatibleKeys
 
-from ..unit.base import is_unit
+from ..unit.base import is_unit, root_unit
 from .files import CheckpointError
 from .full_state import (full_optim_state_dict, full_state_dict, full_state_keys, load_full_optim_state_dict,
                          load_full_state_dict)
@@ -47,7 +47,7 @@ def _upstream_unless_ours(fn: F) -> F:
     def call(model, *args: Any, **kwargs: Any) -> Any:
         if not any(is_unit(m) for m in model.modules()):
             return getattr(upstream, fn.__name__)(model, *args, **kwargs)
-        return fn(model, *args, **kwargs)
+        return fn(root_unit(model), *args, **kwargs)
     return call  # type: ignore[return-value]
 
 

@@ -14,12 +14,16 @@ from ..sharding import default_predivide_factor
 from . import construction, tied
 from .options import UnitOptions
 from .gather_group import GatherGroup
+from .offload import shards_held_back
 from .param_names import SHARD_PREFIX, SHARD_SEPARATOR, WRAPPED, flat_parts
 from .step_state import StepState
 
 
 class ModuleAdoption:
     """Construction steps after planning (see the wrapper's ``_plan``)."""
+
+    #: register each shard in its original parameter's place, not as the unit's own (fully_shard)
+    shards_in_place = False
 
     def _adopt(self, module: nn.Module, options: UnitOptions) -> None:
         """Take the parameters no nested unit owns: materialize meta ones, shard them into groups,
@@ -42,14 +46,16 @@ class ModuleAdoption:
         self._shard_names: List[str] = []
         for group in self.gather_groups:
             name = self._shard_param_name(group)
-            self.register_parameter(name, group.shard)
+            if not group.in_place:  # (in place: registered where the original was, see GatherGroup)
+                self.register_parameter(name, group.shard)
             group.shard._orig_name = f"{WRAPPED}.{group.flat_name if group.flat else group.refs[0].fqn}"
             group.shard._name = name
             self._shard_names.append(name)
         self._follow_requires_grad()
         self.buffer_info = {k: {"_orig_dtype": v} for k, v in
                             construction.cast_buffers(module, self.buffer_dtype, "").items()}
-        module.to(self.comms.device)
+        with shards_held_back(self):  # in place, offloaded shards sit in the module and stay on the host
+            module.to(self.comms.device)
         # (module, name, buffer, its version now, rank 0's value to take) for the floating buffers this unit owns
         # (integer counters are alike anyway); taken now, or at the first forward where the ranks
         # are threads of one process, as the groups' parameters are (see GatherGroup)
@@ -61,8 +67,10 @@ class ModuleAdoption:
                         self._rank_0_buffers.append((m, name, b, b._version, self.comms.start_broadcast_from_rank_0(b)))
             if not self.comms.ranks_share_a_process:
                 self.take_deferred_values()
-        # a state_dict before the first forward holds the deferred values too
-        self.register_state_dict_pre_hook(_take_before_state_dict)
+        # a state_dict before the first forward holds the deferred values too (in place: the
+        # program asks the module, whose unit is outside its tree)
+        hooked = module if self.shards_in_place else self
+        hooked.register_state_dict_pre_hook(functools.partial(_take_before_state_dict, weakref.ref(self)))
 
     def take_deferred_values(self) -> None:
         """The values left to take since construction: what the program's own init wrote after
@@ -130,15 +138,19 @@ class ModuleAdoption:
                                dim0=self.shard_param_on_dim_0, pad_multiple=self._shard_size_multiple,
                                compute_dtype=self.compute_dtype, channel=channel + GatherGroup.CHANNELS * i,
                                offload=self._offload, storage_dtype=self.param_storage_dtype,
-                               sync_from_rank_0=self._sync_module_states)
+                               sync_from_rank_0=self._sync_module_states, in_place=self.shards_in_place)
             group.flat_name = flat_name
             groups.append(group)
         return groups
 
     def _shard_param_name(self, group: GatherGroup) -> str:
+        """The shard's name in this unit's ``state_dict()``: its own attribute (torch_xla's spelling), or
+        in place the original parameter's place."""
         path = f"{WRAPPED}.{group.flat_name if group.flat else group.refs[0].fqn}"
-        return SHARD_PREFIX + path.replace(".", SHARD_SEPARATOR)
+        return path if group.in_place else SHARD_PREFIX + path.replace(".", SHARD_SEPARATOR)
 
 
-def _take_before_state_dict(unit: nn.Module, prefix: str, keep_vars: bool) -> None:
-    unit.take_deferred_values()
+def _take_before_state_dict(unit: "weakref.ref[nn.Module]", module: nn.Module, prefix: str, keep_vars: bool) -> None:
+    alive = unit()
+    if alive is not None:
+        alive.take_deferred_values()

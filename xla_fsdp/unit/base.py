@@ -8,7 +8,8 @@ code and the checkpoint code may use of a unit are declared here; the wrapper im
 from __future__ import annotations
 
 import abc
-from typing import TYPE_CHECKING, Any, List, Tuple
+import functools
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple, TypeVar
 
 import torch
 import torch.nn as nn
@@ -83,5 +84,35 @@ class ShardedUnit(nn.Module, metaclass=abc.ABCMeta):
         """Every rank's one-element gradient-norm term, in rank order."""
 
 
+#: where ``fully_shard`` keeps a module's unit: a plain attribute of the module, outside its module tree
+#: (so names, ``state_dict()`` keys and ``modules()`` stay the program's own, as in FSDP2)
+UNIT_ATTR = "_xla_fsdp_unit"
+
+
+def unit_of(module: nn.Module) -> Optional[ShardedUnit]:
+    """The unit ``module`` is (a wrapper) or holds (a module ``fully_shard`` converted), else None."""
+    if isinstance(module, ShardedUnit):
+        return module
+    return module.__dict__.get(UNIT_ATTR)
+
+
+def root_unit(model: nn.Module) -> nn.Module:
+    """The unit to act on for ``model``: a module ``fully_shard`` converted stands for its unit."""
+    unit = unit_of(model)
+    return unit if unit is not None else model
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def takes_root_unit(fn: F) -> F:
+    """A function of a model (checkpoints) called with a converted module gets its unit."""
+    @functools.wraps(fn)
+    def call(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return fn(root_unit(model), *args, **kwargs)
+    return call  # type: ignore[return-value]
+
+
 def is_unit(module: nn.Module) -> bool:
-    return isinstance(module, ShardedUnit)
+    """Whether ``module`` is sharded: a unit itself, or a module sharded in place."""
+    return unit_of(module) is not None

@@ -11,7 +11,7 @@ import torch.nn as nn
 
 from .gather_group import ParamRef
 from .tied import LeftSlot
-from .base import is_unit
+from .base import is_unit, unit_of
 
 
 def validate_module(module: nn.Module) -> None:
@@ -168,7 +168,7 @@ def nested_units(module: nn.Module):
     for prefix, m in owned_modules(module):
         for name, child in m._modules.items():
             if child is not None and is_unit(child):
-                yield f"{prefix}{name}.", child
+                yield f"{prefix}{name}.", unit_of(child)
 
 
 def _check_shardable(p: nn.Parameter, fqn: str, storage_dtype: torch.dtype = torch.float32) -> None:

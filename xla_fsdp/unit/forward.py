@@ -8,7 +8,6 @@ from typing import Any, List, Optional, Sequence
 
 import torch
 
-from .base import is_unit
 from .coalesce import start_unshard
 from .offload import barrier_sources
 from .param_names import named_units
@@ -35,7 +34,7 @@ class ForwardPass:
         if self.step_state.is_root is not None:
             return
         self.step_state.is_root = True
-        self.step_state.units_in_tree = [m for m in self.modules() if is_unit(m)]
+        self.step_state.units_in_tree = [unit for _, unit in named_units(self)]
         for unit in self.step_state.units_in_tree:
             if unit is not self:
                 if unit.step_state.is_root:
@@ -148,7 +147,7 @@ class ForwardPass:
             self._gather_listed(listed, backward=False)
         versions = None if in_backward else [g.installed_versions() for g in self.gather_groups]
         try:
-            outputs = self._fsdp_wrapped_module(*args, **kwargs)
+            outputs = self._run_module(args, kwargs)
             if versions is not None:  # parameters the module edited in place: the edit stays, as unsharded
                 for group, before in zip(self.gather_groups, versions):
                     group.keep_edits(before)
@@ -176,6 +175,11 @@ class ForwardPass:
         if torch.is_grad_enabled():
             outputs = self._register_pre_backward_hooks(outputs)
         return outputs
+
+    def _run_module(self, args: Any, kwargs: Any) -> Any:
+        """The module's call, its own hooks included (``fully_shard``'s unit calls its module's class
+        forward, since calling the converted module comes back here)."""
+        return self._fsdp_wrapped_module(*args, **kwargs)
 
     def _abandon_forward(self) -> None:
         """The module raised during forward: leave this unit (the root: every unit) idle and

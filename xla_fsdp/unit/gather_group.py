@@ -49,7 +49,7 @@ class GatherGroup:
     def __init__(self, refs: List[ParamRef], comms: Collectives, *, flat: bool, dim0: bool,
                  pad_multiple: int, compute_dtype: torch.dtype, channel: int,
                  offload: Optional[HostOffload] = None, storage_dtype: torch.dtype = torch.float32,
-                 sync_from_rank_0: bool = False):
+                 sync_from_rank_0: bool = False, in_place: bool = False):
         if dim0 and (flat or len(refs) != 1):
             raise ValueError("dim-0 sharding applies to one unflattened parameter at a time")
         self.refs = refs
@@ -145,11 +145,16 @@ class GatherGroup:
             for hook in self._member_hooks[0]:
                 self.full.register_hook(hook)  # ``full`` is the parameter the module computes with
         # The originals stop being registered parameters; the module reads full data through
-        # plain attributes that ``install`` refreshes after every gather.
+        # plain attributes that ``install`` refreshes after every gather. ``in_place`` (fully_shard):
+        # the shard is registered in the original's place (``named_parameters()``, ``state_dict()``
+        # under the module's own names, as FSDP2's DTensor), and the plain attribute shadows it.
+        self.in_place = in_place and not flat
         self._set_values: List[Optional[torch.Tensor]] = []  # what install last gave each member's places
         for ref in refs:
             for module, attr in ref.slots:
                 module._parameters.pop(attr, None)
+                if self.in_place:
+                    module._parameters[attr] = self.shard
                 set_module_tensor(module, attr, None)
             ref.param._xla_fsdp_sharded = True
             # The shard is the only copy now: drop the original's data so every rank does not keep
@@ -304,11 +309,9 @@ class GatherGroup:
         next install would silently put the unit's own back."""
         for ref, installed in zip(self.refs, self._set_values):
             for (module, attr), name in zip(ref.slots, [ref.fqn, *ref.aliases]):
-                value = module._parameters.get(attr)  # a Parameter: registered by nn.Module.__setattr__
-                if value is None:
-                    value = module.__dict__.get(attr)  # a plain tensor (another member's FreedParameter)
-                    if value is installed or not isinstance(value, torch.Tensor):
-                        continue
+                value = module_tensor(module, attr)
+                if value is installed or value is self.shard or not isinstance(value, torch.Tensor):
+                    continue  # (a plain tensor there may be another member's FreedParameter)
                 return name, value
         return None
 
@@ -597,7 +600,8 @@ def set_module_tensor(module: nn.Module, attr: str, value: Optional[torch.Tensor
     """Give ``module`` a plain attribute ``attr`` (never a registered parameter: the unit's
     ``parameters()`` are the shards). Recurrent layers compute from their own list of weights,
     which their ``__setattr__`` keeps current: kept current here too."""
-    module._parameters.pop(attr, None)
+    if not getattr(getattr(module._parameters.get(attr), "_xla_fsdp_group", None), "in_place", False):
+        module._parameters.pop(attr, None)  # (fully_shard's shard stays registered, shadowed by ``value``)
     object.__setattr__(module, attr, value)
     names = getattr(module, "_flat_weights_names", None)
     if isinstance(module, nn.RNNBase) and names is not None and attr in names:
@@ -607,8 +611,8 @@ def set_module_tensor(module: nn.Module, attr: str, value: Optional[torch.Tensor
 def module_tensor(module: nn.Module, attr: str) -> torch.Tensor:
     """``module.attr`` as the program left it: a Parameter assigned to it is registered by
     ``nn.Module.__setattr__``, and read from there."""
-    value = module._parameters.get(attr)
-    return value if value is not None else module.__dict__[attr]
+    value = module.__dict__.get(attr)  # nn.Module.__setattr__ of a Parameter removes the plain attribute
+    return value if value is not None else module._parameters.get(attr)
 
 
 def _hooks_kept_from(ref: ParamRef) -> List[Callable]:

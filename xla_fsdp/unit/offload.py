@@ -164,11 +164,16 @@ def shards_held_back(unit: nn.Module) -> Iterator[None]:
     """Inside, ``nn.Module._apply`` (``to``, ``cuda``, ``float``...) skips an offloading unit's own
     shards: they stay host tensors of their dtype (the slots keep their order: state-dict and
     optimizer order follow it)."""
-    names = unit.__dict__.get("_shard_names", []) if unit.__dict__.get("_offload") is not None else []
-    held = {name: unit._parameters[name] for name in names}
-    for name in held:
-        unit._parameters[name] = None  # _apply skips empty slots
+    groups = unit.__dict__.get("gather_groups", []) if unit.__dict__.get("_offload") is not None else []
+    names = unit.__dict__.get("_shard_names", [])
+    # (module holding the shard, its name there): the unit itself, or in place each original's places
+    places = [(m, attr) for g in groups if g.in_place for r in g.refs for m, attr in r.slots]
+    places += [(unit, name) for g, name in zip(groups, names) if not g.in_place]
+    held = [(m, attr, m._parameters[attr]) for m, attr in places if m._parameters.get(attr) is not None]
+    for m, attr, _ in held:
+        m._parameters[attr] = None  # _apply skips empty slots
     try:
         yield
     finally:
-        unit._parameters.update(held)
+        for m, attr, shard in held:
+            m._parameters[attr] = shard

@@ -7,7 +7,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tupl
 import torch.nn as nn
 
 from ..shard_names import SHARD_PREFIX, SHARD_SEPARATOR, WRAPPED, clean_name, readable_key  # noqa: F401
-from .base import ShardedUnit
+from .base import ShardedUnit, unit_of
 
 
 def hashable(value: Any) -> Any:
@@ -46,12 +46,24 @@ def flat_parts(
     return parts, names
 
 
-def named_units(root: ShardedUnit) -> Iterator[Tuple[str, ShardedUnit]]:
-    """(original-name prefix, unit) for ``root`` and the units nested in it."""
+def unit_paths(root: nn.Module) -> Iterator[Tuple[str, ShardedUnit]]:
+    """(path in ``root`` of the unit's module, unit) for every unit in ``root``'s tree, each once: a
+    wrapper's module is its ``_fsdp_wrapped_module``; a module ``fully_shard`` converted holds its unit
+    outside the tree (``unit_of``)."""
+    seen = set()
     for name, m in root.named_modules():
-        if isinstance(m, ShardedUnit):
-            clean = clean_name(name)
-            yield (clean + "." if clean else ""), m
+        unit = unit_of(m)
+        if unit is None or id(unit) in seen:
+            continue
+        seen.add(id(unit))
+        yield (name if unit is not m else (f"{name}.{WRAPPED}" if name else WRAPPED)), unit
+
+
+def named_units(root: nn.Module) -> Iterator[Tuple[str, ShardedUnit]]:
+    """(original-name prefix, unit) for ``root`` and the units nested in it."""
+    for path, unit in unit_paths(root):
+        clean = clean_name(path)
+        yield (clean + "." if clean else ""), unit
 
 
 def original_names_and_shards(root: ShardedUnit) -> List[Tuple[str, nn.Parameter]]:

@@ -15,15 +15,16 @@ from typing import Iterator, List
 
 import torch.nn as nn
 
-from .base import is_unit
+from .base import is_unit, unit_of
+from .param_names import named_units
 from .schedule import TrainingState
 
 
 def units_under(module: nn.Module, recurse: bool = True) -> List[nn.Module]:
     """The units ``module`` is or holds (itself only, if a unit and not ``recurse``)."""
     if is_unit(module) and not recurse:
-        return [module]
-    return [m for m in module.modules() if is_unit(m)]
+        return [unit_of(module)]
+    return [unit for _, unit in named_units(module)]
 
 
 @contextlib.contextmanager
