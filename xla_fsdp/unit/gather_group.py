@@ -318,8 +318,15 @@ class GatherGroup:
     def _freed_values(self) -> List[torch.Tensor]:
         """Stand-ins that know each member's shape and refuse data access (see freed.py)."""
         shapes = [self.full_shape] if not self.flat else self.layout.shapes
-        return [FreedParameter(shape, self.compute_dtype, self.full.device, ref.fqn, self.shard)
-                for ref, shape in zip(self.refs, shapes)]
+        freed = [FreedParameter(shape, self.compute_dtype, self.full.device, ref.fqn, self.shard)
+                 for ref, shape in zip(self.refs, shapes)]
+        if self.in_place:
+            # Where the shard is registered (fully_shard), the stand-in counts as a Parameter (as FSDP2's
+            # DTensor does), so a program that ties ``head.weight = emb.weight`` between steps gets the
+            # unit's refusal naming both at the next forward, not torch's "cannot assign ... as parameter".
+            for f in freed:
+                f._is_param = True
+        return freed
 
     def refill_freed_members(self) -> None:
         """Backward of a gathered group: members an earlier call of this forward saved, freed
