@@ -209,7 +209,7 @@ def _pieces(blocks) -> List[List[Any]]:
     """XLA units: per block and parameter, (rows kept after forward for backward, padded rows)."""
     if unit_of(blocks[0]) is None:
         return []
-    return [[(g._post_forward[1].shape[0] if g._post_forward else 0, g.padded_shape[0])
+    return [[(g.post_forward_piece.rows.shape[0] if g.post_forward_piece else 0, g.padded_shape[0])
              for g in unit_of(b).gather_groups] for b in blocks]
 
 

@@ -25,8 +25,22 @@ from ..sharding import Dim0Layout, FlatLayout, flatten_and_pad, pad_dim0, shard_
 
 
 class ShardedState(enum.Enum):
+    """What a gather group holds besides its shard (FSDP2's states of the same names)."""
     SHARDED = "sharded"      # only the shard exists; full data freed
+    #: full data freed, this rank's rows of it within a smaller group of ranks kept for backward's
+    #: gather (FSDP2's int ``reshard_after_forward``; see :class:`PostForwardPiece`)
+    SHARDED_POST_FORWARD = "sharded_post_forward"
     UNSHARDED = "unsharded"  # full data gathered and visible to the module
+
+
+@dataclass
+class PostForwardPiece:
+    """This rank's rows of the padded full parameter within ``ranks``, a smaller group of consecutive
+    ranks: backward gathers them over ``ranks`` instead of the shards over every rank."""
+
+    ranks: Collectives
+    rows: torch.Tensor
+    shard_version: int  # the shard's version the rows are of (a changed shard makes them stale)
 
 
 @dataclass
@@ -125,9 +139,8 @@ class GatherGroup:
         #: a reentrant checkpoint of the program's own uses a member in this step's forward: its
         #: gradient comes in a later backward pass than the root's (set by the gradient plan)
         self.gradient_in_later_pass = False
-        # FSDP2's int reshard_after_forward: after forward, this rank's rows of the padded full
-        # parameter within a smaller group (its collectives, the piece, the shard version it is of)
-        self._post_forward: Optional[Tuple[Collectives, torch.Tensor, int]] = None
+        #: FSDP2's int reshard_after_forward: cut at the end of forward, kept while SHARDED_POST_FORWARD
+        self.post_forward_piece: Optional[PostForwardPiece] = None
         self.flat_name: Optional[str] = None  # set by the unit for flattened groups
         # Gradient edges of each member's installed tensors during a root's forward (flat groups),
         # for the root's plan of which groups get gradients (see gradient_usage.py); None when not recording.
@@ -220,10 +233,11 @@ class GatherGroup:
         forward, whose parameter tensors autograd saved (see :meth:`install`)."""
         channel = self.channel_backward if backward else self.channel_forward
         version = self.shard._version
-        kept, self._post_forward = self._post_forward, None
-        if kept is not None and kept[2] == version:  # gather the pieces kept after forward, in their group
-            wait = kept[0].start_gather_into(self.full, kept[1], channel, self.padded_shape, self._unpad,
-                                             alias_ok=False)
+        kept, self.post_forward_piece = self.post_forward_piece, None
+        if self.state is ShardedState.SHARDED_POST_FORWARD and kept.shard_version == version:
+            # gather the pieces kept after forward, within their group of ranks
+            wait = kept.ranks.start_gather_into(self.full, kept.rows, channel, self.padded_shape, self._unpad,
+                                                alias_ok=False)
         else:
             wait = self.comms.start_gather_into(self.full, self.gather_source(), channel, self.padded_shape,
                                                 self._unpad, alias_ok=self.offload is None)
@@ -255,29 +269,35 @@ class GatherGroup:
         self.full._has_full_param = True
         self._gathered_version = shard_version
 
-    def cut_piece(self, group: Collectives) -> Optional[torch.Tensor]:
-        """This rank's rows of the gathered (padded) parameter within ``group``, a smaller group of
+    def cut_piece(self, ranks: Collectives) -> Optional[torch.Tensor]:
+        """This rank's rows of the gathered (padded) parameter within ``ranks``, a smaller group of
         consecutive ranks (FSDP2's int ``reshard_after_forward``), kept for the next gather, which
-        reads those pieces over ``group`` instead of the shards over every rank. None where there
+        reads those pieces over ``ranks`` instead of the shards over every rank. None where there
         is nothing to cut (not gathered, or not split by rows)."""
         if self.state is not ShardedState.UNSHARDED or not self.dim0 or self._aliases_shard():
             return None
         padded = pad_dim0(self.full.detach(), self.layout)
-        piece = padded.view(group.world_size, -1, *self.layout.row_shape)[group.rank].clone()
-        self._post_forward = (group, piece, self._gathered_version)
-        return piece
+        rows = padded.view(ranks.world_size, -1, *self.layout.row_shape)[ranks.rank].clone()
+        self.post_forward_piece = PostForwardPiece(ranks, rows, self._gathered_version)
+        return rows
 
-    def reshard_to(self, group: Collectives) -> None:
-        """Free the full data, keeping this rank's piece of it for ``group`` (cut now unless it was)."""
-        if self._post_forward is None or self._post_forward[0] is not group:
-            self.cut_piece(group)
-        kept, self._post_forward = self._post_forward, None
+    def reshard_to(self, ranks: Collectives) -> None:
+        """Free the full data, keeping this rank's piece of it for ``ranks`` (cut now unless it was):
+        SHARDED_POST_FORWARD. Where nothing can be cut, as :meth:`reshard`."""
+        if self.post_forward_piece is None or self.post_forward_piece.ranks is not ranks:
+            self.cut_piece(ranks)
+        kept = self.post_forward_piece
         self.reshard()
-        self._post_forward = kept
+        if kept is not None and self.state is ShardedState.SHARDED:
+            self.post_forward_piece = kept
+            self.state = ShardedState.SHARDED_POST_FORWARD
 
     def reshard(self) -> None:
-        """Free the full data; the shard stays."""
-        self._post_forward = None
+        """Free the full data (and a post-forward piece); the shard stays."""
+        self.post_forward_piece = None
+        if self.state is ShardedState.SHARDED_POST_FORWARD:
+            self.state = ShardedState.SHARDED  # the full data was freed already
+            return
         if self.state is ShardedState.SHARDED or self._aliases_shard():
             return  # an alias owns no memory: it stays installed, and the next gather is free
         self.comms.free(self.full)
