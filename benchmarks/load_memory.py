@@ -94,7 +94,7 @@ def main() -> None:
     result = {"date": datetime.date.today().isoformat(), "checkpoint_bytes": ckpt_bytes,
               "saved_world_size": args.save_ranks, "loaded_world_size": args.load_ranks, "ranks": rows}
     mib = 2 ** 20
-    lines = [f"# Load-time resharding memory ({result['date']}): {ckpt_bytes / 2 ** 30:.2f} GiB checkpoint "
+    lines = [f"# Load-time resizing memory ({result['date']}): {ckpt_bytes / 2 ** 30:.2f} GiB checkpoint "
              f"(parameters + AdamW) saved by {args.save_ranks} ranks, loaded by {args.load_ranks} gloo ranks "
              "(flat units: another wrapping too)", "",
              "| rank | own state (shards + optimizer) | largest tensor | RSS rise during the load "

@@ -18,7 +18,7 @@ import models
 from xla_fsdp.checkpoints import CheckpointError
 from xla_fsdp.checkpoints.files import rank_path
 from xla_fsdp.consolidate_sharded_ckpts import main as consolidate_cli
-from xla_fsdp.reshard import main as reshard_cli
+from xla_fsdp.resize import main as resize_cli
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 INSPECT = ["-m", "xla_fsdp.inspect"]
@@ -74,9 +74,9 @@ def test_no_tool_writes_over_its_inputs(ckpts, tmp_path, capsys, spelling):
     from xla_fsdp import consolidate_sharded_model_checkpoints
     with pytest.raises(CheckpointError, match="is the input file"):
         consolidate_sharded_model_checkpoints(prefix, save_path=target)
-    # reshard into the input's prefix spelled otherwise: same world size (would rewrite the inputs) or not
+    # resize into the input's prefix spelled otherwise: same world size (would rewrite the inputs) or not
     for ws in ("2", "3"):
-        assert reshard_cli(["--ckpt_prefix", prefix, "--world_size", ws, "--out_prefix",
+        assert resize_cli(["--ckpt_prefix", prefix, "--world_size", ws, "--out_prefix",
                             str(tmp_path / "." / "ours")]) == 2
         assert "is the input's prefix" in capsys.readouterr().err
     assert _digests(tmp_path) == before
@@ -104,7 +104,7 @@ def test_a_crafted_rank_file_runs_no_code(tmp_path, capsys, gloo):
     prefix = str(tmp_path / "evil")
     assert consolidate_cli(["--ckpt_prefix", prefix]) == 2
     assert consolidate_cli(["--ckpt_prefix", prefix, "--verify"]) == 2
-    assert reshard_cli(["--ckpt_prefix", prefix, "--world_size", "2", "--out_prefix", str(tmp_path / "o")]) == 2
+    assert resize_cli(["--ckpt_prefix", prefix, "--world_size", "2", "--out_prefix", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
     assert err.count("evil_rank-00000000-of-00000001.pth") == 3 and "Unsupported global" in err, err
     # one line each, and never torch's advice to retry with weights_only=False (issue 53 item 8)
@@ -139,7 +139,7 @@ def test_flipped_bits_are_caught_in_files_of_any_writer(ckpts, tmp_path, capsys,
         assert consolidate_cli(["--ckpt_prefix", prefix] + argv) == 2
         err = capsys.readouterr().err
         assert bad.name in err and "CRC-32" in err, err
-    assert reshard_cli(["--ckpt_prefix", prefix, "--world_size", "3", "--out_prefix", str(tmp_path / "o")]) == 2
+    assert resize_cli(["--ckpt_prefix", prefix, "--world_size", "3", "--out_prefix", str(tmp_path / "o")]) == 2
     assert bad.name in capsys.readouterr().err
     proc = subprocess.run([sys.executable, *INSPECT, "--ckpt_prefix", prefix], capture_output=True, text=True)
     assert proc.returncode == 2 and "CRC-32" in proc.stderr, proc.stderr
@@ -168,7 +168,7 @@ def test_written_files_get_the_umask_mode_and_other_files_a_clear_error(ckpts, t
         assert (
             consolidate_cli(["--ckpt_prefix", str(tmp_path / "ours"), "--save_path", str(tmp_path / "full.pth")]) == 0
         )
-        assert reshard_cli(["--ckpt_prefix", str(tmp_path / "ours"), "--world_size", "1",
+        assert resize_cli(["--ckpt_prefix", str(tmp_path / "ours"), "--world_size", "1",
                             "--out_prefix", str(tmp_path / "one")]) == 0
     finally:
         os.umask(old)
@@ -353,7 +353,7 @@ def test_rank_files_that_are_sound_alone_but_not_this_ranks_are_refused(transpor
     """Issue 53 item 3. Before: rank files swapped by name (or one file from a later save) loaded
     silently at the same world size, every tensor another rank's (or another step's); only the CLIs
     and a load at another world size compared the rank in the file with the one reading it. And a
-    missing file of this world size was told to reshard (item 8)."""
+    missing file of this world size was told to resize (item 8)."""
     results = _load_damaged(transport, tmp_path, damage)
     for rank, (outcome, untouched) in enumerate(results):
         assert outcome.startswith("CheckpointError"), (rank, outcome)
@@ -361,8 +361,8 @@ def test_rank_files_that_are_sound_alone_but_not_this_ranks_are_refused(transpor
         if damage == "swap":
             assert "holds the shards of rank" in outcome, outcome
             assert "renamed or copied over each other" in outcome, outcome
-        elif damage == "missing":  # before: "reshard with ... --world_size 2", which cannot bring it back
-            assert "missing rank file" in outcome and "reshard" not in outcome, outcome
+        elif damage == "missing":  # before: "resize with ... --world_size 2", which cannot bring it back
+            assert "missing rank file" in outcome and "resize" not in outcome, outcome
             assert "The other 1 rank file(s) of this world size are there: restore this one" in outcome, outcome
         else:
             assert "come from different saves" in outcome and "no rank has loaded anything" in outcome, outcome

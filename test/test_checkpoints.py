@@ -1,4 +1,4 @@
-"""Sharded checkpoints: round trips, resharding, resume, full state dicts, crash safety, bad input."""
+"""Sharded checkpoints: round trips, resizing, resume, full state dicts, crash safety, bad input."""
 import functools
 import glob
 import hashlib
@@ -13,7 +13,7 @@ import torch
 import harness
 import models
 from xla_fsdp.consolidate_sharded_ckpts import main as consolidate_cli
-from xla_fsdp.reshard import main as reshard_cli
+from xla_fsdp.resize import main as resize_cli
 
 ROUND_TRIP = harness.ROUND_TRIP
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -187,25 +187,25 @@ def sources(tmp_path_factory):
 
 @pytest.mark.parametrize("n,m", [(2, 4), (4, 2), (4, 1), (1, 4)])
 def test_reshard_then_resume(sources, n, m, tmp_path):
-    """consolidate(reshard(ckpt, M)) == consolidate(ckpt), optimizer included; training resumed on M
+    """consolidate(resize(ckpt, M)) == consolidate(ckpt), optimizer included; training resumed on M
     ranks continues the uninterrupted run (same global batch) within 1e-5; and resuming from the
-    N-rank files directly (resharded while loading) gives the same bits as from the offline reshard."""
+    N-rank files directly (resized while loading) gives the same bits as from the offline resize."""
     resumed_prefix = str(tmp_path / "{name}_to_m")
     for name in ["zero3_nested_adamw", "flatten_nested_adamw"]:
         src = sources[n].format(name=name)
         dst = resumed_prefix.format(name=name)
-        assert reshard_cli(["--ckpt_prefix", src, "--world_size", str(m), "--out_prefix", dst]) == 0
+        assert resize_cli(["--ckpt_prefix", src, "--world_size", str(m), "--out_prefix", dst]) == 0
         assert all(os.path.exists(harness_rank(dst, r, m)) for r in range(m))
         a, b = consolidate(src, "--optimizer"), consolidate(dst, "--optimizer")
         assert_bit_exact(b["model"], a["model"])
         for pname, st in a["optimizer"]["state"].items():
             assert_bit_exact(b["optimizer"]["state"][pname], st)
     names = ["zero3_nested_adamw", "flatten_nested_adamw"]
-    # the same resumption straight from the world-size-N files: load_sharded_checkpoint reshards while loading
+    # the same resumption straight from the world-size-N files: load_sharded_checkpoint resizes while loading
     resumed = harness.run_gloo(names + [x + "@direct" for x in names], m, steps=3, start=3, per_rank=GLOBAL_BATCH // m,
                                load_prefix={"": resumed_prefix, "direct": sources[n]})
     for name in names:
-        for r in range(m):  # load-time resharding == offline reshard + load, bit for bit
+        for r in range(m):  # load-time resizing == offline resize + load, bit for bit
             direct, offline = resumed[name + "@direct"][r], resumed[name][r]
             assert direct["losses"] == offline["losses"], (name, r)
             for k, v in offline["state_dict"].items():
@@ -221,13 +221,13 @@ def test_reshard_then_resume(sources, n, m, tmp_path):
 @pytest.mark.xla
 @pytest.mark.parametrize("m,sizes", [(4, (2, 1)), (2, (4,)), (1, (4,))])
 def test_xla_loads_any_world_size_like_offline_reshard(sources, m, sizes, tmp_path):
-    """On m XLA:CPU devices, resuming from the N-rank files (gloo-written) resharded while loading
-    gives the same bits (losses, every shard after 3 more steps) as resuming from the offline reshard."""
+    """On m XLA:CPU devices, resuming from the N-rank files (gloo-written) resized while loading
+    gives the same bits (losses, every shard after 3 more steps) as resuming from the offline resize."""
     names, prefixes = [], {}
     for n in sizes:
         for name in ["zero3_nested_adamw", "flatten_nested_adamw"]:
             offline = str(tmp_path / f"{name}_from{n}")
-            assert reshard_cli(["--ckpt_prefix", sources[n].format(name=name), "--world_size", str(m),
+            assert resize_cli(["--ckpt_prefix", sources[n].format(name=name), "--world_size", str(m),
                                 "--out_prefix", offline]) == 0
         prefixes[f"offline{n}"] = str(tmp_path / f"{{name}}_from{n}")
         prefixes[f"direct{n}"] = sources[n]
@@ -324,7 +324,7 @@ def test_bad_input_fails_clearly_and_touches_nothing(case, good_ckpt, tmp_path, 
         err = capsys.readouterr().err
         for w in words:
             assert w in err, (case, err)
-    assert reshard_cli(["--ckpt_prefix", prefix, "--world_size", "3", "--out_prefix", str(tmp_path / "out")]) != 0
+    assert resize_cli(["--ckpt_prefix", prefix, "--world_size", "3", "--out_prefix", str(tmp_path / "out")]) != 0
     after = {f: _sha(tmp_path / f) for f in os.listdir(tmp_path) if f in before}
     assert before == after
     assert not any(f.startswith("out") or f.endswith(".tmp") for f in os.listdir(tmp_path))
@@ -428,7 +428,7 @@ def test_torch_xla_checkpoint_consolidates_and_reshards(tmp_path, monkeypatch):
     assert set(got) == {k for k, _ in models.ConvBN().state_dict().items()}
     assert consolidate_cli(["--ckpt_prefix", prefix, "--verify"]) == 0
     out = prefix + "_ws2"
-    assert reshard_cli(["--ckpt_prefix", prefix, "--world_size", "2", "--out_prefix", out]) == 0
+    assert resize_cli(["--ckpt_prefix", prefix, "--world_size", "2", "--out_prefix", out]) == 0
     a, b = consolidate(prefix, "--optimizer"), consolidate(out, "--optimizer")
     assert_bit_exact(b["model"], a["model"])
     assert set(a["optimizer"]["state"]) == {n for n, _ in models.ConvBN().named_parameters()}
@@ -447,7 +447,7 @@ def test_the_clis_print_no_warning(sources, tmp_path):
         ["xla_fsdp.consolidate_sharded_ckpts", "--ckpt_prefix", prefix, "--verify"],
         ["xla_fsdp.consolidate_sharded_ckpts", "--ckpt_prefix", prefix, "--format", "safetensors",
          "--max_shard_size", "1KB", "--save_path", f"{out}/hf"],
-        ["xla_fsdp.reshard", "--ckpt_prefix", prefix, "--world_size", "3", "--out_prefix", f"{out}/ws3"],
+        ["xla_fsdp.resize", "--ckpt_prefix", prefix, "--world_size", "3", "--out_prefix", f"{out}/ws3"],
         ["xla_fsdp.inspect", "--ckpt_prefix", prefix],
         ["xla_fsdp.convert", "--to", "dcp", "--ckpt_prefix", prefix, "--out", f"{out}/dcp"],
         ["xla_fsdp.convert", "--from", "dcp", "--ckpt_dir", f"{out}/dcp", "--world_size", "2", "--out_prefix",

@@ -182,7 +182,7 @@ def test_torch_xla_style_files_reshard_and_consolidate_with_optimizer_state(name
     get_shard_metadata() and the optimizer's state dict (no optimizer map, run id or checksums)."""
     from xla_fsdp.checkpoints import rank_path
     from xla_fsdp.consolidate_sharded_ckpts import main as consolidate_cli
-    from xla_fsdp.reshard import main as reshard_cli
+    from xla_fsdp.resize import main as resize_cli
     results, prefix = harness.session_run("torch", 2)
     folder = tmp_path / "plain"
     folder.mkdir()
@@ -203,11 +203,11 @@ def test_torch_xla_style_files_reshard_and_consolidate_with_optimizer_state(name
     got = torch.load(out, weights_only=True)["optimizer"]
     for pname, state in want["state"].items():
         assert all(torch.equal(got["state"][pname][f], v) for f, v in state.items() if isinstance(v, torch.Tensor))
-    resharded = str(tmp_path / "ws4")
-    assert reshard_cli(["--ckpt_prefix", str(folder) + os.sep, "--ckpt_suffix", TRAINER_SUFFIX,
-                        "--world_size", "4", "--out_prefix", resharded]) == 0
+    resized = str(tmp_path / "ws4")
+    assert resize_cli(["--ckpt_prefix", str(folder) + os.sep, "--ckpt_suffix", TRAINER_SUFFIX,
+                        "--world_size", "4", "--out_prefix", resized]) == 0
     out4 = str(tmp_path / "full4.pth")
-    assert consolidate_cli(["--ckpt_prefix", resharded, "--optimizer", "--save_path", out4]) == 0
+    assert consolidate_cli(["--ckpt_prefix", resized, "--optimizer", "--save_path", out4]) == 0
     again = torch.load(out4, weights_only=True)
     assert all(torch.equal(again["model"][k], v) for k, v in torch.load(out, weights_only=True)["model"].items())
     for pname, state in want["state"].items():

@@ -45,7 +45,7 @@ TOOLS = {
                                 "safetensors", "--save_path", "{out}/full.safetensors", "--optimizer"],
     "consolidate_hf_folder": ["xla_fsdp.consolidate_sharded_ckpts", "--ckpt_prefix", "{in}/ck", "--format",
                               "safetensors", "--save_path", "{out}/hf/", "--max_shard_size", "40KB"],
-    "reshard": ["xla_fsdp.reshard", "--ckpt_prefix", "{in}/ck", "--world_size", "2", "--out_prefix", "{out}/ws2"],
+    "resize": ["xla_fsdp.resize", "--ckpt_prefix", "{in}/ck", "--world_size", "2", "--out_prefix", "{out}/ws2"],
     "convert_to_dcp": ["xla_fsdp.convert", "--to", "dcp", "--ckpt_prefix", "{in}/ck", "--out", "{out}/dcp"],
     "convert_from_dcp": ["xla_fsdp.convert", "--from", "dcp", "--ckpt_dir", "{in}/dcp", "--world_size", "2",
                          "--out_prefix", "{out}/back"],
@@ -54,13 +54,13 @@ TOOLS = {
 
 @pytest.mark.parametrize("tool", sorted(TOOLS))
 def test_a_tool_that_runs_out_of_room_says_so_in_one_line_and_leaves_nothing(ckpt, tmp_path, tool):
-    """Before: consolidate aborted (exit 134, "unexpected pos", a 61-line traceback), reshard aborted
+    """Before: consolidate aborted (exit 134, "unexpected pos", a 61-line traceback), resize aborted
     leaving a rank file, convert printed a 54-line traceback. Later, convert --to dcp's failure was
     still DCP's traceback when the limit was reached inside DCP's writer (issue 53 item 7)."""
     out = tmp_path / "out"
     out.mkdir()
     (out / "earlier.pth").write_bytes(b"an earlier file")  # what a folder already holds stays as it was
-    if tool == "reshard":  # an earlier output at the same prefix (files of its kind: replaceable) stays whole
+    if tool == "resize":  # an earlier output at the same prefix (files of its kind: replaceable) stays whole
         for r in range(2):
             torch.save({"earlier set": torch.tensor([r])}, out / f"ws2_rank-{r:08d}-of-00000002.pth")
     before = _listing(out)

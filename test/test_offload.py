@@ -16,7 +16,7 @@ import harness
 import models
 from xla_fsdp import XlaFullyShardedDataParallel as FSDP
 from xla_fsdp.checkpoints.shard_merge import consolidate_sharded_state_dicts
-from xla_fsdp.reshard import main as reshard_cli
+from xla_fsdp.resize import main as resize_cli
 
 TOL = 1e-5
 FP32 = [n for n in harness.OFFLOAD if "bf16" not in n]
@@ -122,7 +122,7 @@ def test_bf16_storage_offload_tracks_fp32(transport):
 def test_checkpoints_move_between_offload_and_device(tmp_path):
     """A sharded checkpoint saved by an offloading model (host shards, gloo) loads into a device-resident
     one (XLA:CPU, device shards) and the reverse, and training continues as the uninterrupted unsharded
-    run (1e-5): file for file at the same world size, and resharded while loading from a copy at
+    run (1e-5): file for file at the same world size, and resized while loading from a copy at
     another world size (into the host shards in place). The full state dicts (model and optimizer)
     of the offloading run equal the device-resident run's."""
     offload, plain = "offload_zero3_adamw", "zero3_nested_adamw"
@@ -134,7 +134,7 @@ def test_checkpoints_move_between_offload_and_device(tmp_path):
         for field, v in values.items():
             assert (saved[offload][0]["full_optim"]["state"][name][field] - v).abs().max().item() <= TOL
     at_four = str(tmp_path / "offload_ws4")
-    assert reshard_cli(["--ckpt_prefix", prefix.format(name=offload), "--world_size", "4",
+    assert resize_cli(["--ckpt_prefix", prefix.format(name=offload), "--world_size", "4",
                         "--out_prefix", at_four]) == 0
     sources = {"from_offload": prefix.format(name=offload), "from_plain": prefix.format(name=plain),
                "from_offload_ws4": at_four}

@@ -33,7 +33,7 @@ TOOLS = {
     "consolidate_hf_folder": (["xla_fsdp.consolidate_sharded_ckpts", "--ckpt_prefix", "{in}/ck", "--format",
                                "safetensors", "--save_path", "{out}/hf/", "--max_shard_size", "4KB"],
                               "hf/model.safetensors.index.json"),
-    "reshard": (["xla_fsdp.reshard", "--ckpt_prefix", "{in}/ck", "--world_size", "2", "--out_prefix", "{out}/ws2"],
+    "resize": (["xla_fsdp.resize", "--ckpt_prefix", "{in}/ck", "--world_size", "2", "--out_prefix", "{out}/ws2"],
                 "ws2_rank-00000001-of-00000002.pth"),
     "convert_to_dcp": (["xla_fsdp.convert", "--to", "dcp", "--ckpt_prefix", "{in}/ck", "--out", "{out}/dcp"],
                        "dcp/notes.txt"),
@@ -96,7 +96,7 @@ def test_outputs_that_cannot_be_written_are_refused_before_anything_is_created(c
 def test_the_api_follows_the_same_rule(ckpt, tmp_path):
     from xla_fsdp.checkpoints import CheckpointError, write_consolidated
     from xla_fsdp.checkpoints import ShardedCheckpoint
-    from xla_fsdp.checkpoints.resharding import reshard_checkpoint
+    from xla_fsdp.checkpoints.resizing import resize_checkpoint
     path = tmp_path / "deep" / "full.pth"
     write_consolidated(ShardedCheckpoint(str(ckpt / "ck")), str(path))  # folders created, as the CLI does
     write_consolidated(ShardedCheckpoint(str(ckpt / "ck")), str(path))  # its own earlier output: replaced
@@ -105,6 +105,6 @@ def test_the_api_follows_the_same_rule(ckpt, tmp_path):
         write_consolidated(ShardedCheckpoint(str(ckpt / "ck")), str(tmp_path / "notes.pth"))
     (tmp_path / "notes_rank-00000000-of-00000001.pth").write_text("mine too")
     with pytest.raises(CheckpointError, match="exists and is not a torch.save file"):
-        reshard_checkpoint(str(ckpt / "ck"), 1, str(tmp_path / "notes"))
-    reshard_checkpoint(str(ckpt / "ck"), 1, str(tmp_path / "notes"), overwrite=True)
+        resize_checkpoint(str(ckpt / "ck"), 1, str(tmp_path / "notes"))
+    resize_checkpoint(str(ckpt / "ck"), 1, str(tmp_path / "notes"), overwrite=True)
     assert (tmp_path / "notes.pth").read_text() == "mine"

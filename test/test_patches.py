@@ -70,7 +70,7 @@ def test_importing_the_package_changes_nothing_outside_it(pjrt_device, tmp_path)
     result = _run(tmp_path, """
         import json
         before = snapshot()
-        import xla_fsdp, xla_fsdp.checkpoints, xla_fsdp.cli.consolidate, xla_fsdp.cli.reshard, xla_fsdp.cli.convert
+        import xla_fsdp, xla_fsdp.checkpoints, xla_fsdp.cli.consolidate, xla_fsdp.cli.resize, xla_fsdp.cli.convert
         import xla_fsdp.cli.inspect, xla_fsdp.compat, xla_fsdp.spmd, xla_fsdp.integrations, xla_fsdp.wrap
         print("RESULT " + json.dumps({"changed": changed(before, snapshot()),
                                       "installed": [p.target for p in xla_fsdp.patches.installed()]}))

@@ -5,8 +5,8 @@ Importing it changes nothing outside the package; what it changes later, and why
 undone) by :mod:`xla_fsdp.patches`."""
 from ._version import __version__
 
-from .checkpoints import (consolidate_sharded_model_checkpoints, latest_checkpoint,
-                          load_sharded_checkpoint, reshard_checkpoint, resume_training, save_sharded_checkpoint,
+from .checkpoints import (consolidate_sharded_model_checkpoints, latest_checkpoint, load_sharded_checkpoint,
+                          reshard_checkpoint, resize_checkpoint, resume_training, save_sharded_checkpoint,
                           save_training_checkpoint)
 from .collectives.xla import sync
 from .collectives.xla_launch import enable_xla_cpu_devices, launch
@@ -30,7 +30,8 @@ __all__ = [
     "launch",
     "load_sharded_checkpoint",
     "replace_torch_xla_fsdp",
-    "reshard_checkpoint",
+    "reshard_checkpoint",  # resize_checkpoint's former name
+    "resize_checkpoint",
     "resume_training",
     "save_sharded_checkpoint",
     "save_training_checkpoint",

@@ -1,5 +1,5 @@
 """``python -m xla_fsdp.inspect``: the short command name for :mod:`xla_fsdp.cli.inspect`, beside
-``xla_fsdp.consolidate_sharded_ckpts``, ``xla_fsdp.reshard`` and ``xla_fsdp.convert``."""
+``xla_fsdp.consolidate_sharded_ckpts``, ``xla_fsdp.resize`` and ``xla_fsdp.convert``."""
 import sys
 
 from .cli.inspect import main

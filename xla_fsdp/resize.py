@@ -1,7 +1,7 @@
-"""``python -m xla_fsdp.reshard``: the short command name for :mod:`xla_fsdp.cli.reshard`."""
+"""``python -m xla_fsdp.resize``: the short command name for :mod:`xla_fsdp.cli.resize`."""
 import sys
 
-from .cli.reshard import main
+from .cli.resize import main
 
 __all__ = ["main"]
 

@@ -35,7 +35,7 @@ from .reader import MISSING_OPTIMIZER_KEYS, ShardedCheckpoint
 from .files import (DEFAULT_SUFFIX, CheckpointError, as_disk_full, causes, new_folders_removed_on_error,
                     prepare_output, rank_path, refuse_overwriting_inputs, stored_bytes, tensor_checksum)
 from .metadata import METADATA_VERSION, _library_versions, full_optimizer_state_dict, param_order
-from .resharded_load import NameIndex, read_full
+from .resized_load import NameIndex, read_full
 from .stream_save import PthStreamWriter
 
 

@@ -2,7 +2,7 @@
 
 Its metadata has five keys (``shard_info``, ``flatten_info``, ``buffer_info``, ``world_size``,
 ``rank``) and no layout section; this module derives xla_fsdp's layout entries from them and from
-the shard shapes in rank 0's state dict, so consolidation and resharding treat both alike.
+the shard shapes in rank 0's state dict, so consolidation and resizing treat both alike.
 """
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def is_torch_xla_metadata(metadata: Mapping[str, Any]) -> bool:
 
 
 def pad_multiple_of(metadata: Mapping[str, Any]) -> int:
-    """Padding multiple to use when resharding (torch_xla pads flat shards to 128 per rank)."""
+    """Padding multiple to use when resizing (torch_xla pads flat shards to 128 per rank)."""
     if "shard_size_multiple" in metadata:
         return int(metadata["shard_size_multiple"])
     return 128 if not metadata.get("shard_param_on_dim_0") else 1

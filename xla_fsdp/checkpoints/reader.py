@@ -1,6 +1,6 @@
 """Read a sharded checkpoint: a complete, validated set of rank files, opened lazily, with each tensor
 checked against its checksum as it is read. The one reader every checkpoint tool uses (consolidation,
-offline and load-time resharding, HF export, DCP conversion).
+offline and load-time resizing, HF export, DCP conversion).
 
 Rank files are memory-mapped and reopened every ``REOPEN_BYTES`` read, so pages already used can be
 released: a tool that walks the checkpoint holds about one layout entry at a time, not the model.

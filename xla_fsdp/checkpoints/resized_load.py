@@ -104,7 +104,7 @@ def read_full(index: NameIndex, source_layout: Mapping[str, Any], read_chunk, na
     return out.reshape(shape)
 
 
-class ReshardedLoad:
+class ResizedLoad:
     """A checkpoint of another world size or wrapping, read for one rank of a live model."""
 
     def __init__(self, ckpt_prefix: str):
@@ -174,7 +174,7 @@ class ReshardedLoad:
                 continue
             if len(with_state) != len(sources):
                 raise CheckpointError(f"optimizer state covers only some parameters of '{readable_key(key)}'; "
-                                      "load into the wrapping the checkpoint was saved with, or reshard offline")
+                                      "load into the wrapping the checkpoint was saved with, or resize it offline")
             source_shape = list(self.source.layout[with_state[0]]["shard_shape"])
             st: Dict[str, Any] = {}
             for field, value in saved0["state"][source_index[with_state[0]]].items():
@@ -256,7 +256,7 @@ class ReshardedLoad:
         self.source.release()
 
 
-def needs_resharding(ckpt_prefix: str, model, own_metadata: Optional[Mapping[str, Any]]) -> bool:
+def needs_resizing(ckpt_prefix: str, model, own_metadata: Optional[Mapping[str, Any]]) -> bool:
     """Whether the checkpoint differs from the model in world size or layout (then it is read by
     name); decided from what every rank sees alike."""
     if own_metadata is None:

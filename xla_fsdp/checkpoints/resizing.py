@@ -15,12 +15,12 @@ from ..sharding import split_entry, stitch_entry
 from .migrate import pad_multiple_of
 
 
-def reshard_checkpoint(ckpt_prefix: str, world_size: int, out_prefix: str,
+def resize_checkpoint(ckpt_prefix: str, world_size: int, out_prefix: str,
                        ckpt_suffix: str = DEFAULT_SUFFIX, overwrite: bool = False) -> List[str]:
     """Write ``out_prefix``'s rank files for ``world_size`` ranks; returns their paths.
 
     Each output rank is assembled alone (its model shards, optimizer state and metadata), so memory
-    holds one output file at a time. Adam moments and any state shaped like a shard are resharded
+    holds one output file at a time. Adam moments and any state shaped like a shard are resized
     like the parameters; scalars such as ``step`` are copied.
     """
     if world_size < 1:
@@ -80,3 +80,6 @@ def reshard_checkpoint(ckpt_prefix: str, world_size: int, out_prefix: str,
             paths.append(path)
             src.release()
     return paths
+
+
+reshard_checkpoint = resize_checkpoint  # its former name, kept for programs that call it

@@ -6,7 +6,7 @@ checkpoint, with the step, LR scheduler, data position and RNG state in its ``ex
 then, once every rank's file is in place, a marker ``step-{step:09d}.complete``. A job killed at any
 moment therefore leaves at worst a checkpoint without its marker, which ``latest_checkpoint``
 never picks. ``resume_training`` loads the newest complete one at any world size: the sharded load
-reshards on the fly, and the step, scheduler and data position are global.
+resizes on the fly, and the step, scheduler and data position are global.
 """
 from __future__ import annotations
 

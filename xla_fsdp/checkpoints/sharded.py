@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Mapping, Optional, Union
 
 import torch
 
-from .resharded_load import ReshardedLoad, needs_resharding
+from .resized_load import ResizedLoad, needs_resizing
 from .files import (RANK_FILE, CheckpointError, commit, discard, load_rank_file, rank_path, stored_bytes,
                     tensor_checksum, verify_archive, verify_checksums, write_temporary)
 from .zip_crc import save_with_crc_outside_gil
@@ -60,7 +60,7 @@ def _agree_on_run_id(model) -> str:
 @takes_root_unit
 def optimizer_param_keys(model, optimizer) -> list:
     """The shard key of each of ``optimizer``'s parameters, in its order: what a rank file written
-    with plain ``torch.save`` needs in ``shard_metadata['optimizer_param_keys']`` to be resharded or
+    with plain ``torch.save`` needs in ``shard_metadata['optimizer_param_keys']`` to be resized or
     consolidated with optimizer state when the optimizer was built from parameter groups."""
     names = {id(p): n for n, p in model.named_parameters()}
     keys = []
@@ -230,7 +230,7 @@ def _replica_barrier(model) -> None:
 def _check_matches_model(path: str, saved: Mapping[str, Any], current: Mapping[str, Any]) -> None:
     if saved.get("world_size") != current["world_size"]:
         raise CheckpointError(f"'{path}' was written for world size {saved.get('world_size')}, this run has "
-                              f"{current['world_size']}; reshard it first: python -m xla_fsdp.reshard "
+                              f"{current['world_size']}; resize it first: python -m xla_fsdp.resize "
                               f"--ckpt_prefix PREFIX --world_size {current['world_size']} --out_prefix NEW")
     if saved.get("rank") != current["rank"]:
         raise CheckpointError(f"'{path}' holds the shards of rank {saved.get('rank')} of {saved.get('world_size')} "
@@ -255,21 +255,21 @@ def load_sharded_checkpoint(model, optimizer: Optional[torch.optim.Optimizer], c
     """Load a sharded checkpoint into ``model`` (and ``optimizer``), after checking it; returns ``extra``.
 
     Call on every rank. A checkpoint of this world size and wrapping is read file for file; one of
-    another world size (or another wrapping of the same model) is resharded while loading, each
-    rank reading only the slices its shards need (see ``resharded_load``). Each rank reads and
+    another world size (or another wrapping of the same model) is resized while loading, each
+    rank reading only the slices its shards need (see ``resized_load``). Each rank reads and
     checks first; then the ranks agree, and if any rank failed, every rank raises (naming the
     files) before any loads a thing, rather than one rank failing while the others train on from
     the checkpoint or wait for it."""
     previous = _PENDING.pop(model, None)
     if previous is not None:
         previous.wait()
-    ckpt, resharded, error = None, None, None
+    ckpt, resized, error = None, None, None
     try:
         own = _own_metadata(model, ckpt_prefix)
-        if own is not None and not needs_resharding(ckpt_prefix, model, own):
+        if own is not None and not needs_resizing(ckpt_prefix, model, own):
             ckpt = _read_checked(model, optimizer, rank_path(ckpt_prefix, model.rank, model.world_size), ckpt_prefix)
         elif own is not None or not _has_files_of_world_size(ckpt_prefix, model.world_size):
-            resharded = _read_resharded(model, optimizer, ckpt_prefix)
+            resized = _read_resized(model, optimizer, ckpt_prefix)
         else:  # this world size's set lacks this rank's file
             ckpt = _read_checked(model, optimizer, rank_path(ckpt_prefix, model.rank, model.world_size), ckpt_prefix)
     except CheckpointError as e:
@@ -277,8 +277,8 @@ def load_sharded_checkpoint(model, optimizer: Optional[torch.optim.Optimizer], c
     errors = messages_over_ranks(model, _one_line(error) if error is not None else None)
     failed = [r for r, e in enumerate(errors) if e is not None]
     if failed:
-        if resharded is not None:
-            resharded[0].close()
+        if resized is not None:
+            resized[0].close()
         if error is not None:
             others = [r for r in failed if r != _flat_rank(model)]
             raise CheckpointError(f"{error}" + (f" (ranks {others} failed too)" if others else "")) from error
@@ -288,8 +288,8 @@ def load_sharded_checkpoint(model, optimizer: Optional[torch.optim.Optimizer], c
                               f"{also}; no rank has loaded anything")
     if ckpt is not None:
         _check_one_save(model, ckpt_prefix, ckpt["shard_metadata"].get("run_id"))
-    if resharded is not None:
-        source, plan = resharded
+    if resized is not None:
+        source, plan = resized
         try:
             source.apply(plan, model, optimizer)
             return source.extra()
@@ -331,10 +331,10 @@ def _own_metadata(model, ckpt_prefix: str) -> Optional[Dict[str, Any]]:
     return load_rank_file(path, mmap=True)["shard_metadata"]
 
 
-def _read_resharded(model, optimizer, ckpt_prefix: str):
+def _read_resized(model, optimizer, ckpt_prefix: str):
     """Check a checkpoint of another world size or wrapping against the model (changes nothing);
     returns the open source and what it will fill."""
-    source = ReshardedLoad(ckpt_prefix)
+    source = ResizedLoad(ckpt_prefix)
     try:
         source.verify_share(_flat_rank(model), model.world_size * model.comms.num_replicas)
         keys = optimizer_param_keys(model, optimizer) if optimizer is not None else None
@@ -403,9 +403,9 @@ def _read_checked(model, optimizer, path: str, ckpt_prefix: str) -> Dict[str, An
         others = sorted(glob.glob(glob.escape(ckpt_prefix) + "_rank-*-of-*.pth"))
         sizes = {int(m.group(2)) for m in (RANK_FILE.search(o) for o in others) if m}
         if sizes - {model.world_size}:
-            hint = (f" Found files for another world size (e.g. '{os.path.basename(others[0])}'): reshard with "
-                    f"python -m xla_fsdp.reshard --world_size {model.world_size}.")
-        elif others:  # the set of this world size lacks this file: resharding would not bring it back
+            hint = (f" Found files for another world size (e.g. '{os.path.basename(others[0])}'): resize with "
+                    f"python -m xla_fsdp.resize --world_size {model.world_size}.")
+        elif others:  # the set of this world size lacks this file: resizing would not bring it back
             hint = (f" The other {len(others)} rank file(s) of this world size are there: restore this one from "
                     "where the checkpoint was written, or resume from an earlier checkpoint.")
         else:

@@ -1,6 +1,6 @@
 """CLI: rewrite a sharded checkpoint for another world size (model and optimizer state).
 
-    python -m xla_fsdp.reshard --ckpt_prefix /ckpt/step100 --world_size 8 --out_prefix /ckpt/step100_ws8
+    python -m xla_fsdp.resize --ckpt_prefix /ckpt/step100 --world_size 8 --out_prefix /ckpt/step100_ws8
 """
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import sys
 from typing import List, Optional
 
 from ..checkpoints.files import DEFAULT_SUFFIX, run_cli_action
-from ..checkpoints.resharding import reshard_checkpoint
+from ..checkpoints.resizing import resize_checkpoint
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m xla_fsdp.reshard", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m xla_fsdp.resize", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ckpt_prefix", required=True)
     parser.add_argument("--world_size", type=int, required=True, help="number of ranks to write for")
@@ -25,7 +25,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(argv)
 
     def action() -> str:
-        paths = reshard_checkpoint(args.ckpt_prefix, args.world_size, args.out_prefix, args.ckpt_suffix, args.overwrite)
+        paths = resize_checkpoint(args.ckpt_prefix, args.world_size, args.out_prefix, args.ckpt_suffix, args.overwrite)
         return f"wrote {len(paths)} rank files: {paths[0]} ... {paths[-1]}"
 
     return run_cli_action(action)

@@ -6,7 +6,7 @@ size 1: every policy, auto-wrap, ``checkpoint_module``, mixed precision, meta-de
 (and with it its optimizer state) and its gradient are annotated as split over the mesh's ``fsdp``
 axis on their largest dimension, and every unit's output as split by the batch, so GSPMD runs the
 program data parallel and inserts the gathers and reductions. A checkpoint is a world-size-1 set of
-our rank files, so consolidate, reshard, inspect and export read it, and ``load_sharded_checkpoint``
+our rank files, so consolidate, resize, inspect and export read it, and ``load_sharded_checkpoint``
 moves it to the per-device mode at any world size and back.
 
     import xla_fsdp.spmd as spmd
