@@ -13,7 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 #: what a process looks like from outside xla_fsdp: every attribute the package has ever replaced
 SNAPSHOT = textwrap.dedent("""
-    import os, sys
+    import atexit, os, sys
     import torch, torch.distributed as dist, torch.optim.optimizer as topt
     from torch._weights_only_unpickler import _safe_globals
     TARGETS = [(dist, "init_process_group"), (dist, "get_rank"), (dist, "destroy_process_group"),
@@ -39,13 +39,15 @@ SNAPSHOT = textwrap.dedent("""
         return {"attributes": {f"{name(o)}.{n}": id(getattr(o, n, None)) for o, n in TARGETS},
                 "environ": dict(os.environ), "optimizer_hooks": len(topt._global_optimizer_pre_hooks),
                 "meta_path": [id(f) for f in sys.meta_path],
+                "exit_handlers": atexit._ncallbacks(),
                 "torch_xla_modules": sorted(k for k in sys.modules if k.startswith("torch_xla.distributed.fsdp"))}
 
     def changed(before, after):
         out = [k for k in before["attributes"] if before["attributes"][k] != after["attributes"][k]]
         out += ["$" + k for k in set(before["environ"]) | set(after["environ"])
                 if before["environ"].get(k) != after["environ"].get(k)]
-        out += [k for k in ("optimizer_hooks", "meta_path", "torch_xla_modules") if before[k] != after[k]]
+        out += [k for k in ("optimizer_hooks", "meta_path", "torch_xla_modules", "exit_handlers")
+                if before[k] != after[k]]
         return sorted(out)
 """)
 
@@ -132,9 +134,33 @@ def test_what_units_install_is_listed_and_undone(tmp_path):
         dist.destroy_process_group()
         print("RESULT " + json.dumps({"during": during, "listed": listed, "after": after}))
     """)
-    assert result["during"] == ["optimizer_hooks"]
-    assert result["listed"] == ["hook: torch.optim optimizer step pre-hook (xla_fsdp optimizer check)"]
+    assert result["during"] == ["exit_handlers", "optimizer_hooks"]
+    assert result["listed"] == ["atexit: xla_fsdp waits for torch.distributed's collectives",
+                                "hook: torch.optim optimizer step pre-hook (xla_fsdp optimizer check)"]
     assert result["after"] == []
+
+
+@pytest.mark.xla
+def test_the_per_instance_linear_forward_on_xla_is_listed_and_undone(tmp_path):
+    """On XLA a unit gives each plain nn.Linear it takes a forward that saves the weight for backward:
+    listed once however many units and layers, and put back for every such layer by ``uninstall``
+    (before: outside the registry, neither listed nor undone)."""
+    result = _run(tmp_path, """
+        import json
+        import torch
+        import xla_fsdp
+        layers = [torch.nn.Linear(4, 4) for _ in range(3)]
+        first = xla_fsdp.XlaFullyShardedDataParallel(torch.nn.Sequential(*layers[:2]))
+        second = xla_fsdp.XlaFullyShardedDataParallel(layers[2])
+        patched = ["forward" in layer.__dict__ for layer in layers]
+        listed = [p.target for p in xla_fsdp.patches.installed() if "Linear" in p.target]
+        xla_fsdp.patches.uninstall()
+        print("RESULT " + json.dumps({"patched": patched, "listed": listed,
+                                      "after": ["forward" in layer.__dict__ for layer in layers]}))
+    """, PJRT_DEVICE="CPU")
+    assert result["patched"] == [True] * 3
+    assert result["listed"] == ["instances: torch.nn.Linear.forward (xla_fsdp saves the weight, not its transpose)"]
+    assert result["after"] == [False] * 3
 
 
 @pytest.mark.fast

@@ -11,22 +11,23 @@ the code that needs it, through this module, with its reason:
   again (``XLA_FSDP_PATCH_TORCH_XLA=0`` keeps it out);
 - the first unit built: one optimizer step pre-hook that refuses an optimizer built before wrapping;
 - ``replace_torch_xla_fsdp()``: Accelerate's and the HF Trainer's XLA FSDP paths.
+- the first unit on XLA: plain ``nn.Linear`` modules it takes get a forward of their own, per instance
+  (``unit/patched_linear.py``; ``_use_xla_patched_linear=False`` keeps it out), listed once, undone
+  for every such instance;
+- exit handlers, registered once per process: the torch transport waits (up to 10 s) until gloo/NCCL
+  let go of its collectives' tensors (``collectives/torch_dist.py``), and the checkpoint folder locks
+  this process holds are released (``checkpoints/folder_lock.py``).
 
 :func:`installed` lists what is in place, :func:`uninstall` puts the originals back (all, or what one
 :func:`scope` added).
 
 Not in the registry, so neither listed by :func:`installed` nor undone by :func:`uninstall`:
 
-- changes to the objects a program hands to xla_fsdp, which live and go with those objects: children
-  replaced by units (``wrap.recursive_wrap``); the original parameters, emptied and marked
-  (``unit/gather_group.py``); on XLA, each plain ``nn.Linear`` given a forward of its own, per
-  instance (``unit/patched_linear.py``, called from ``unit/adoption.py``; ``_use_xla_patched_linear=False``
-  keeps it out); the forward ``checkpoint_module`` replaces (``remat.py``); the class ``fully_shard``
-  gives a module (``fsdp2.py``); the step post-hook and attributes the optimizer check adds to each
-  optimizer (``unit/optimizer_check.py``);
-- exit handlers, registered once per process with ``atexit`` and run at exit: the torch transport
-  waits (up to 10 s) until gloo/NCCL let go of its collectives' tensors (``collectives/torch_dist.py``),
-  and the checkpoint folder locks this process holds are released (``checkpoints/folder_lock.py``);
+- changes to the objects a program hands to xla_fsdp that make them sharded, which live and go with
+  those objects: children replaced by units (``wrap.recursive_wrap``); the original parameters, emptied
+  and marked (``unit/gather_group.py``); the forward ``checkpoint_module`` replaces (``remat.py``); the
+  class and unit ``fully_shard`` gives a module (``fsdp2.py``); the step post-hook and attributes the
+  optimizer check adds to each optimizer (``unit/optimizer_check.py``);
 - SIGINT handlers set for the length of a call and restored when it returns
   (``collectives/xla_launch.py``, ``checkpoints/safe_file.py``);
 - what the program asks for by name: ``xla_fsdp.spmd.enable()`` calls torch_xla's ``use_spmd()``
@@ -35,6 +36,7 @@ Not in the registry, so neither listed by :func:`installed` nor undone by :func:
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import threading
@@ -136,6 +138,27 @@ def add_hook(target: str, register: Callable[[], Any], reason: str) -> bool:
             return False
         handle = register()
         _INSTALLED.append(Patch(target, reason, handle.remove))
+        return True
+
+
+def at_exit(target: str, handler: Callable[[], None], reason: str) -> bool:
+    """``atexit.register(handler)`` unless ``target`` is installed; ``atexit.unregister`` undoes it.
+    Returns whether it registered."""
+    with _LOCK:
+        if _find(target) is not None:
+            return False
+        atexit.register(handler)
+        _INSTALLED.append(Patch(target, reason, lambda: atexit.unregister(handler)))
+        return True
+
+
+def record(target: str, undo: Callable[[], None], reason: str) -> bool:
+    """List a change the caller makes itself (to each instance of a class it is handed, say) under
+    ``target``, once; ``undo()`` puts every such change back. Returns whether it was not listed yet."""
+    with _LOCK:
+        if _find(target) is not None:
+            return False
+        _INSTALLED.append(Patch(target, reason, undo))
         return True
 
 

@@ -10,7 +10,6 @@ another host that cannot be checked, is refused with the way out. The lock goes 
 """
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import socket
@@ -18,6 +17,8 @@ import time
 import uuid
 import warnings
 from typing import Dict, Optional, Set
+
+from .. import patches
 from ..unit.base import takes_root_unit
 
 LOCK_NAME = ".xla_fsdp-run.lock"
@@ -102,8 +103,8 @@ def try_claim(ckpt_dir: str) -> Optional[str]:
             continue  # two takers: O_EXCL lets one of them in
         with os.fdopen(fd, "w") as f:
             json.dump(me, f)
-        if not _OWNED:
-            atexit.register(_release_all)
+        patches.at_exit("atexit: xla_fsdp releases its checkpoint folder locks", _release_all,
+                        "a run that ends normally leaves its training folders free for the next run")
         _OWNED[real] = path
         return None
     return f"could not claim the checkpoint folder '{ckpt_dir}': its lock '{path}' keeps changing hands"

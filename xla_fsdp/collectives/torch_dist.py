@@ -2,7 +2,6 @@
 e.g. through PrivateUse1): the eager transport."""
 from __future__ import annotations
 
-import atexit
 import math
 import time
 from typing import Callable, List, Optional, Sequence, Tuple
@@ -10,6 +9,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from .. import patches
 from .base import Collectives
 
 
@@ -72,9 +72,6 @@ def _current_accelerator() -> Optional[torch.device]:
 # (``detach``: the same storage, a TensorImpl no one else holds), and they are kept until the backend
 # has let go of them (use count back to 1), at the latest until the program's exit handlers run.
 _HELD: List[Tuple[torch.Tensor, ...]] = []
-_DRAIN_AT_EXIT = [False]
-
-
 def _aliases(*tensors: torch.Tensor) -> Tuple[torch.Tensor, ...]:
     return tuple(t.detach() for t in tensors)
 
@@ -144,9 +141,9 @@ class TorchDistCollectives(Collectives):
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
         self._device = transport_device(dist.get_backend_config(), _current_accelerator())
-        if not _DRAIN_AT_EXIT[0]:
-            _DRAIN_AT_EXIT[0] = True
-            atexit.register(_drain)
+        patches.at_exit("atexit: xla_fsdp waits for torch.distributed's collectives", _drain,
+                        "at exit, gloo/NCCL threads may still hold the tensors of collectives; freeing them under "
+                        "those threads crashed the interpreter's shutdown")
 
     @property
     def device(self) -> torch.device:

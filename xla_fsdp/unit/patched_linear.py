@@ -7,10 +7,13 @@ weight leaf itself lets backward read the re-gathered parameter instead (pytorch
 from __future__ import annotations
 
 import types
+import weakref
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from .. import patches
 
 
 class LinearSavingWeight(torch.autograd.Function):
@@ -38,8 +41,23 @@ def _patched_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return LinearSavingWeight.apply(x, self.weight, self.bias)
 
 
+_PATCHED: "weakref.WeakSet[nn.Linear]" = weakref.WeakSet()
+
+
+def _unpatch_all() -> None:
+    for m in list(_PATCHED):
+        if getattr(m.__dict__.get("forward"), "__func__", None) is _patched_forward:
+            del m.forward
+    _PATCHED.clear()
+
+
 def patch_linear_layers(module: nn.Module) -> None:
-    """Switch every plain ``nn.Linear`` in ``module`` to the weight-saving forward."""
+    """Switch every plain ``nn.Linear`` in ``module`` to the weight-saving forward (listed in the
+    patch registry, which can put the class's forward back)."""
     for m in module.modules():
         if type(m) is nn.Linear and "forward" not in m.__dict__:
             m.forward = types.MethodType(_patched_forward, m)
+            _PATCHED.add(m)
+            patches.record("instances: torch.nn.Linear.forward (xla_fsdp saves the weight, not its transpose)",
+                           _unpatch_all, "on XLA, F.linear saves weight.t() for backward, which keeps a ZeRO-3 "
+                           "unit's gathered weights alive until backward (pytorch/xla#3811)")
