@@ -16,6 +16,7 @@ works, never a silent difference.
 from __future__ import annotations
 
 import abc
+import dataclasses
 import warnings
 import weakref
 from typing import Any, Callable, Dict, Iterable, List, Optional, Union
@@ -75,16 +76,16 @@ class FSDPModule(metaclass=abc.ABCMeta):  # noqa: B024 - an ABC for register(), 
         """Whether forward frees the full parameters (re-gathered in backward)."""
         _check_reshard_value(reshard_after_forward)
         for unit in _units(self, recurse):
-            unit.reshard_after_forward = bool(reshard_after_forward)
-            unit.post_forward_comms = None  # True reshards to every rank, as in FSDP2
-            unit.disable_reshard_on_root = False  # an explicit value holds for the root too, as in FSDP2
+            # True reshards to every rank; an explicit value holds for the root too (as in FSDP2)
+            unit.freeing = dataclasses.replace(unit.freeing, after_forward=bool(reshard_after_forward),
+                                               keep_on_root=False, pieces_within=None)
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """``False`` keeps the full parameters after backward (FSDP2's way to save the next micro-batch's
         forward gathers in gradient accumulation); ``True`` frees them again. An optimizer step since
         (a changed shard) makes the next forward gather again, so kept parameters are never stale."""
         for unit in _units(self, recurse):
-            unit.reshard_after_backward = bool(reshard_after_backward)
+            unit.freeing = dataclasses.replace(unit.freeing, after_backward=bool(reshard_after_backward))
 
     def set_modules_to_forward_prefetch(self, modules: List["FSDPModule"]) -> None:
         """Gather ``modules``' parameters in this module's forward, right after its own (FSDP2's
@@ -179,7 +180,7 @@ def fully_shard(module: Union[nn.Module, List[nn.Module]], *, mesh: Optional[Any
     unit = _state(module)
     unit.awaiting_to_empty = on_meta
     if post_forward_size is not None:
-        unit.post_forward_comms = unit.comms.within_groups_of(post_forward_size)
+        unit.freeing = dataclasses.replace(unit.freeing, pieces_within=unit.comms.within_groups_of(post_forward_size))
     return module
 
 

@@ -14,6 +14,7 @@ bottom in ``unit/forward.py`` (``ForwardPass``) then ``unit/backward.py`` (``Gra
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import warnings
 from typing import Any, Callable, Dict, Generator, Iterable, List, Optional, Tuple
 
@@ -33,6 +34,7 @@ from .unit import options as unit_options
 from .unit.options import UnitOptions
 from .unit.adoption import ModuleAdoption
 from .unit.coalesce import SOLO_NUMEL
+from .unit.freeing import FreeingPolicy
 from .unit.gather_group import GatherGroup
 from .unit.param_names import WRAPPED
 from .wrap import recursive_wrap, set_default_wrapper
@@ -239,7 +241,9 @@ class XlaFullyShardedDataParallel(ModuleAdoption, ForwardPass, GradientReduction
         self.comms = shared_collectives(transport, groups, shard_rank, shard_size,
                                         options.pin_layout_in_collective_ops, replica_groups)
         self.rank, self.world_size = self.comms.rank, self.comms.world_size
-        self.reshard_after_forward = reshard_after_forward
+        #: when the unit frees its gathered parameters (see unit/freeing.py); replaced, never edited
+        self.freeing = FreeingPolicy(after_forward=reshard_after_forward,
+                                     keep_on_root=options.disable_reshard_on_root)
         self.output_dtype = options.output_dtype
         #: cast floating forward inputs to ``compute_dtype`` (FSDP2's ``cast_forward_inputs``)
         self.cast_forward_inputs = True
@@ -248,7 +252,6 @@ class XlaFullyShardedDataParallel(ModuleAdoption, ForwardPass, GradientReduction
         self.optimization_barrier_in_forward = options.optimization_barrier_in_forward
         self.optimization_barrier_in_backward = options.optimization_barrier_in_backward
         self.sync_on_finalization = options.sync_on_finalization
-        self.disable_reshard_on_root = options.disable_reshard_on_root
         self.param_storage_dtype = options.param_storage_dtype or torch.float32
         self.compute_dtype = options.compute_dtype or self.param_storage_dtype
         self.buffer_dtype = options.buffer_dtype or options.compute_dtype or options.param_storage_dtype
@@ -269,6 +272,25 @@ class XlaFullyShardedDataParallel(ModuleAdoption, ForwardPass, GradientReduction
         self._solo_numel = options._solo_collective_numel
         self._debug_print = options._debug_print
         self._debug_msg = options._debug_msg
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        """Whether forward frees the full parameters (torch_xla's attribute; the root's after its first
+        forward is False unless ``disable_reshard_on_root=False``). Setting it replaces the policy."""
+        return self.freeing.after_forward
+
+    @reshard_after_forward.setter
+    def reshard_after_forward(self, value: bool) -> None:
+        self.freeing = dataclasses.replace(self.freeing, after_forward=bool(value))
+
+    @property
+    def disable_reshard_on_root(self) -> bool:
+        """Whether the root keeps its parameters after forward (torch_xla's attribute)."""
+        return self.freeing.keep_on_root
+
+    @disable_reshard_on_root.setter
+    def disable_reshard_on_root(self, value: bool) -> None:
+        self.freeing = dataclasses.replace(self.freeing, keep_on_root=bool(value))
 
     @property
     def _fsdp_kwargs(self) -> Dict[str, Any]:

@@ -8,6 +8,7 @@ from typing import Any, List, Optional, Set
 import torch
 from torch.autograd import Variable
 
+from . import freeing
 from .offload import land_gradients
 from .coalesce import start_reduce
 from .gather_group import GatherGroup
@@ -225,12 +226,8 @@ class GradientReduction:
         self._finish_reduces()
         self.step_state.reduces_in_flight.extend(started)
 
-    #: FSDP2's ``set_reshard_after_backward``: False keeps the full parameters after backward, so the
-    #: next forward (a micro-batch) gathers nothing while the shards are unchanged
-    reshard_after_backward = True
-
     def _reshard_after_backward(self, group: GatherGroup) -> None:
-        if self.reshard_after_backward:
+        if freeing.after_gradient(self.freeing):
             group.reshard()
 
     def _finish_reduces(self) -> None:
@@ -256,9 +253,7 @@ class GradientReduction:
         self._finish_reduces()
         for unit in self.step_state.units_in_tree:
             unit.finish_unshard()  # a prefetch for a unit that did not run backward
-            # Under no_sync a ZeRO-2 unit keeps its parameters for the next micro-batch.
-            if unit.reshard_after_backward and (unit.step_state.require_backward_grad_sync
-                                                or unit.reshard_after_forward):
+            if freeing.at_backward_end(unit.freeing, unit.step_state.require_backward_grad_sync):
                 unit.reshard()
             unit.step_state.pre_backward_done = False
             unit.training_state = TrainingState.IDLE

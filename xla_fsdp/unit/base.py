@@ -31,6 +31,9 @@ class ShardedUnit(nn.Module, metaclass=abc.ABCMeta):
     world_size: int
     #: whether forward frees the full parameters (ZeRO-3) or keeps them for backward (ZeRO-2)
     reshard_after_forward: bool
+    #: when the unit frees its gathered parameters (``unit/freeing.py``'s ``FreeingPolicy``: the one
+    #: place the rules live; replaced, never edited)
+    freeing: Any
     #: whether each parameter is split by rows (dim 0) instead of flattened
     shard_param_on_dim_0: bool
     #: the unit's gather groups: what one all-gather fetches (one parameter, or a flat group of them)
@@ -62,6 +65,10 @@ class ShardedUnit(nn.Module, metaclass=abc.ABCMeta):
     @abc.abstractmethod
     def reshard(self) -> None:
         """Free the full parameters; the shards stay."""
+
+    @abc.abstractmethod
+    def free_after_forward(self, action: Any) -> None:
+        """Do what ``unit/freeing.py`` decided for the end of forward (an ``AfterForward``)."""
 
     @abc.abstractmethod
     def reshard_for_backward(self) -> None:

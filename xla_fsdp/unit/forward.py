@@ -8,6 +8,7 @@ from typing import Any, List, Optional, Sequence
 
 import torch
 
+from . import freeing
 from .coalesce import start_unshard
 from .offload import barrier_sources
 from .param_names import named_units
@@ -47,8 +48,7 @@ class ForwardPass:
             if getattr(unit._fsdp_wrapped_module, "_xla_fsdp_checkpointed", False):
                 unit._find_shared_groups(self.step_state.units_in_tree)
         self._find_trainable_groups()
-        if self.disable_reshard_on_root:
-            self.reshard_after_forward = False
+        self.freeing = freeing.for_root(self.freeing)
         self.comms.check_construction()
         for unit in self.step_state.units_in_tree:
             unit.take_deferred_values()
@@ -163,14 +163,9 @@ class ForwardPass:
             outputs = map_tensors(lambda t: t.to(self.output_dtype) if t.is_floating_point() else t, outputs)
         if in_backward:  # a checkpoint recompute: parameters stay for this backward
             return outputs
-        if self.post_forward_comms is not None and self.reshard_after_forward and torch.is_grad_enabled():
+        if freeing.cuts_pieces(self.freeing, torch.is_grad_enabled()):
             self._cut_pieces(outputs)
-        if self.reshard_after_forward and torch.is_grad_enabled() and not self.step_state.is_root:
-            self.step_state.schedule.defer_reshard(self)  # freed when the next unit starts forward
-        elif not torch.is_grad_enabled():
-            self.reshard()
-        elif self.reshard_after_forward:
-            self.reshard_for_backward()
+        self.free_after_forward(freeing.after_forward(self.freeing, torch.is_grad_enabled(), self.step_state.is_root))
         self.training_state = TrainingState.IDLE
         if torch.is_grad_enabled():
             outputs = self._register_pre_backward_hooks(outputs)
@@ -264,25 +259,31 @@ class ForwardPass:
         """The unit that ran ``step`` places after this one in the last forward (if prefetching)."""
         return self.step_state.schedule.neighbour(self, step) if self.prefetch else None
 
-    #: FSDP2's int ``reshard_after_forward``: the smaller group whose pieces forward keeps (fsdp2.py)
-    post_forward_comms: Optional[Any] = None
-
     def _cut_pieces(self, outputs: Any) -> None:
         """Cut the pieces kept for backward now, behind one barrier with the outputs: the rest of
         forward reads the outputs, so a compiler that keeps barriers (TPU's) computes the pieces here
         and frees the gathered parameters, rather than fusing the cut into backward and keeping them
         alive till then (XLA:CPU's compiler removes barriers, and does the latter)."""
-        pieces = [p for p in (g.cut_piece(self.post_forward_comms) for g in self.gather_groups) if p is not None]
+        pieces = [p for p in (g.cut_piece(self.freeing.pieces_within) for g in self.gather_groups) if p is not None]
         self.comms.optimization_barrier(pieces + [t for t in tensors_in(outputs) if t.is_floating_point()])
 
+    def free_after_forward(self, action: "freeing.AfterForward") -> None:
+        """Do what :func:`freeing.after_forward` (or the schedule, for a prefetched unit) decided."""
+        if action is freeing.AfterForward.FREE:
+            self.reshard()
+        elif action is freeing.AfterForward.FREE_FOR_BACKWARD:
+            self.reshard_for_backward()
+        elif action is freeing.AfterForward.FREE_WHEN_NEXT_STARTS:
+            self.step_state.schedule.defer_reshard(self)
+
     def reshard_for_backward(self) -> None:
-        """Free the full parameters after forward, keeping each one's piece for ``post_forward_comms``
-        (if set), from which backward gathers over that smaller group."""
-        if self.post_forward_comms is None:
+        """Free the full parameters after forward, keeping each one's piece within the policy's
+        ``pieces_within`` ranks (if set), from which backward gathers over that smaller group."""
+        if self.freeing.pieces_within is None:
             self.reshard()
             return
         for group in self.gather_groups:
-            group.reshard_to(self.post_forward_comms)
+            group.reshard_to(self.freeing.pieces_within)
 
     def reshard(self) -> None:
         """Free this unit's full parameters; the shards stay (FSDP2's ``reshard()``)."""

@@ -6,6 +6,7 @@ from typing import Dict, List, Optional
 
 import torch
 
+from . import freeing
 from .gradient_usage import GradientPlan
 
 from .base import ShardedUnit
@@ -79,16 +80,14 @@ class Schedule:
         for unit in units:  # gathers started for units that did not run after all
             if unit.unshard_pending:
                 unit.finish_unshard()
-                if unit.reshard_after_forward or not torch.is_grad_enabled():
+                if freeing.after_unused_gather(unit.freeing, torch.is_grad_enabled()):
                     unit.reshard()
         prefetched, self.prefetched = self.prefetched, []
         for unit in prefetched:  # gathered by a prefetch list after their forward, or without one
             if unit is self.kept or not any(g.is_unsharded() for g in unit.gather_groups):
                 continue
-            if not torch.is_grad_enabled() or not self.ran_forward(unit):
-                unit.reshard()
-            elif unit.reshard_after_forward:
-                unit.reshard_for_backward()
+            unit.free_after_forward(freeing.after_listed_prefetch(unit.freeing, torch.is_grad_enabled(),
+                                                                  self.ran_forward(unit)))
 
     def neighbour(self, unit: ShardedUnit, step: int) -> Optional[ShardedUnit]:
         index = self._position.get(id(unit))
