@@ -48,7 +48,8 @@ class ForwardPass:
             if getattr(unit._fsdp_wrapped_module, "_xla_fsdp_checkpointed", False):
                 unit._find_shared_groups(self.step_state.units_in_tree)
         self._find_trainable_groups()
-        self.freeing = freeing.for_root(self.freeing)
+        for unit in self.step_state.units_in_tree:  # the root rule, once (see unit/freeing.py)
+            unit.freeing = freeing.effective(unit.freeing, unit is self)
         self.comms.check_construction()
         for unit in self.step_state.units_in_tree:
             unit.take_deferred_values()

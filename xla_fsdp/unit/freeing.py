@@ -1,7 +1,7 @@
 """When a unit frees its gathered parameters (FSDP2's "reshard"): every rule in one place.
 
 A unit's :class:`FreeingPolicy` is frozen. It is made from the settings at construction, and
-replaced, never edited, by the root rule (once, at the root's first forward: :func:`for_root`) and
+replaced, never edited, by the root rule (once, at the root's first forward: :func:`effective`) and
 by FSDP2's setters, so what a unit shows is what it does. The unit's forward, its backward and the
 schedule ask the functions below what to do at each point of a step, and do what they answer.
 """
@@ -30,11 +30,12 @@ class FreeingPolicy:
     pieces_within: Optional[Any] = None
 
 
-def for_root(policy: FreeingPolicy) -> FreeingPolicy:
-    """The root's policy, decided once at its first forward."""
-    if policy.keep_on_root:
+def effective(policy: FreeingPolicy, is_root: bool) -> FreeingPolicy:
+    """A unit's policy once its place is known (the root's first forward decides it for every unit
+    under the root): the root rule applied, so ``keep_on_root`` is False from then on."""
+    if is_root and policy.keep_on_root:
         return dataclasses.replace(policy, after_forward=False, keep_on_root=False)
-    return policy
+    return dataclasses.replace(policy, keep_on_root=False)
 
 
 class AfterForward(enum.Enum):
