@@ -130,8 +130,6 @@ class GradientReduction:
             self.step_state.reduces_in_flight.extend(started)
 
     def _register_pre_backward_hooks(self, outputs: Any) -> Any:
-        self.step_state.pre_backward_done = False
-
         def hook(grad: torch.Tensor) -> None:
             self._pre_backward(grad)
 
@@ -141,20 +139,19 @@ class GradientReduction:
         return outputs
 
     def _pre_backward(self, grad: torch.Tensor) -> None:
-        if self.step_state.pre_backward_done:
+        if self.step_state.backward_began:  # the first of its outputs' gradients gathers; the rest pass
             return
-        self.step_state.pre_backward_done = True
+        self.training_state = TrainingState.BACKWARD_PRE
         if self.step_state.is_root:
             self.step_state.schedule.backward_task = torch._C._current_graph_task_id()
             Variable._execution_engine.queue_callback(self._finalize_backward)
-        self.training_state = TrainingState.BACKWARD_PRE
         listed = self._listed_prefetch(backward=True)
         if self.optimization_barrier_in_backward:
             # Make the re-gather depend on the incoming gradient, so XLA does not hoist every
             # unit's gather to the start of backward.
             self.comms.optimization_barrier(self._barrier_sources(listed) + [grad])
         previous = self._prefetch_target(-1)
-        if previous is not None and previous.step_state.pre_backward_done:
+        if previous is not None and previous.step_state.backward_began:
             previous = None  # its backward already ran (the root's, first): nothing left to gather for
         self._unshard(backward=True, prefetch=previous, refill_saved=True)
         self._gather_listed(listed, backward=True)
@@ -181,7 +178,9 @@ class GradientReduction:
     def _on_full_grad_ready(self, group: GatherGroup, full: torch.Tensor, final: bool = False) -> None:
         """All gradient for ``group`` has been accumulated into ``full.grad``: reduce-scatter it.
         ``final``: the end of backward, where nothing more can arrive."""
-        self.training_state = TrainingState.BACKWARD_POST
+        if self.training_state is TrainingState.BACKWARD_PRE:
+            # (a unit without a pre-backward, inside the program's reentrant checkpoint, stays IDLE)
+            self.training_state = TrainingState.BACKWARD_POST
         grad = full.grad
         if grad is None:
             return
@@ -255,7 +254,6 @@ class GradientReduction:
             unit.finish_unshard()  # a prefetch for a unit that did not run backward
             if freeing.at_backward_end(unit.freeing, unit.step_state.require_backward_grad_sync):
                 unit.reshard()
-            unit.step_state.pre_backward_done = False
             unit.training_state = TrainingState.IDLE
         # Host offload: gradient shards reach their host .grad (after the full parameters are freed:
         # on XLA this runs the step, and a live full parameter would be one more output of it).

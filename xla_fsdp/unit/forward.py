@@ -234,7 +234,7 @@ class ForwardPass:
         units = list(self._prefetch_backward)
         if not units and self._prefetch_backward_by_default:
             units = [u for u in [schedule.neighbour(self, -1)] if u is not None]
-        return [u for u in units if schedule.ran_forward(u) and not u.step_state.pre_backward_done]
+        return [u for u in units if schedule.ran_forward(u) and not u.step_state.backward_began]
 
     def _barrier_sources(self, listed: List["ForwardPass"]) -> List[torch.Tensor]:
         """What this unit's optimization barrier covers: its own sources and the listed units'. Where

@@ -13,7 +13,9 @@ from .base import ShardedUnit
 
 
 class TrainingState(enum.Enum):
-    """Where a unit is in its step (checked to catch re-entrant or out-of-order calls)."""
+    """Where a unit is in its step. The unit branches on it: forward and ``summon_full_params`` refuse
+    a unit that is not IDLE, a unit's later pre-backward hooks pass once it is BACKWARD_PRE, and
+    backward prefetches skip units whose backward began (``StepState.backward_began``)."""
     IDLE = "idle"
     FORWARD = "forward"
     BACKWARD_PRE = "backward_pre"

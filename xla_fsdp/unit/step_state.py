@@ -26,8 +26,6 @@ class StepState:
     units_in_tree: List[Any] = field(default_factory=list)
     #: False inside ``no_sync()``: gradients accumulate unreduced
     require_backward_grad_sync: bool = True
-    #: whether this backward already gathered the unit's parameters
-    pre_backward_done: bool = False
     #: full gradients that are ready, waiting for the unit's other groups to reduce together
     pending_grads: List[Tuple[GatherGroup, torch.Tensor]] = field(default_factory=list)
     #: reduce-scatters started but not yet waited for, finished in the order they started on every rank
@@ -39,3 +37,8 @@ class StepState:
     #: the root's gather groups that train, and whether each forward plans which get gradients
     trainable_groups: List[GatherGroup] = field(default_factory=list)
     plans_gradients: bool = False
+
+    @property
+    def backward_began(self) -> bool:
+        """Whether this step's backward reached the unit (its parameters were gathered for it)."""
+        return self.training_state in (TrainingState.BACKWARD_PRE, TrainingState.BACKWARD_POST)
