@@ -14,6 +14,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: what a process looks like from outside xla_fsdp: every attribute the package has ever replaced
 SNAPSHOT = textwrap.dedent("""
     import atexit, os, sys
+    # exit handlers registered and not unregistered since (atexit keeps no count that unregister lowers)
+    LIVE_EXIT_HANDLERS, _register, _unregister = set(), atexit.register, atexit.unregister
+    atexit.register = lambda f, *a, **k: (LIVE_EXIT_HANDLERS.add(f), _register(f, *a, **k))[1]
+    atexit.unregister = lambda f: (LIVE_EXIT_HANDLERS.discard(f), _unregister(f))[1]
     import torch, torch.distributed as dist, torch.optim.optimizer as topt
     from torch._weights_only_unpickler import _safe_globals
     TARGETS = [(dist, "init_process_group"), (dist, "get_rank"), (dist, "destroy_process_group"),
@@ -39,7 +43,7 @@ SNAPSHOT = textwrap.dedent("""
         return {"attributes": {f"{name(o)}.{n}": id(getattr(o, n, None)) for o, n in TARGETS},
                 "environ": dict(os.environ), "optimizer_hooks": len(topt._global_optimizer_pre_hooks),
                 "meta_path": [id(f) for f in sys.meta_path],
-                "exit_handlers": atexit._ncallbacks(),
+                "exit_handlers": len(LIVE_EXIT_HANDLERS),
                 "torch_xla_modules": sorted(k for k in sys.modules if k.startswith("torch_xla.distributed.fsdp"))}
 
     def changed(before, after):
