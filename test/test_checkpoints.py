@@ -186,7 +186,7 @@ def sources(tmp_path_factory):
 
 
 @pytest.mark.parametrize("n,m", [(2, 4), (4, 2), (4, 1), (1, 4)])
-def test_reshard_then_resume(sources, n, m, tmp_path):
+def test_resize_then_resume(sources, n, m, tmp_path):
     """consolidate(resize(ckpt, M)) == consolidate(ckpt), optimizer included; training resumed on M
     ranks continues the uninterrupted run (same global batch) within 1e-5; and resuming from the
     N-rank files directly (resized while loading) gives the same bits as from the offline resize."""
@@ -220,7 +220,7 @@ def test_reshard_then_resume(sources, n, m, tmp_path):
 
 @pytest.mark.xla
 @pytest.mark.parametrize("m,sizes", [(4, (2, 1)), (2, (4,)), (1, (4,))])
-def test_xla_loads_any_world_size_like_offline_reshard(sources, m, sizes, tmp_path):
+def test_xla_loads_any_world_size_like_offline_resize(sources, m, sizes, tmp_path):
     """On m XLA:CPU devices, resuming from the N-rank files (gloo-written) resized while loading
     gives the same bits (losses, every shard after 3 more steps) as resuming from the offline resize."""
     names, prefixes = [], {}
@@ -415,7 +415,7 @@ def _torch_xla_fsdp_checkpoint(prefix):
 
 
 @pytest.mark.xla
-def test_torch_xla_checkpoint_consolidates_and_reshards(tmp_path, monkeypatch):
+def test_torch_xla_checkpoint_consolidates_and_resizes(tmp_path, monkeypatch):
     """A checkpoint written by torch_xla's XlaFSDP (PJRT_DEVICE=CPU, 1 device) goes through our CLIs."""
     monkeypatch.setenv("PJRT_DEVICE", "CPU")
     monkeypatch.setenv("CPU_NUM_DEVICES", "1")

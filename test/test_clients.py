@@ -177,7 +177,7 @@ def test_checkpoint_module_takes_keyword_arguments_on_xla(monkeypatch):
 
 
 @pytest.mark.parametrize("name, parameters_order", [("zero3_nested_adamw", True), ("wd_groups_flat_lm_adamw", False)])
-def test_torch_xla_style_files_reshard_and_consolidate_with_optimizer_state(name, parameters_order, tmp_path, capsys):
+def test_torch_xla_style_files_resize_and_consolidate_with_optimizer_state(name, parameters_order, tmp_path, capsys):
     """Rank files written as torch_xla documents it: plain torch.save of the model's state dict,
     get_shard_metadata() and the optimizer's state dict (no optimizer map, run id or checksums)."""
     from xla_fsdp.checkpoints import rank_path
