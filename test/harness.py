@@ -403,7 +403,7 @@ def host_residency(root: FSDP, opt: torch.optim.Optimizer, barrier: Callable[[],
         "optimizer": sorted({t.device.type for t in state}), "optimizer_tensors": len(state),
         "gathered": sum(g.comms.is_allocated(g.full) for g in groups),
         "device_copies": sum(g._staged is not None for g in groups)
-        + sum(len(u._offload._waiting) for u in units if u._offload is not None),
+        + sum(len(u._runtime.offload._waiting) for u in units if u._runtime.offload is not None),
         "offloading_units": sum(u.cpu_offload for u in units), "units": len(units),
         "compiles": compiles,
     }
@@ -415,7 +415,7 @@ def _collective_split(root: FSDP) -> List[Tuple[int, int]]:
     splits = []
     for unit in root.modules():
         if isinstance(unit, FSDP) and unit.gather_groups:
-            solo, shared = split_for_coalescing(unit.gather_groups, unit._solo_numel)
+            solo, shared = split_for_coalescing(unit.gather_groups, unit.settings.solo_collective_numel)
             splits.append((len(solo), len(shared)))
     return splits
 
@@ -432,10 +432,10 @@ def _inner_units_freed(root: FSDP) -> bool:
     """ZeRO-3 after forward: every nested unit has freed its full parameters, except, on eager
     transports, the one that ended forward last (it runs first in backward), which must still hold
     them. On XLA none is kept: the compiled step gathers it again right before its backward."""
-    kept = root.step_state.schedule.kept
-    units = [m for m in root.modules() if isinstance(m, FSDP) and m is not root and m is not kept]
+    kept = root._runtime.root.schedule.kept  # a unit's runtime
+    units = [m for m in root.modules() if isinstance(m, FSDP) and m is not root and m._runtime is not kept]
     kept_right = (kept is None if root.comms.compiles_step else
-                  kept is not None and all(g.is_unsharded() for g in kept.gather_groups))
+                  kept is not None and all(g.is_unsharded() for g in kept.groups))
     # A world-size-1 alias of the shard (torch transport, no cast) owns nothing to free.
     return (bool(units) and kept_right
             and all(g.comms.aliases_shard(g.full) or (not g.is_unsharded() and not g.comms.is_allocated(g.full))
@@ -456,8 +456,8 @@ def _record_params_seen(root: FSDP) -> list:
 
 def _seen_params_freed(root: FSDP, seen: list) -> bool:
     # A world-size-1 alias of the shard (torch transport, no cast) owns nothing to free.
-    kept_unit = root.step_state.schedule.kept
-    kept = kept_unit.gather_groups if kept_unit is not None else []
+    kept_unit = root._runtime.root.schedule.kept
+    kept = kept_unit.groups if kept_unit is not None else []
     return bool(seen) and all(g.comms.aliases_shard(g.full) or not g.comms.is_allocated(t)
                               for g, t in seen if g not in kept)
 

@@ -1,5 +1,6 @@
 """Public API behaviour, misuse errors and the torch_xla defects fixed here (single rank)."""
 import copy
+import dataclasses
 import functools
 
 import pytest
@@ -285,9 +286,10 @@ def test_load_checks_the_checkpoint_matches_the_model(gloo, tmp_path):
 
 def _gather_events(monkeypatch, root):
     """(event, unit name) for every gather started and waited for, in order."""
-    names = {id(u): n or "root" for n, u in root.named_modules() if isinstance(u, FSDP)}
+    from xla_fsdp.unit.runtime import UnitRuntime
+    names = {id(u._runtime): n or "root" for n, u in root.named_modules() if isinstance(u, FSDP)}
     events = []
-    start, finish = FSDP._start_unshard, FSDP.finish_unshard
+    start, finish = UnitRuntime.start_unshard, UnitRuntime.finish_unshard
 
     def logged_start(unit, backward, refill_saved=False):
         was = unit.unshard_pending
@@ -299,8 +301,8 @@ def _gather_events(monkeypatch, root):
         if unit.unshard_pending:
             events.append(("finish", names[id(unit)]))
         finish(unit)
-    monkeypatch.setattr(FSDP, "_start_unshard", logged_start)
-    monkeypatch.setattr(FSDP, "finish_unshard", logged_finish)
+    monkeypatch.setattr(UnitRuntime, "start_unshard", logged_start)
+    monkeypatch.setattr(UnitRuntime, "finish_unshard", logged_finish)
     return events
 
 
@@ -377,7 +379,7 @@ def test_freed_units_drop_the_module_views(gloo):
     out = model(torch.randn(3, 4))
     freed = lambda m: isinstance(m.weight, FreedParameter) and isinstance(m.bias, FreedParameter)  # noqa: E731 - no storage
     assert freed(inner.module)
-    assert not isinstance(last.module.weight, FreedParameter) and model.step_state.schedule.kept is last
+    assert not isinstance(last.module.weight, FreedParameter) and model._runtime.root.schedule.kept is last._runtime
     out.float().sum().backward()
     assert freed(inner.module) and freed(last.module)
     assert all(g.shard.grad is not None for g in inner.gather_groups)
@@ -392,7 +394,7 @@ def test_unit_kept_for_a_backward_that_never_ran_is_freed_by_the_next_forward(gl
     model = FSDP(nn.Sequential(inner, nn.ReLU(), last), **kw)
     x = torch.randn(3, 4)
     model(x)
-    assert model.step_state.schedule.kept is last and last.gather_groups[0].is_unsharded()
+    assert model._runtime.root.schedule.kept is last._runtime and last.gather_groups[0].is_unsharded()
     freed_at_start = []
     inner.register_forward_pre_hook(lambda *_: freed_at_start.append(not last.gather_groups[0].is_unsharded()))
     model(x).float().sum().backward()
@@ -486,3 +488,32 @@ def test_tensors_handed_to_a_collective_outlive_the_backends_hold_on_them():
     del backend
     torch_dist._drain(timeout_s=1.0)
     assert not any(a[0] is alias for a in torch_dist._HELD)
+
+
+def test_the_unit_is_a_shell_over_one_runtime_with_frozen_settings(gloo):
+    """The wrapper holds its state by composition, not spread over mixins: its own attributes are its
+    collectives, its keywords, what it built from the module, its channels and one runtime (before: 44
+    instance attributes written by three mixins). Its settings are frozen, so what it shows is what its
+    next step does; the root rule is computed once, at the root's first forward; the units under one
+    root share one context object."""
+    from xla_fsdp.unit.settings import UnitSettings
+    torch.manual_seed(0)
+    inner = FSDP(nn.Linear(4, 4))
+    model = FSDP(nn.Sequential(inner, nn.Linear(4, 2)))
+    assert set(vars(model)) - set(vars(nn.Module())) == {"comms", "_options", "_adopted", "_channels",
+                                                         "_module_view", "_runtime"}
+    assert [c.__name__ for c in type(model).__mro__] == ["XlaFullyShardedDataParallel", "ShardedUnit", "Module",
+                                                          "object"]
+    before = model.settings
+    assert isinstance(before, UnitSettings)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        before.fp32_reduce_scatter = True
+    model.fp32_reduce_scatter = True  # torch_xla's attribute: replaces the settings
+    assert model.settings is not before and model.settings.fp32_reduce_scatter and not before.fp32_reduce_scatter
+    assert model.settings.freeing.after_forward and model.settings.freeing.keep_on_root
+    model(torch.randn(2, 4)).sum().backward()
+    assert not model.reshard_after_forward and not model.settings.freeing.keep_on_root  # the root rule, applied
+    assert inner.reshard_after_forward and not inner.settings.freeing.keep_on_root
+    assert inner._runtime.root is model._runtime.root
+    assert model._runtime.root.units == [model._runtime, inner._runtime]
+    assert model._fsdp_kwargs["reshard_after_forward"] is None  # the keywords as given (what children get)

@@ -166,10 +166,9 @@ def test_the_suites_litter_check_counts_only_its_own_processes(leaves, tmp_path)
     assert tempfile.gettempdir() != str(system)
 
 
-#: the unit class's own files (the wrapper and its three mixins): the only ones that touch a unit's private state
-UNIT_CLASS_FILES = {"fully_sharded_data_parallel.py", os.path.join("unit", "adoption.py"),
-                    os.path.join("unit", "forward.py"), os.path.join("unit", "backward.py"),
-                    "fsdp2.py"}  # fully_shard's unit is the module itself: the wrapper's class, extended
+#: the unit's own files (the wrapper's shell, fully_shard's, and the runtime they hold): the only ones that
+#: touch a unit's private state (forward.py, backward.py and adoption.py use the runtime's public names)
+UNIT_CLASS_FILES = {"fully_sharded_data_parallel.py", "fsdp2.py", os.path.join("unit", "runtime.py")}
 
 
 @pytest.mark.fast
@@ -186,7 +185,7 @@ def test_other_modules_use_a_unit_only_through_its_declared_interface():
                 name = node.attr if isinstance(node, ast.Attribute) else node.name
                 if name.startswith("_") and not name.startswith("__"):
                     private.add(name)
-    assert {"_aux_channel", "_shard_names", "_start_unshard"} <= private
+    assert {"_runtime", "_adopted", "_channels", "_rank_0_buffers"} <= private
     reached = []
     for folder, _, names in os.walk(PACKAGE):
         for name in names:
@@ -202,4 +201,4 @@ def test_other_modules_use_a_unit_only_through_its_declared_interface():
     from xla_fsdp import XlaFullyShardedDataParallel
     from xla_fsdp.unit.base import ShardedUnit
     # the declared methods are abstract: the wrapper implements every one (or it could not be built)
-    assert len(ShardedUnit.__abstractmethods__) == 11 and not XlaFullyShardedDataParallel.__abstractmethods__
+    assert len(ShardedUnit.__abstractmethods__) == 9 and not XlaFullyShardedDataParallel.__abstractmethods__

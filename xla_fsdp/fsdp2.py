@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import functools
 import warnings
 import weakref
 from typing import Any, Callable, Dict, Iterable, List, Optional, Union
@@ -29,7 +30,6 @@ from .collectives import resolve_transport
 from .fully_sharded_data_parallel import XlaFullyShardedDataParallel
 from .unit import construction, param_names, summon
 from .unit.base import UNIT_ATTR, is_unit
-from .unit.offload import shards_held_back
 from .unit.schedule import TrainingState
 
 __all__ = ["CPUOffloadPolicy", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy", "UnshardHandle",
@@ -62,8 +62,7 @@ class FSDPModule(metaclass=abc.ABCMeta):  # noqa: B024 - an ABC for register(), 
         without gathering again, then frees them as ``reshard_after_forward`` says."""
         unit = _state(self)
         unit.take_deferred_values()  # what an init after to_empty wrote
-        unit._start_unshard(backward=False)
-        unit.finish_unshard()
+        unit._runtime.unshard()
         return UnshardHandle() if async_op else None
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
@@ -92,27 +91,25 @@ class FSDPModule(metaclass=abc.ABCMeta):  # noqa: B024 - an ABC for register(), 
         explicit prefetch); each listed module's forward then gathers nothing. On XLA the gathers
         join this module's optimization barrier, so a compiler that keeps barriers (TPU's) does not
         hoist them earlier (XLA:CPU's removes barriers and schedules gathers itself)."""
-        _state(self)._prefetch_forward = _check_prefetch_list(modules, "set_modules_to_forward_prefetch")
+        _state(self)._runtime.prefetch_forward = _check_prefetch_list(modules, "set_modules_to_forward_prefetch")
 
     def set_modules_to_backward_prefetch(self, modules: List["FSDPModule"]) -> None:
         """As :meth:`set_modules_to_forward_prefetch`, for backward: the gathers come at this
         module's backward (its barrier takes the incoming gradient), for modules whose backward is
         still to run. Without a list (or with an empty one), FSDP2's default: the module that ran
         forward before this one."""
-        _state(self)._prefetch_backward = _check_prefetch_list(modules, "set_modules_to_backward_prefetch")
+        _state(self)._runtime.prefetch_backward = _check_prefetch_list(modules, "set_modules_to_backward_prefetch")
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide this module's reduced gradients by ``factor`` instead of the world size."""
         if not factor > 0:
             raise ValueError(f"xla_fsdp.fully_shard: the gradient divide factor must be positive, got {factor}")
-        unit = _state(self)
-        unit.gradient_predivide_factor = 1.0
-        unit.gradient_postdivide_factor = float(factor)
+        _state(self)._runtime.replace_settings(gradient_predivide_factor=1.0, gradient_postdivide_factor=float(factor))
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
         """Accepted: on XLA the reduce-scatter always sums and the division is applied apart (gloo
         needs this call with a gradient divide factor; PyTorch's FSDP2 would use PREMUL_SUM)."""
-        _state(self)._force_sum_reduction = bool(enable)
+        bool(enable)  # nothing to change
 
     def set_sync_after_optimizer_step(self, enabled: bool, *, recurse: bool = True) -> None:
         """xla_fsdp only (PyTorch's FSDP2 has no such method: leave the call out of programs that also
@@ -127,7 +124,7 @@ class FSDPModule(metaclass=abc.ABCMeta):  # noqa: B024 - an ABC for register(), 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Accepted. xla_fsdp finishes every backward's reduction within that backward, so there is
         no deferred work for the last one to wait for."""
-        _state(self)._is_last_backward = bool(is_last_backward)
+        bool(is_last_backward)  # nothing to change
 
 
 def _not_on_xla(name: str) -> Callable[..., None]:
@@ -306,7 +303,7 @@ def _check_prefetch_list(modules: Iterable[Any], method: str) -> List[nn.Module]
         if not isinstance(m, FSDPModule):
             raise ValueError(f"xla_fsdp: {method} takes modules that fully_shard converted; got "
                              f"{type(m).__name__}")
-    return [_state(m) for m in modules]
+    return [_state(m)._runtime for m in modules]
 
 
 def _units(module: nn.Module, recurse: bool) -> List[XlaFullyShardedDataParallel]:
@@ -360,7 +357,7 @@ class _InPlaceModule(nn.Module):
 
     def _apply(self, fn: Callable, recurse: bool = True) -> nn.Module:
         """``.to(device)``, ``.float()``: host-offloaded shards stay where and what they are."""
-        with shards_held_back(_state(self)):
+        with _state(self).shards_held_back():
             return super()._apply(fn, recurse)
 
     def _fqn_modifiers(self) -> Dict[str, str]:
@@ -377,20 +374,18 @@ class _FullyShardUnit(XlaFullyShardedDataParallel):
 
     shards_in_place = True
 
-    def _plan(self, options: Any) -> None:
-        super()._plan(options)
-        self.buffer_dtype = None  # FSDP2 leaves buffers as they are (the wrapper casts them to compute_dtype)
-        self._prefetch_forward: List[nn.Module] = []
-        self._prefetch_backward: List[nn.Module] = []
-        self._prefetch_backward_by_default = True
-        self._is_last_backward = True
-        self._force_sum_reduction = False
+    def __init__(self, module: nn.Module, **options: Any) -> None:
+        super().__init__(module, **options)
+        self._runtime.prefetch_backward_by_default = True
         self._late_init_units: List[nn.Module] = []  # to_empty's units, until their init is sharded
         self._init_checked = False  # whether a first forward found every meta-built unit given values
         self.awaiting_to_empty = False  # built from the meta device, not yet to_empty'd
 
-    def _run_module(self, args: Any, kwargs: Any) -> Any:
-        return nn.Module.__call__(self._fsdp_wrapped_module, *args, **kwargs)  # its hooks, its class's forward
+    def _settings(self, settings: Any) -> Any:
+        return dataclasses.replace(settings, buffer_dtype=None)  # FSDP2 leaves buffers as they are
+
+    def _module_call(self) -> Callable[..., Any]:
+        return functools.partial(nn.Module.__call__, self._fsdp_wrapped_module)  # its hooks, its class's forward
 
     def begin_to_empty(self, device: torch.device, units: List["_FullyShardUnit"]) -> None:
         self._check_init_device(device)
@@ -405,7 +400,7 @@ class _FullyShardUnit(XlaFullyShardedDataParallel):
 
     def _check_init_device(self, device: torch.device) -> None:
         ours = self.comms.device
-        if device.type not in (ours.type, "cpu") or device.type == "cpu" and self._offload is None:
+        if device.type not in (ours.type, "cpu") or device.type == "cpu" and self._runtime.offload is None:
             raise ValueError(f"xla_fsdp.fully_shard: to_empty(device={str(device)!r}) but this module is sharded on "
                              f"{ours}; pass device=torch_xla.device() (the XLA device this rank trains on)")
 

@@ -7,15 +7,19 @@ A unit owns the parameters of its module that no nested unit owns, split into
          --first output grad--> BACKWARD_PRE (re-gather) --grads ready--> BACKWARD_POST
          (reduce-scatter, free) --root's end-of-backward callback--> IDLE
 
-This module holds the constructor, the settings and torch_xla's public methods. A step reads top to
-bottom in ``unit/forward.py`` (``ForwardPass``) then ``unit/backward.py`` (``GradientReduction``);
-``unit/adoption.py`` turns the module's parameters into gather groups at construction.
+The wrapper is a shell with torch_xla's names: its constructor plans the transport and strategy,
+resolves the settings (``unit/settings.py``), takes the module's parameters as gather groups
+(``unit/adoption.py``) and builds the unit's runtime (``unit/runtime.py``), which holds the groups,
+the step state and the root context. A step reads top to bottom in ``unit/forward.py`` then
+``unit/backward.py``, functions of that runtime.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import warnings
+import weakref
 from typing import Any, Callable, Dict, Generator, Iterable, List, Optional, Tuple
 
 import torch
@@ -24,19 +28,18 @@ import torch.nn as nn
 from .checkpoints.files import CheckpointError
 from .collectives import resolve_transport, shared_collectives
 from .strategy import plan_for_unit, resolve_torch_group_keywords
-from .unit import construction, param_names, summon, tied
-from .unit.backward import GradientReduction
-from .unit.forward import ForwardPass
+from .unit import construction, forward, param_names, summon, tied
+from .unit.adoption import adopt
 from .unit.base import ShardedUnit
-from .unit.module_view import torch_xla_view
-from .unit.offload import HostOffload, offload_requested, shards_held_back
-from .unit import options as unit_options
-from .unit.options import UnitOptions
-from .unit.adoption import ModuleAdoption
 from .unit.coalesce import SOLO_NUMEL
-from .unit.freeing import FreeingPolicy
 from .unit.gather_group import GatherGroup
+from .unit.module_view import torch_xla_view
+from .unit.offload import HostOffload, shards_held_back
+from .unit.options import UnitOptions
 from .unit.param_names import WRAPPED
+from .unit.runtime import UnitRuntime
+from .unit.schedule import TrainingState
+from .unit.settings import UnitSettings, resolve as resolve_settings
 from .wrap import recursive_wrap, set_default_wrapper
 
 _DEBUG_DUMMIES = ("_debug_dummy_forward_pass", "_debug_dummy_all_gather_op", "_debug_dummy_all_reduce_op",
@@ -57,6 +60,36 @@ def _options_from_keywords(keywords: Dict[str, Any]) -> UnitOptions:
         raise ValueError("xla_fsdp runs real collectives only; to test without a TPU use "
                          "PJRT_DEVICE=CPU with CPU_NUM_DEVICES=N, or transport='torch' with gloo.")
     return UnitOptions(**keywords)
+
+
+def _on_tpu(comms: Any) -> bool:
+    if comms.name != "xla":
+        return False
+    import torch_xla.runtime as xr
+    return xr.device_type() not in ("CPU",)
+
+
+class _Setting:
+    """A unit attribute torch_xla has (``compute_dtype``, ``fp32_reduce_scatter``, ...): read from the
+    unit's frozen settings; setting it replaces them (so the next step does what it shows)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, unit: Any, owner: type) -> Any:
+        if unit is None:
+            return self
+        return getattr(unit._runtime.settings, self.name)
+
+    def __set__(self, unit: Any, value: Any) -> None:
+        unit._runtime.replace_settings(**{self.name: value})
+
+
+def _take_before_state_dict(runtime: "weakref.ref[UnitRuntime]", module: nn.Module, prefix: str,
+                            keep_vars: bool) -> None:
+    alive = runtime()
+    if alive is not None:
+        alive.take_deferred_values()
 
 
 class _FlattenFlag(int):
@@ -80,7 +113,7 @@ class _FlattenFlag(int):
         method()
 
 
-class XlaFullyShardedDataParallel(ModuleAdoption, ForwardPass, GradientReduction, ShardedUnit):
+class XlaFullyShardedDataParallel(ShardedUnit):
     """Shard a module's parameters, gradients and optimizer state across ranks (ZeRO-3/ZeRO-2).
 
     Drop-in for ``torch_xla.distributed.fsdp.XlaFullyShardedDataParallel``: same keywords and
@@ -218,60 +251,95 @@ class XlaFullyShardedDataParallel(ModuleAdoption, ForwardPass, GradientReduction
         construction.validate_module(module)
         construction.warn_untied_embeddings(module)
         options = _options_from_keywords(keywords)
-        self._plan(options)
+        self._options = options
+        transport = resolve_transport(options.transport)
+        strategy, reshard_after_forward, groups, shard_rank, shard_size, replica_groups = plan_for_unit(
+            options.sharding_strategy, options.reshard_after_forward, transport, options.sharding_groups,
+            options.sharding_rank, options.sharding_world_size, options.hybrid_shard_size)
+        comms = shared_collectives(transport, groups, shard_rank, shard_size,
+                                   options.pin_layout_in_collective_ops, replica_groups)
+        self.comms = comms
+        settings = self._settings(resolve_settings(options, comms, strategy, reshard_after_forward,
+                                                   _on_tpu(comms)))
         if auto_wrap_policy is not None:
             with tied.tied_ownership(module):  # tied parameters go to their closest common unit
                 recursive_wrap(module, auto_wrap_policy=auto_wrap_policy,
                                wrapper_cls=auto_wrapper_callable or XlaFullyShardedDataParallel,
                                only_wrap_children=True, **options.for_children())
-        self._adopt(module, options)
-        self._init_step_state()
+        offload = HostOffload(comms.device, settings.pin_memory) if settings.cpu_offload else None
+        adopted = adopt(self, module, options, settings, comms, offload, self.shards_in_place)
+        self._fsdp_wrapped_module = module
+        self._adopted = adopted
+        self._module_view: Optional[nn.Module] = None
+        self._channels = comms.allocate_channels(3)  # norms, control collectives, their replica sums
+        self._runtime = UnitRuntime(module, comms, settings, adopted.groups, offload, self._module_call(),
+                                    adopted.rank_0_buffers)
+        self._runtime.follow_requires_grad()
+        if settings.sync_module_states and not comms.ranks_share_a_process:
+            self._runtime.take_deferred_values()
+        if getattr(module, "_xla_fsdp_checkpointed", False):
+            # Weakly: the module must not keep its unit alive (nor make a reference cycle nn.Module sees).
+            runtime = weakref.ref(self._runtime)
+            object.__setattr__(module, "_xla_fsdp_before_recompute", lambda: runtime().before_recompute())
+        # a state_dict before the first forward holds the deferred values too (in place: the
+        # program asks the module, whose unit is outside its tree)
+        hooked = module if self.shards_in_place else self
+        hooked.register_state_dict_pre_hook(functools.partial(_take_before_state_dict, weakref.ref(self._runtime)))
         if options.execute_sharding_on_init:
-            self.comms.sync()
+            comms.sync()
 
     # ------------------------------------------------------------------ construction steps
-    def _plan(self, options: UnitOptions) -> None:
-        """Transport, strategy and rank groups, and the settings every step reads."""
-        self._options = options
-        transport = resolve_transport(options.transport)
-        (self.sharding_strategy, reshard_after_forward, groups, shard_rank, shard_size,
-         replica_groups) = plan_for_unit(options.sharding_strategy, options.reshard_after_forward, transport,
-                                         options.sharding_groups, options.sharding_rank,
-                                         options.sharding_world_size, options.hybrid_shard_size)
-        self.comms = shared_collectives(transport, groups, shard_rank, shard_size,
-                                        options.pin_layout_in_collective_ops, replica_groups)
-        self.rank, self.world_size = self.comms.rank, self.comms.world_size
-        #: when the unit frees its gathered parameters (see unit/freeing.py); replaced, never edited
-        self.freeing = FreeingPolicy(after_forward=reshard_after_forward,
-                                     keep_on_root=options.disable_reshard_on_root)
-        self.output_dtype = options.output_dtype
-        #: cast floating forward inputs to ``compute_dtype`` (FSDP2's ``cast_forward_inputs``)
-        self.cast_forward_inputs = True
-        self._flatten_group_fn = options.flatten_group_fn
-        self.flatten_parameters = _FlattenFlag(options.flatten_parameters, self)
-        self.optimization_barrier_in_forward = options.optimization_barrier_in_forward
-        self.optimization_barrier_in_backward = options.optimization_barrier_in_backward
-        self.sync_on_finalization = options.sync_on_finalization
-        self.param_storage_dtype = options.param_storage_dtype or torch.float32
-        self.compute_dtype = options.compute_dtype or self.param_storage_dtype
-        self.buffer_dtype = options.buffer_dtype or options.compute_dtype or options.param_storage_dtype
-        self.cpu_offload, pin_memory = offload_requested(options.cpu_offload)
-        self._offload = HostOffload(self.comms.device, pin_memory) if self.cpu_offload else None
-        self.fp32_reduce_scatter = options.fp32_reduce_scatter
-        self.prefetch = options.prefetch and self.comms.overlaps
-        self._sync_module_states = (options.sync_module_states if options.sync_module_states is not None
-                                    else unit_options.defaults.threads_take_rank_0 and self.comms.ranks_share_a_process)
-        self.sharding_groups = options.sharding_groups
-        self.shard_param_on_dim_0 = options.shard_param_on_dim_0 and not options.flatten_parameters
-        self.reduce_scatter_bucket_size_mb = options.reduce_scatter_bucket_size_mb
-        self.coalesce_all_gather_ops = options.coalesce_all_gather_ops
-        multiple = options._shard_size_multiple
-        if multiple is None:
-            multiple = 128 if self._on_tpu() else 1
-        self._shard_size_multiple = 1 if self.shard_param_on_dim_0 else multiple
-        self._solo_numel = options._solo_collective_numel
-        self._debug_print = options._debug_print
-        self._debug_msg = options._debug_msg
+    #: register each shard in its original parameter's place, not as the unit's own (fully_shard)
+    shards_in_place = False
+
+    def _settings(self, settings: UnitSettings) -> UnitSettings:
+        """The settings this kind of unit runs with (``fully_shard``'s differ in places)."""
+        return settings
+
+    def _module_call(self) -> Callable[..., Any]:
+        """The module's call, its own hooks included (``fully_shard``'s unit calls its module's class
+        forward, since calling the converted module comes back to the unit)."""
+        return self._fsdp_wrapped_module
+
+    def _lazy_init(self) -> None:
+        """At the root's first forward (or ``no_sync``, ``clip_grad_norm_``): the root's units get its
+        context and their effective settings."""
+        if self._runtime.state.is_root is None:
+            forward.lazy_init(self._runtime, [(p, u._runtime) for p, u in param_names.named_units(self)])
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._lazy_init()
+        return forward.forward(self._runtime, args, kwargs)
+
+    # ------------------------------------------------------------------ settings (torch_xla's attributes)
+    sharding_strategy = _Setting()
+    compute_dtype = _Setting()
+    buffer_dtype = _Setting()
+    param_storage_dtype = _Setting()
+    output_dtype = _Setting()
+    cast_forward_inputs = _Setting()
+    optimization_barrier_in_forward = _Setting()
+    optimization_barrier_in_backward = _Setting()
+    sync_on_finalization = _Setting()
+    fp32_reduce_scatter = _Setting()
+    prefetch = _Setting()
+    cpu_offload = _Setting()
+    shard_param_on_dim_0 = _Setting()
+    sharding_groups = _Setting()
+    reduce_scatter_bucket_size_mb = _Setting()
+    coalesce_all_gather_ops = _Setting()
+    gradient_predivide_factor = _Setting()
+    gradient_postdivide_factor = _Setting()
+    freeing = _Setting()
+
+    @property
+    def settings(self) -> UnitSettings:
+        """The unit's effective settings, frozen (root rule included once the root ran forward)."""
+        return self._runtime.settings
+
+    @property
+    def flatten_parameters(self) -> "_FlattenFlag":
+        return _FlattenFlag(self._runtime.settings.flatten_parameters, self)
 
     @property
     def reshard_after_forward(self) -> bool:
@@ -294,14 +362,74 @@ class XlaFullyShardedDataParallel(ModuleAdoption, ForwardPass, GradientReduction
 
     @property
     def _fsdp_kwargs(self) -> Dict[str, Any]:
-        """Every keyword, as given (for child units and for inspection)."""
+        """Every keyword, as given (what auto-wrapped children are built with; torch_xla's attribute).
+        What the unit runs with is :attr:`settings`."""
         return self._options.as_kwargs()
 
-    def _on_tpu(self) -> bool:
-        if self.comms.name != "xla":
-            return False
-        import torch_xla.runtime as xr
-        return xr.device_type() not in ("CPU",)
+    # ------------------------------------------------------------------ the unit's state
+    @property
+    def rank(self) -> int:
+        return self.comms.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.comms.world_size
+
+    @property
+    def gather_groups(self) -> List[GatherGroup]:
+        return self._runtime.groups
+
+    @property
+    def step_state(self) -> Any:
+        return self._runtime.state
+
+    @property
+    def tied_slots_left(self) -> List[Any]:
+        return self._adopted.tied_slots_left
+
+    @property
+    def buffer_info(self) -> Dict[str, Dict[str, torch.dtype]]:
+        return self._adopted.buffer_info
+
+    @property
+    def param_attrs(self) -> Dict[nn.Module, Tuple[str, ...]]:
+        return self._adopted.param_attrs
+
+    @property
+    def training_state(self) -> TrainingState:
+        """Where the unit is in its step (torch_xla's attribute)."""
+        return self._runtime.state.training_state
+
+    @training_state.setter
+    def training_state(self, state: TrainingState) -> None:
+        self._runtime.state.training_state = state
+
+    def assert_state(self, state: Any) -> None:
+        """Raise ValueError unless the unit is in ``state`` (one state or a list; this package's
+        ``TrainingState`` or torch_xla's, compared by name), as torch_xla's method does."""
+        states = state if isinstance(state, (list, tuple)) else [state]
+        if self.training_state.name not in {getattr(s, "name", s) for s in states}:
+            raise ValueError(f"xla_fsdp: unit in state {self.training_state.name}, expected one of "
+                             f"{[getattr(s, 'name', s) for s in states]}")
+
+    @property
+    def unshard_pending(self) -> bool:
+        return self._runtime.unshard_pending
+
+    def finish_unshard(self) -> None:
+        self._runtime.finish_unshard()
+
+    def reshard(self) -> None:
+        """Free this unit's full parameters; the shards stay."""
+        self._runtime.reshard()
+
+    def take_deferred_values(self) -> None:
+        self._runtime.take_deferred_values()
+
+    @property
+    def shard_size_multiple(self) -> int:
+        """Flat shards are padded to a multiple of this many elements per rank (1; 128 on TPU)."""
+        return self._runtime.settings.shard_size_multiple
 
     # ------------------------------------------------------------------ public properties
     @property
@@ -358,29 +486,29 @@ class XlaFullyShardedDataParallel(ModuleAdoption, ForwardPass, GradientReduction
     def gather_over_ranks(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every rank's ``tensor`` (same shape everywhere), concatenated on dim 0 in rank order: the
         small control collectives of checkpoint code, on a channel of their own."""
-        return self.comms.all_gather(tensor.to(self.comms.device), self._aux_channel)
+        return self.comms.all_gather(tensor.to(self.comms.device), self._channels + 1)
 
     def sum_over_replicas(self, tensor: torch.Tensor) -> None:
         """Sum ``tensor`` in place over this rank's replicas (hybrid strategies; nothing otherwise)."""
-        self.comms.all_reduce_replicas(tensor, self._replica_aux_channel)
+        self.comms.all_reduce_replicas(tensor, self._channels + 2)
 
     def gather_norms(self, local: torch.Tensor) -> torch.Tensor:
         """Every rank's one-element gradient norm term (``clip_grad_norm_``), in rank order."""
-        return self.comms.all_gather(local.view(1), self._norm_channel)
+        return self.comms.all_gather(local.view(1), self._channels)
 
     def named_gather_groups(self) -> List[Tuple[str, GatherGroup]]:
         """(the shard parameter's name in this unit's state dict, its gather group)."""
-        return list(zip(self._shard_names, self.gather_groups))
-
-    @property
-    def shard_size_multiple(self) -> int:
-        """Flat shards are padded to a multiple of this many elements per rank (1; 128 on TPU)."""
-        return self._shard_size_multiple
+        return list(zip(self._adopted.shard_names, self.gather_groups))
 
     def _apply(self, fn: Callable, recurse: bool = True) -> "XlaFullyShardedDataParallel":
         """``.to(device)``, ``.cuda()``, ``.float()``: buffers and nested units move; host-offloaded shards stay."""
-        with shards_held_back(self):
+        with self.shards_held_back():
             return super()._apply(fn, recurse)
+
+    def shards_held_back(self) -> contextlib.AbstractContextManager:
+        """Inside, ``nn.Module._apply`` skips this unit's host-offloaded shards (see offload.py)."""
+        own = [(self, name) for g, name in zip(self.gather_groups, self._adopted.shard_names) if not g.in_place]
+        return shards_held_back(self.gather_groups, self._runtime.offload, own)
 
     def __deepcopy__(self, memo: Dict[int, Any]) -> "XlaFullyShardedDataParallel":
         """A copy would share this rank's process group and gather state with the original and
@@ -401,14 +529,14 @@ class XlaFullyShardedDataParallel(ModuleAdoption, ForwardPass, GradientReduction
         self._lazy_init()
         if not self.step_state.is_root:
             raise RuntimeError("xla_fsdp: no_sync() must be called on the root unit")
-        old = [(u, u.step_state.require_backward_grad_sync) for u in self.step_state.units_in_tree]
+        old = [(u, u.state.require_backward_grad_sync) for u in self._runtime.root.units]
         for unit, _ in old:
-            unit.step_state.require_backward_grad_sync = False
+            unit.state.require_backward_grad_sync = False
         try:
             yield
         finally:
             for unit, value in old:
-                unit.step_state.require_backward_grad_sync = value
+                unit.state.require_backward_grad_sync = value
 
     def set_gradient_divide_factors(self, pre: float, post: float, recursive: bool = True) -> None:
         """Divide gradients by ``pre`` before and ``post`` after the reduce-scatter; the product

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import abc
 import functools
-from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, TypeVar
 
 import torch
 import torch.nn as nn
@@ -40,8 +40,10 @@ class ShardedUnit(nn.Module, metaclass=abc.ABCMeta):
     gather_groups: List["GatherGroup"]
     #: parameter slots of the wrapped module left to an enclosing unit (a parameter tied across units)
     tied_slots_left: List[Any]
-    #: where the unit is in the current step (``step_state.StepState``: training state, root, schedule, ...)
+    #: where the unit is in the current step (``step_state.StepState``: training state, root, ...)
     step_state: Any
+    #: the parameter attributes of every module the unit owns, in registration order, as built
+    param_attrs: Dict[nn.Module, Tuple[str, ...]]
 
     @property
     @abc.abstractmethod
@@ -65,14 +67,6 @@ class ShardedUnit(nn.Module, metaclass=abc.ABCMeta):
     @abc.abstractmethod
     def reshard(self) -> None:
         """Free the full parameters; the shards stay."""
-
-    @abc.abstractmethod
-    def free_after_forward(self, action: Any) -> None:
-        """Do what ``unit/freeing.py`` decided for the end of forward (an ``AfterForward``)."""
-
-    @abc.abstractmethod
-    def reshard_for_backward(self) -> None:
-        """Free the full parameters after forward (a smaller group's pieces may stay for backward)."""
 
     @abc.abstractmethod
     def named_gather_groups(self) -> List[Tuple[str, "GatherGroup"]]:

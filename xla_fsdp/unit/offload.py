@@ -160,15 +160,16 @@ def barrier_sources(offload: Optional[HostOffload], groups: Iterable[Any]) -> Li
 
 
 @contextlib.contextmanager
-def shards_held_back(unit: nn.Module) -> Iterator[None]:
+def shards_held_back(groups: List[Any], offload: Optional[HostOffload], own_places: List[Tuple[nn.Module, str]]
+                     ) -> Iterator[None]:
     """Inside, ``nn.Module._apply`` (``to``, ``cuda``, ``float``...) skips an offloading unit's own
     shards: they stay host tensors of their dtype (the slots keep their order: state-dict and
-    optimizer order follow it)."""
-    groups = unit.__dict__.get("gather_groups", []) if unit.__dict__.get("_offload") is not None else []
-    names = unit.__dict__.get("_shard_names", [])
-    # (module holding the shard, its name there): the unit itself, or in place each original's places
-    places = [(m, attr) for g in groups if g.in_place for r in g.refs for m, attr in r.slots]
-    places += [(unit, name) for g, name in zip(groups, names) if not g.in_place]
+    optimizer order follow it). ``own_places``: (module, name) of the shards the unit registered as
+    its own; in place, each original parameter's places hold them."""
+    if offload is None:
+        yield
+        return
+    places = [(m, attr) for g in groups if g.in_place for r in g.refs for m, attr in r.slots] + list(own_places)
     held = [(m, attr, m._parameters[attr]) for m, attr in places if m._parameters.get(attr) is not None]
     for m, attr, _ in held:
         m._parameters[attr] = None  # _apply skips empty slots

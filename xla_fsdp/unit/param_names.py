@@ -79,7 +79,7 @@ def names_in_model_order(root: ShardedUnit) -> List[str]:
     module_index = {id(m): i for i, m in enumerate(root.modules())}
     attrs: Dict[int, Tuple[str, ...]] = {}
     for _, unit in named_units(root):
-        attrs.update((id(m), names) for m, names in getattr(unit, "_param_attrs", {}).items())
+        attrs.update((id(m), names) for m, names in unit.param_attrs.items())
     keyed = []
     for prefix, unit in named_units(root):
         for group in unit.gather_groups:

@@ -2,14 +2,15 @@
 from __future__ import annotations
 
 import enum
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 
 from . import freeing
 from .gradient_usage import GradientPlan
 
-from .base import ShardedUnit
+#: a unit's runtime (``runtime.UnitRuntime``; not imported: the runtime imports this module)
+Unit = Any
 
 
 class TrainingState(enum.Enum):
@@ -28,26 +29,26 @@ class Schedule:
     backward. Every rank records the same order, so their collectives still pair up."""
 
     def __init__(self) -> None:
-        self.recording: List[ShardedUnit] = []
+        self.recording: List[Unit] = []
         self._position: Dict[int, int] = {}
-        self._order: List[ShardedUnit] = []
+        self._order: List[Unit] = []
         # ZeRO-3 units free their parameters when the next unit starts forward, not when they end
         # theirs: on eager transports the unit that ends forward last is the first in backward
         # and keeps them (one all-gather fewer, at no cost to the peak).
-        self.deferred: Optional[ShardedUnit] = None
-        self.kept: Optional[ShardedUnit] = None
+        self.deferred: Optional[Unit] = None
+        self.kept: Optional[Unit] = None
         #: units gathered this forward by another's FSDP2 prefetch list (freed at its end if unused)
-        self.prefetched: List[ShardedUnit] = []
+        self.prefetched: List[Unit] = []
         #: which groups get gradients in this step, agreed by the ranks (usage.GradientPlan)
         self.plan: Optional[GradientPlan] = None
         #: the autograd graph task of the root's backward (a nested one is a reentrant checkpoint's)
         self.backward_task: Optional[int] = None
 
-    def ran_forward(self, unit: ShardedUnit) -> bool:
+    def ran_forward(self, unit: Unit) -> bool:
         """Whether ``unit`` ran in the last forward."""
         return id(unit) in self._position
 
-    def defer_reshard(self, unit: ShardedUnit) -> None:
+    def defer_reshard(self, unit: Unit) -> None:
         """``unit`` has ended forward; free the one before it, whose successor has now run."""
         if self.deferred is unit:  # the same unit ran twice in a row: it stays gathered
             return
@@ -65,7 +66,7 @@ class Schedule:
         if unit is not None:
             unit.reshard()
 
-    def end_forward(self, units: List[ShardedUnit], keep_last: bool) -> None:
+    def end_forward(self, units: List[Unit], keep_last: bool) -> None:
         """The root's forward has returned: what was recorded becomes the order. ``keep_last``:
         the last unit keeps its parameters for backward; False where one compiled program runs
         the step (XLA), which gathers them again right before their use: kept, they stayed live
@@ -86,12 +87,12 @@ class Schedule:
                     unit.reshard()
         prefetched, self.prefetched = self.prefetched, []
         for unit in prefetched:  # gathered by a prefetch list after their forward, or without one
-            if unit is self.kept or not any(g.is_unsharded() for g in unit.gather_groups):
+            if unit is self.kept or not any(g.is_unsharded() for g in unit.groups):
                 continue
             unit.free_after_forward(freeing.after_listed_prefetch(unit.freeing, torch.is_grad_enabled(),
                                                                   self.ran_forward(unit)))
 
-    def neighbour(self, unit: ShardedUnit, step: int) -> Optional[ShardedUnit]:
+    def neighbour(self, unit: Unit, step: int) -> Optional[Unit]:
         index = self._position.get(id(unit))
         if index is None or not 0 <= index + step < len(self._order):
             return None

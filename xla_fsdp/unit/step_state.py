@@ -1,6 +1,7 @@
-"""Where a unit is in the current training step, in one object (FSDP2 keeps the same apart from its
-module, in ``FSDPState``): what forward, backward, the schedule and ``no_sync`` read and change.
-The unit's settings and its gather groups live on the unit; nothing here outlives a step's logic."""
+"""Where a unit is in the current training step (``StepState``, one per unit), and what the units
+under one root share (``RootContext``, one per root): FSDP2 keeps the same apart from its module, in
+``FSDPState`` and its root's state context. A unit's runtime (``runtime.py``) holds both; its
+settings and gather groups live there too. Nothing here outlives a step's logic."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -15,30 +16,38 @@ from .schedule import Schedule, TrainingState
 
 @dataclass(eq=False)
 class StepState:
-    """One unit's per-step state. The units under one root share ``schedule`` and
-    ``reduces_in_flight`` (the root's, handed out at its first forward)."""
+    """One unit's per-step state."""
 
     #: IDLE / FORWARD / BACKWARD_PRE / BACKWARD_POST (``unit.training_state``, torch_xla's name)
     training_state: TrainingState = TrainingState.IDLE
     #: whether this unit is the root: None until its first forward decides
     is_root: Optional[bool] = None
-    #: the root's units, itself included (set at the root's first forward)
-    units_in_tree: List[Any] = field(default_factory=list)
     #: False inside ``no_sync()``: gradients accumulate unreduced
     require_backward_grad_sync: bool = True
     #: full gradients that are ready, waiting for the unit's other groups to reduce together
     pending_grads: List[Tuple[GatherGroup, torch.Tensor]] = field(default_factory=list)
-    #: reduce-scatters started but not yet waited for, finished in the order they started on every rank
-    reduces_in_flight: List[ReduceInFlight] = field(default_factory=list)
-    #: the order the root's units ran forward, which prefetching and freeing follow
-    schedule: Schedule = field(default_factory=Schedule)
     #: a started gather (a prefetch) to wait for
     unshard_in_flight: Optional[Callable[[], None]] = None
-    #: the root's gather groups that train, and whether each forward plans which get gradients
-    trainable_groups: List[GatherGroup] = field(default_factory=list)
-    plans_gradients: bool = False
 
     @property
     def backward_began(self) -> bool:
         """Whether this step's backward reached the unit (its parameters were gathered for it)."""
         return self.training_state in (TrainingState.BACKWARD_PRE, TrainingState.BACKWARD_POST)
+
+
+@dataclass(eq=False)
+class RootContext:
+    """What the units under one root share: made by the root at its first forward and handed to
+    every unit under it (one object, not copies kept in step)."""
+
+    #: the root's units (runtimes), itself first, in module order
+    units: List[Any] = field(default_factory=list)
+    #: each unit's original-name prefix ("" for the root), for messages that name a parameter
+    prefixes: List[str] = field(default_factory=list)
+    #: reduce-scatters started but not yet waited for, finished in the order they started on every rank
+    reduces_in_flight: List[ReduceInFlight] = field(default_factory=list)
+    #: the order the root's units ran forward, which prefetching and freeing follow
+    schedule: Schedule = field(default_factory=Schedule)
+    #: the root's gather groups that train, and whether each forward plans which get gradients
+    trainable_groups: List[GatherGroup] = field(default_factory=list)
+    plans_gradients: bool = False

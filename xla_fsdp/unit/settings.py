@@ -1,0 +1,106 @@
+"""What a unit's steps read, resolved once from its keywords (:class:`~xla_fsdp.unit.options.UnitOptions`)
+into one frozen value: defaults filled in, the transport's limits applied. The unit holds it, and
+torch_xla's public attributes (``compute_dtype``, ``fp32_reduce_scatter``, ...) read it. Nothing edits
+it: the root rule (``freeing.effective``), FSDP2's setters and ``set_gradient_divide_factors`` replace
+it, so what the unit shows is what its next step does."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, List, Optional
+
+import torch
+
+from .freeing import FreeingPolicy
+from .offload import offload_requested
+from .options import UnitOptions, defaults
+
+
+@dataclasses.dataclass(frozen=True)
+class UnitSettings:
+    """A unit's effective settings (the keyword each comes from is in the wrapper's docstring)."""
+
+    #: when the unit frees its gathered parameters (``unit/freeing.py``)
+    freeing: FreeingPolicy
+    #: FULL_SHARD, SHARD_GRAD_OP, NO_SHARD or a hybrid (``xla_fsdp.strategy.ShardingStrategy``)
+    sharding_strategy: Any
+    #: master shards, gathered parameters / floating inputs, floating buffers (None: left as they are),
+    #: floating outputs (None: not cast)
+    param_storage_dtype: torch.dtype
+    compute_dtype: torch.dtype
+    buffer_dtype: Optional[torch.dtype]
+    output_dtype: Optional[torch.dtype]
+    #: cast floating forward inputs to ``compute_dtype`` (FSDP2's ``cast_forward_inputs``)
+    cast_forward_inputs: bool
+    flatten_parameters: bool
+    flatten_group_fn: Optional[Callable[[str, torch.nn.Parameter], Any]]
+    shard_param_on_dim_0: bool
+    #: flat shards are padded to a multiple of this many elements per rank
+    shard_size_multiple: int
+    optimization_barrier_in_forward: bool
+    optimization_barrier_in_backward: bool
+    sync_on_finalization: bool
+    fp32_reduce_scatter: bool
+    #: gather the next unit while this one computes (eager transports only)
+    prefetch: bool
+    #: take rank 0's parameters and buffers
+    sync_module_states: bool
+    cpu_offload: bool
+    pin_memory: bool
+    #: groups of at least this many elements get collectives of their own (torch transport)
+    solo_collective_numel: int
+    #: gradients are divided by ``gradient_predivide_factor`` before the reduce-scatter and by
+    #: ``gradient_postdivide_factor`` after it (their product: the ranks that computed one)
+    gradient_predivide_factor: float
+    gradient_postdivide_factor: float
+    sharding_groups: Optional[List[List[int]]]
+    reduce_scatter_bucket_size_mb: Optional[int]
+    coalesce_all_gather_ops: bool
+    debug_print: bool
+    debug_msg: str
+
+
+def resolve(options: UnitOptions, comms: Any, strategy: Any, reshard_after_forward: bool,
+            on_tpu: bool) -> UnitSettings:
+    """The settings a unit built with ``options`` on ``comms`` runs with."""
+    from ..sharding import default_predivide_factor
+    storage = options.param_storage_dtype or torch.float32
+    offload, pin_memory = offload_requested(options.cpu_offload)
+    dim0 = options.shard_param_on_dim_0 and not options.flatten_parameters
+    multiple = options._shard_size_multiple
+    if multiple is None:
+        multiple = 128 if on_tpu else 1
+    sync = options.sync_module_states
+    if sync is None:
+        sync = defaults.threads_take_rank_0 and comms.ranks_share_a_process
+    # Gradients are averaged over every rank that computed one: the shard group and its replicas.
+    data_parallel = comms.world_size * comms.num_replicas
+    predivide = default_predivide_factor(data_parallel)
+    return UnitSettings(
+        freeing=FreeingPolicy(after_forward=reshard_after_forward, keep_on_root=options.disable_reshard_on_root),
+        sharding_strategy=strategy,
+        param_storage_dtype=storage,
+        compute_dtype=options.compute_dtype or storage,
+        buffer_dtype=options.buffer_dtype or options.compute_dtype or options.param_storage_dtype,
+        output_dtype=options.output_dtype,
+        cast_forward_inputs=True,
+        flatten_parameters=options.flatten_parameters,
+        flatten_group_fn=options.flatten_group_fn,
+        shard_param_on_dim_0=dim0,
+        shard_size_multiple=1 if dim0 else multiple,
+        optimization_barrier_in_forward=options.optimization_barrier_in_forward,
+        optimization_barrier_in_backward=options.optimization_barrier_in_backward,
+        sync_on_finalization=options.sync_on_finalization,
+        fp32_reduce_scatter=options.fp32_reduce_scatter,
+        prefetch=options.prefetch and comms.overlaps,
+        sync_module_states=bool(sync),
+        cpu_offload=offload,
+        pin_memory=pin_memory,
+        solo_collective_numel=options._solo_collective_numel,
+        gradient_predivide_factor=predivide,
+        gradient_postdivide_factor=data_parallel / predivide,
+        sharding_groups=options.sharding_groups,
+        reduce_scatter_bucket_size_mb=options.reduce_scatter_bucket_size_mb,
+        coalesce_all_gather_ops=options.coalesce_all_gather_ops,
+        debug_print=options._debug_print,
+        debug_msg=options._debug_msg,
+    )
