@@ -28,7 +28,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 
 from .collectives import resolve_transport
 from .fully_sharded_data_parallel import XlaFullyShardedDataParallel
-from .unit import construction, param_names, summon
+from .unit import construction, group_values, param_names, summon
 from .unit.base import UNIT_ATTR, is_unit
 from .unit.schedule import TrainingState
 
@@ -350,7 +350,7 @@ class _InPlaceModule(nn.Module):
         ``to_empty`` and the first forward the module already holds full parameters for the init (on
         the host with ``CPUOffloadPolicy``, so ``fn`` draws from the CPU generator, as unsharded)."""
         unit = _state(self)
-        if any(group.in_late_init() for group in unit.gather_groups):
+        if any(group_values.in_late_init(group) for group in unit.gather_groups):
             return nn.Module.apply(self, fn)
         with summon.summon_full_params(self, recurse=False):
             return nn.Module.apply(self, fn)  # nested converted modules summon their own
@@ -472,4 +472,4 @@ def _give_dtensor_calls(group: Any) -> None:
     shard.placements = (Shard(0),)
     shard.device_mesh = _NO_DEVICE_MESH
     shard.to_local = lambda: param()[:own_rows]
-    shard.full_tensor = lambda: unit_group().gather_values()[0]
+    shard.full_tensor = lambda: group_values.gather_values(unit_group())[0]

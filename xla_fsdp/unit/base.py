@@ -3,8 +3,7 @@ public wrapper imports the layers below it, never the reverse). As PyTorch's FSD
 apart from ``fully_shard``, "is this module a unit?", unit walks and what the schedule, the gradient
 code and the checkpoint code may use of a unit are declared here; the wrapper implements them.
 ``test/test_structure.py`` checks that no other module reads a unit's private attributes as
-``unit._name``; three read one by its string (``param_names``, ``offload.shards_held_back``,
-``remat``'s recompute hook), listed in CONTRIBUTING.md."""
+``unit._name``; one reaches it by a string (``remat``'s recompute hook), listed in CONTRIBUTING.md."""
 from __future__ import annotations
 
 import abc

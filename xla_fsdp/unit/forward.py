@@ -9,7 +9,7 @@ from typing import Any, List, Tuple
 
 import torch
 
-from . import backward, freeing
+from . import backward, freeing, group_values
 from .schedule import TrainingState
 from .step_state import RootContext
 from .tensor_tree import map_tensors
@@ -60,7 +60,7 @@ def _check_same_parameters_on_every_rank(rt: Any) -> None:
              for group in unit.groups]
     if not named:
         return
-    prints = [group.current_fingerprint() for _, group in named]
+    prints = [group_values.current_fingerprint(group) for _, group in named]
     zero = torch.zeros((), dtype=torch.float32)
     bits = torch.stack([(p if p is not None else zero).to(rt.comms.device) for p in prints]).cpu()
     # small numbers (sums over ranks stay in int32); 0 for a group loaded since it was built

@@ -5,12 +5,17 @@ A gather group is either several parameters flattened into one padded buffer (``
 a single parameter (padded flat, or split on dim 0). The optimizer sees only ``shard``; the wrapped
 module sees ``full`` (or views of it) through plain attributes that replace its original
 ``nn.Parameter`` registrations, so ``state_dict()`` and ``parameters()`` of the wrapper hold shards.
+
+The group is storage with states (``ShardedState``): it gathers, frees and reduces its own data when
+its unit's runtime says so (``runtime.py``, which asks ``freeing.py``). How its members sit in the
+module is ``member_slots.py``; its values outside a step (``summon_full_params``, deferred init) are
+``group_values.py``.
 """
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Set, Tuple, Union
+from typing import Callable, List, Optional, Set, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -18,10 +23,11 @@ import torch.nn as nn
 from ..collectives import Collectives
 from .gradient_usage import Edge, tensor_edge
 from .freed import FreedParameter
+from .member_slots import SplitFlat, fingerprint, hooks_kept_from, module_tensor, set_module_tensor
 from .offload import HostOffload
 from .optimizer_check import install_optimizer_check
 from .shard_grad import as_shard_grad, run_post_accumulate_hooks, run_shard_hooks
-from ..sharding import Dim0Layout, FlatLayout, flatten_and_pad, pad_dim0, shard_of, unflatten, unpad_dim0
+from ..sharding import Dim0Layout, FlatLayout, flatten_and_pad, pad_dim0, shard_of
 
 
 class ShardedState(enum.Enum):
@@ -82,12 +88,12 @@ class GatherGroup:
         # Rank 0's values (``sync_module_states``): where the ranks are threads of one process they are
         # taken at the root's first forward (take_rank_0_values), since a rank building under the
         # program's lock cannot wait here for a peer still waiting for that lock.
-        self._rank_0_takes: Optional[List[Callable[[], torch.Tensor]]] = None
-        self._late_init_version: Optional[int] = None  # the shard's version at to_empty (begin_late_init)
+        self.rank_0_takes: Optional[List[Callable[[], torch.Tensor]]] = None
+        self.late_init_version: Optional[int] = None  # the shard's version at to_empty (begin_late_init)
         if sync_from_rank_0:
             takes = [comms.start_broadcast_from_rank_0(s) for s in sources]
             if comms.ranks_share_a_process:
-                self._rank_0_takes = takes
+                self.rank_0_takes = takes
             else:
                 sources = [take() for take in takes]
 
@@ -117,7 +123,7 @@ class GatherGroup:
         # whether an optimizer step over this shard ends the traced step (fully_shard: FSDP2 programs
         # have no step marker; see optimizer_check.sync_after_step)
         self.sync_after_optimizer_step = False
-        self._fingerprint_version = self.shard._version  # a load before the first forward makes it stale
+        self.fingerprint_version = self.shard._version  # a load before the first forward makes it stale
         # torch_xla's attributes, read by its clients (Lightning's XLAFSDPStrategy finds the optimizer's
         # shards by ``_is_sharded``): the size and name of what the shard is part of; ``_name`` is set
         # by the unit, which names the shard.
@@ -153,7 +159,7 @@ class GatherGroup:
         self._member_sets: List[List[torch.Tensor]] = []
         install_optimizer_check()
         #: per member, the gradient hooks the program registered on the original parameter
-        self._member_hooks = [_hooks_kept_from(ref) for ref in refs]
+        self._member_hooks = [hooks_kept_from(ref) for ref in refs]
         if not flat:
             for hook in self._member_hooks[0]:
                 self.full.register_hook(hook)  # ``full`` is the parameter the module computes with
@@ -396,7 +402,7 @@ class GatherGroup:
                 for member, piece, shape in zip(members, pieces, self.layout.shapes):
                     self.comms.fill_full(member, piece, tuple(shape), lambda t: t)
         else:
-            members = _SplitFlat.apply(self.full, tuple(sizes), tuple(self.layout.shapes), self)
+            members = SplitFlat.apply(self.full, tuple(sizes), tuple(self.layout.shapes), self)
             self._members = self._hooked(list(members))
             self._member_sets.append(self._members)
         return self._members
@@ -446,18 +452,6 @@ class GatherGroup:
         return as_shard_grad(grad, self.comms, self.channel_grad_norm)
 
     # --- the full parameters outside forward (see summon.py) ------------------------------------
-    def gather_values(self) -> List[torch.Tensor]:
-        """Every member's full data in the shard's dtype, in tensors of their own (not ``full``):
-        a collective, which every rank of the group must call."""
-        source = self.shard.detach()
-        if self.offload is not None:
-            source = self.offload.to_device(source, self.shard.dtype)
-        padded = self.comms.all_gather(source.reshape(self.layout.shard_shape if self.dim0 else (-1,)),
-                                       self.channel_forward)
-        if self.dim0:
-            return [unpad_dim0(padded.reshape(self.padded_shape), self.layout).clone()]
-        return [t.clone() for t in unflatten(padded.reshape(-1), self.layout)]
-
     def write_back(self, values: List[torch.Tensor]) -> None:
         """Make this rank's shard the block of ``values`` (every member's full data) it owns."""
         with torch.no_grad():
@@ -507,54 +501,6 @@ class GatherGroup:
         new tensor or Parameter there)."""
         return [module_tensor(*ref.slots[0]) for ref in self.refs]
 
-    def take_rank_0_values(self) -> None:
-        """Make the shard rank 0's block where construction deferred it (see ``__init__``); a shard
-        written since (a checkpoint loaded) keeps what was written."""
-        if self._rank_0_takes is None:
-            return
-        takes, self._rank_0_takes = self._rank_0_takes, None
-        values = [take() for take in takes]  # every rank reads its round, whatever it keeps
-        if self.shard._version != self._fingerprint_version:
-            return
-        self.write_back(values)
-        self.init_fingerprint = fingerprint(values)
-        self._fingerprint_version = self.shard._version
-
-    def begin_late_init(self, device: torch.device) -> None:
-        """``to_empty`` after sharding (FSDP2's meta-init order): every place that refers to a member
-        gets a full-size uninitialized Parameter on ``device`` (the unit's device, or the host with
-        ``CPUOffloadPolicy``: the init then draws from the CPU generator, as unsharded), for the
-        program's own init (``reset_parameters``, ``init_weights``) to fill; :meth:`finish_late_init`
-        shards it."""
-        shapes = [self.full_shape] if not self.flat else self.layout.shapes
-        self.set_module_values([nn.Parameter(torch.empty(shape, dtype=self.shard.dtype, device=device),
-                                             requires_grad=self.shard.requires_grad) for shape in shapes])
-        self._late_init_version = self.shard._version
-
-    def in_late_init(self) -> bool:
-        """Between ``to_empty`` and :meth:`finish_late_init`: the module holds full-size parameters
-        of its own for the program's init."""
-        return self._late_init_version is not None
-
-    def finish_late_init(self) -> None:
-        """Make the shard this rank's block of what the program's init left in the module (not if
-        a checkpoint was loaded into the shard since), and fingerprint it for the ranks' check."""
-        version, self._late_init_version = self._late_init_version, None
-        if version is None:
-            return
-        if self.shard._version == version:
-            values = self.module_values()
-            self.write_back(values)
-            self.init_fingerprint = fingerprint(values).to(self.comms.device)
-            self._fingerprint_version = self.shard._version
-        self.reshard()  # a full copy kept gathered (ZeRO-2, the root) is stale now
-        self.install()
-
-    def current_fingerprint(self) -> Optional[torch.Tensor]:
-        """The construction fingerprint, or None if the shard was written since (a checkpoint loaded
-        before the first forward: the values the ranks built no longer matter)."""
-        return self.init_fingerprint if self.shard._version == self._fingerprint_version else None
-
     # --- introspection --------------------------------------------------------------------
     @property
     def names(self) -> List[str]:
@@ -577,87 +523,3 @@ class GatherGroup:
     def _aliases_shard(self) -> bool:
         """World size 1 without a cast: ``full`` is the shard's own storage (torch transport)."""
         return self.comms.aliases_shard(self.full) and self.full.data_ptr() == self.shard.data_ptr()
-
-
-class _SplitFlat(torch.autograd.Function):
-    """A padded flat buffer cut into parameters that are tensors of their own, not views (so
-    they can be refilled in place); their gradients join back with one concatenation."""
-
-    @staticmethod
-    def forward(ctx, full: torch.Tensor, sizes: Tuple[int, ...], shapes: Tuple[Tuple[int, ...], ...],
-                group: "GatherGroup"):
-        ctx.padding, ctx.group = sizes[-1], group
-        ctx.set_materialize_grads(False)  # a member this backward pass did not reach is told apart
-        pieces = torch.split(full, list(sizes))
-        return tuple(piece.view(shape).clone() for piece, shape in zip(pieces, shapes))
-
-    @staticmethod
-    def backward(ctx, *grads: Optional[torch.Tensor]):
-        # A member without gradient in this pass may get it in a later one (a reentrant checkpoint
-        # inside the module recomputes it in a backward of its own): the unit then waits for the
-        # end of backward before reducing and freeing (see ``ForwardPass._on_full_grad_ready``).
-        ctx.group.grad_incomplete = ctx.group.grad_incomplete or any(g is None for g in grads)
-        some = next((g for g in grads if g is not None), None)
-        if some is None:
-            return None, None, None, None
-        flat = [g.reshape(-1) if g is not None else some.new_zeros(n)
-                for g, n in zip(grads, ctx.group.layout.numels)]
-        if ctx.padding:
-            flat.append(some.new_zeros(ctx.padding))
-        return torch.cat(flat), None, None, None
-
-
-def fingerprint(tensors: List[torch.Tensor], samples: int = 1024) -> torch.Tensor:
-    """A 0-d float32 summary of ``tensors``: up to ``samples`` evenly strided elements of each,
-    weighted by position (so a permutation changes it). Identical values give identical bits on
-    every rank; values drawn from different random states differ with near certainty. Left on the
-    device: read back once for the whole model (see the wrapper's check)."""
-    total = torch.zeros((), dtype=torch.float32, device=tensors[0].device)
-    for t in tensors:
-        flat = t.detach().reshape(-1)
-        if flat.numel() == 0:
-            continue
-        picked = flat[::max(1, flat.numel() // samples)][:samples].float()
-        weights = torch.arange(1, picked.numel() + 1, dtype=torch.float32, device=picked.device)
-        total = total + (picked * weights).sum()
-    return total
-
-
-def set_module_tensor(module: nn.Module, attr: str, value: Optional[torch.Tensor]) -> None:
-    """Give ``module`` a plain attribute ``attr`` (never a registered parameter: the unit's
-    ``parameters()`` are the shards). Recurrent layers compute from their own list of weights,
-    which their ``__setattr__`` keeps current: kept current here too."""
-    if not getattr(getattr(module._parameters.get(attr), "_xla_fsdp_group", None), "in_place", False):
-        module._parameters.pop(attr, None)  # (fully_shard's shard stays registered, shadowed by ``value``)
-    object.__setattr__(module, attr, value)
-    names = getattr(module, "_flat_weights_names", None)
-    if isinstance(module, nn.RNNBase) and names is not None and attr in names:
-        module._flat_weights[names.index(attr)] = value
-
-
-def module_tensor(module: nn.Module, attr: str) -> torch.Tensor:
-    """``module.attr`` as the program left it: a Parameter assigned to it is registered by
-    ``nn.Module.__setattr__``, and read from there."""
-    value = module.__dict__.get(attr)  # nn.Module.__setattr__ of a Parameter removes the plain attribute
-    return value if value is not None else module._parameters.get(attr)
-
-
-def _hooks_kept_from(ref: ParamRef) -> List[Callable]:
-    """Gradient hooks registered on an original parameter before wrapping: they move to the
-    tensor the module computes with, so they see (and may change) the full gradient as before.
-    A post-accumulate hook would read ``param.grad`` of a parameter that no longer gets one."""
-    if ref.param._post_accumulate_grad_hooks:
-        raise RuntimeError(
-            f"xla_fsdp: parameter '{ref.fqn}' has a post-accumulate-grad hook registered before wrapping; "
-            "the original parameter gets no gradient once sharded. Register it after wrapping on the shard "
-            "(a parameter of model.parameters()): it then runs once the reduced gradient block is in shard.grad.")
-    return [_only_with_gradient(hook) for hook in (ref.param._backward_hooks or {}).values()]
-
-
-def _only_with_gradient(hook: Callable[[torch.Tensor], Optional[torch.Tensor]]) -> Callable[..., Any]:
-    """A flat member's hook runs in every backward pass that reaches the unit's split, also one
-    (a reentrant checkpoint's own) that gives this member no gradient: autograd then calls it with
-    None, where the original parameter's hook would not have run at all."""
-    def run(grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        return None if grad is None else hook(grad)
-    return run

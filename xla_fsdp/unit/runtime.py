@@ -18,7 +18,7 @@ from typing import Any, Callable, List, Optional, Sequence, Set, Tuple
 import torch
 import torch.nn as nn
 
-from . import construction, freeing
+from . import construction, freeing, group_values
 from .backward import on_full_grad_ready
 from .coalesce import start_unshard
 from .gather_group import GatherGroup
@@ -229,8 +229,8 @@ class UnitRuntime:
         loaded into the shards) is kept. Called before anything reads the shards: the root's first
         forward, ``summon_full_params``, ``state_dict``."""
         for group in self.groups:
-            group.finish_late_init()
-            group.take_rank_0_values()
+            group_values.finish_late_init(group)
+            group_values.take_rank_0_values(group)
         buffers, self._rank_0_buffers = self._rank_0_buffers, []
         with torch.no_grad():
             for m, name, built, version, take in buffers:
@@ -245,7 +245,7 @@ class UnitRuntime:
         init wrote; its buffers get uninitialized storage there, as ``nn.Module.to_empty`` gives.
         On XLA the full tensors are lazy: the device computes each one where its shard is cut."""
         for group in self.groups:
-            group.begin_late_init(device)
+            group_values.begin_late_init(group, device)
         for _, m in construction.owned_modules(self.module):
             for name, b in list(m._buffers.items()):
                 if b is not None:

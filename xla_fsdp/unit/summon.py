@@ -15,6 +15,7 @@ from typing import Iterator, List
 
 import torch.nn as nn
 
+from . import group_values
 from .base import is_unit, unit_of
 from .param_names import named_units
 from .schedule import TrainingState
@@ -42,7 +43,7 @@ def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool 
     for unit in units:
         unit.take_deferred_values()  # before the first forward (to_empty + init, sync_module_states)
         unit.finish_unshard()  # a prefetch left in flight
-    gathered = [g.gather_values() for g in groups]  # the same order on every rank
+    gathered = [group_values.gather_values(g) for g in groups]  # the same order on every rank
     for group, values in zip(groups, gathered):
         group.set_module_values(values)
     try:
