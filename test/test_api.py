@@ -517,3 +517,28 @@ def test_the_unit_is_a_shell_over_one_runtime_with_frozen_settings(gloo):
     assert inner._runtime.root is model._runtime.root
     assert model._runtime.root.units == [model._runtime, inner._runtime]
     assert model._fsdp_kwargs["reshard_after_forward"] is None  # the keywords as given (what children get)
+
+
+@pytest.mark.fast
+def test_the_keywords_agree_in_signature_options_and_docstring():
+    """The constructor's keywords are written in its signature (what users and their tools read) and in
+    ``UnitOptions`` (the typed value the layers below read): the two list the same names with the same
+    defaults, less what is not kept (the module, the auto-wrap policy, PyTorch's group keywords, which are
+    read as ``sharding_groups``, the deprecated and debug-only keywords), and the docstring documents
+    every keyword once."""
+    import inspect
+    import re
+    from xla_fsdp.unit.options import UnitOptions
+    params = inspect.signature(FSDP.__init__).parameters
+    not_passed_on = {"self", "module", "auto_wrap_policy", "auto_wrapper_callable", "mark_step_on_finalization",
+                     "process_group", "device_mesh",
+                     "_debug_dummy_forward_pass", "_debug_dummy_all_gather_op", "_debug_dummy_all_reduce_op",
+                     "_debug_dummy_reduce_scatter_op", "_debug_dummy_optimization_barrier_op"}
+    signature = [(n, p.default) for n, p in params.items() if n not in not_passed_on]
+    fields = [(f.name, f.default) for f in dataclasses.fields(UnitOptions)]
+    assert sorted(signature, key=str) == sorted(fields, key=str)
+    args = FSDP.__doc__.split("Args:")[1]
+    entries = re.findall(r"^        (\S[^:]*):", args, re.M)  # "name:" or "a / b:" or "a, b:"
+    documented = [name for entry in entries for name in re.split(r"\s*(?:,|/)\s*", entry)]
+    debug = {n for n in params if n.startswith("_debug")}  # the debug keywords are refused or ignored
+    assert sorted(documented) == sorted(set(params) - {"self"} - debug), set(documented) ^ (set(params) - debug)
