@@ -445,6 +445,7 @@ class GatherGroup:
             self.shard.grad = self.as_shard_grad(reduced)
         else:
             self.shard.grad += reduced
+            self.as_shard_grad(self.shard.grad)  # (left plain by an optimizer step that raised: see optimizer_check)
         run_post_accumulate_hooks(self.shard)
 
     def as_shard_grad(self, grad: torch.Tensor) -> torch.Tensor:
