@@ -170,11 +170,11 @@ def pytest_terminal_summary(terminalreporter):
 @pytest.fixture(scope="module")
 def gloo(tmp_path_factory):
     """A one-rank gloo group in this process, for single-rank API tests (multi-rank cases spawn
-    real ranks through harness.run_gloo / run_xla)."""
+    real ranks through ranks.on_gloo / on_xla)."""
     import torch.distributed as dist
     if not dist.is_initialized():
         store = tmp_path_factory.mktemp("gloo") / "store"
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     yield
-    import harness
-    harness.end_process_group()
+    import ranks
+    ranks.end_process_group()

@@ -24,8 +24,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-import queue
-import socket
 import threading
 import warnings
 from typing import Any, Dict, List, Optional, Tuple
@@ -35,8 +33,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from hypothesis import strategies as st
 
-import harness
 import xla_fsdp
+from ranks import Rank, on_xla
 from xla_fsdp import XlaFullyShardedDataParallel as FSDP, checkpoint_module
 from xla_fsdp.checkpoints import (full_optim_state_dict, full_state_dict, load_full_optim_state_dict,
                                   load_full_state_dict)
@@ -470,8 +468,9 @@ def optimizer_step(p: Program, model: nn.Module, opt: torch.optim.Optimizer, sca
 _BUILD_LOCK = threading.Lock()  # XLA:CPU ranks are threads sharing the CPU RNG
 
 
-def train_sharded(p: Program, rank: int, world_size: int, device, sync,
-                  barrier=lambda: None) -> Dict[str, Any]:
+def train_sharded(me: Rank, p: Program) -> Dict[str, Any]:
+    """Rank ``me``'s run of program ``p``."""
+    rank, world_size, device, sync = me.rank, me.world_size, me.device, me.sync
     state = StepState(rank)
     with _BUILD_LOCK:
         torch.manual_seed(0)
@@ -481,7 +480,7 @@ def train_sharded(p: Program, rank: int, world_size: int, device, sync,
     sync()
     toggled = toggled_names(p, model) if p.toggle != "none" else []
     scaler = make_scaler(p, device)
-    barrier()  # nobody trains (torch_xla's checkpoint forks the CPU RNG) before all have built
+    me.barrier()  # nobody trains (torch_xla's checkpoint forks the CPU RNG) before all have built
     if p.wrong_reduction:
         model.set_gradient_divide_factors(1.0, 1.0)  # sums over ranks: the self-test's bug
     opt = make_optimizer(p, model)
@@ -621,101 +620,14 @@ def compare(p: Program, sharded: List[Dict[str, Any]], ref: Dict[str, Any]) -> f
     return worst
 
 
-# ----------------------------------------------------------------------------- gloo ranks
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _gloo_rank(rank: int, world_size: int, port: int, inbox, outbox) -> None:
-    import torch.distributed as dist
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-    while True:
-        program = inbox.get()
-        if program is None:
-            break
-        try:
-            outbox.put((rank, train_sharded(program, rank, world_size, torch.device("cpu"), lambda: None)))
-        except Exception as e:  # noqa: BLE001 - reported to the parent, which fails the example
-            outbox.put((rank, f"{type(e).__name__}: {e}"))
-    import gc
-    dist.destroy_process_group()
-    gc.collect()  # the programs' models and groups gone while Python runs (see harness.end_process_group)
-
-
-class GlooRanks:
-    """``world_size`` gloo processes kept for a whole test session, each running the programs it
-    is sent; a rank that fails or hangs gets the whole group replaced."""
-
-    TIMEOUT_S = 30  # a program takes about a second: longer is a hang
-
-    def __init__(self, world_size: int):
-        self.world_size = world_size
-        self._procs: List[Any] = []
-
-    def _start(self) -> None:
-        ctx = torch.multiprocessing.get_context("spawn")
-        self._outbox = ctx.Queue()
-        self._inboxes = [ctx.Queue() for _ in range(self.world_size)]
-        port = _free_port()
-        self._procs = [ctx.Process(target=_gloo_rank, args=(r, self.world_size, port, self._inboxes[r], self._outbox),
-                                   daemon=True) for r in range(self.world_size)]
-        for proc in self._procs:
-            proc.start()
-
-    def run(self, program: Program) -> List[Dict[str, Any]]:
-        if not self._procs:
-            self._start()
-        for inbox in self._inboxes:
-            inbox.put(program)
-        results: Dict[int, Any] = {}
-        timeout = self.TIMEOUT_S
-        while len(results) < self.world_size:
-            try:
-                rank, result = self._outbox.get(timeout=timeout)
-            except queue.Empty:
-                self.close()
-                raise AssertionError(f"ranks {sorted(set(range(self.world_size)) - set(results))} did not finish "
-                                     f"within {timeout} s ({program}); other ranks: {results}") from None
-            results[rank] = result
-            if isinstance(result, str):
-                timeout = 10  # the others may be stuck in a collective with the failed rank
-        errors = {r: v for r, v in results.items() if isinstance(v, str)}
-        if errors:
-            self.close()
-            raise AssertionError(f"ranks failed: {errors} ({program})")
-        return [results[r] for r in range(self.world_size)]
-
-    def close(self) -> None:
-        if not self._procs:
-            return
-        for inbox, proc in zip(self._inboxes, self._procs):
-            if proc.is_alive():
-                inbox.put(None)
-        for proc in self._procs:
-            proc.join(5)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-        self._procs = []
-
-
 # ----------------------------------------------------------------------------- XLA:CPU ranks
-_BARRIERS: Dict[int, threading.Barrier] = {}
-
-
-def _xla_rank(programs_: List[Program]) -> List[Any]:
-    import torch_xla
-    import torch_xla.runtime as xr
-    device, rank, ws = torch_xla.device(), xr.global_ordinal(), xr.world_size()
-    with _BUILD_LOCK:
-        barrier = _BARRIERS.setdefault(ws, threading.Barrier(ws))
+def _train_programs(me: Rank, programs_: List[Program]) -> List[Any]:
+    """Rank ``me``'s runs of the programs, one after the other, until one fails (its error as a string:
+    the other ranks may be stuck)."""
     out: List[Any] = []
     for program in programs_:
         try:
-            out.append(train_sharded(program, rank, ws, device, xla_fsdp.sync, lambda: barrier.wait(120)))
+            out.append(train_sharded(me, program))
         except Exception as e:  # noqa: BLE001 - reported per program; the others may be stuck
             out.append(f"{type(e).__name__}: {e}")
             break
@@ -725,7 +637,6 @@ def _xla_rank(programs_: List[Program]) -> List[Any]:
 def run_xla(programs_: List[Program], world_size: int) -> List[List[Any]]:
     """Every program on ``world_size`` XLA:CPU devices (threads of one spawned process); per
     program, the list of rank results."""
-    with harness.xla_cpu_devices(world_size):
-        per_rank = harness.run_multiprocess(_xla_rank, programs_)
+    per_rank = on_xla(_train_programs, world_size, programs_)
     return [[per_rank[r][i] if i < len(per_rank[r]) else "did not run" for r in range(world_size)]
             for i in range(len(programs_))]

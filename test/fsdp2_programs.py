@@ -2,17 +2,15 @@
 devices (threads of one process) and on gloo ranks (where ``fully_shard`` is PyTorch's own), and the
 same model trained unsharded in one process for comparison (test_fsdp2)."""
 import os
-import sys
-import tempfile
 import threading
 import warnings
-from typing import Any, Callable, Dict, List
+from typing import Any, Dict, List
 
 import torch
 import torch.nn as nn
 
-import harness
 import xla_fsdp
+from ranks import Rank, on_gloo, on_xla
 from xla_fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from xla_fsdp.unit.base import unit_of
 
@@ -108,7 +106,9 @@ def _optimizer(name: str, params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-2) if name == "adamw" else torch.optim.SGD(params, lr=0.05)
 
 
-def train_sharded(name: str, rank: int, world_size: int, device, sync: Callable[[], None]) -> Dict[str, Any]:
+def train_sharded(me: Rank, name: str) -> Dict[str, Any]:
+    """Rank ``me``'s run of program ``name``."""
+    rank, world_size, device, sync = me.rank, me.world_size, me.device, me.sync
     cfg = PROGRAMS[name]
     if cfg.get("meta"):
         with torch.device("meta"):
@@ -305,13 +305,14 @@ def train_unsharded(name: str, world_size: int) -> Dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- meta-device init on XLA
-def meta_init_facts(rank: int, world_size: int, device) -> Dict[str, Any]:
+def meta_init_facts(me: Rank) -> Dict[str, Any]:
     """What FSDP2's meta-init order gives on XLA devices, beyond training equality: the errors for a
     forward before ``to_empty`` and for another device; a random init draws each full tensor (rank
     blocks differ, the ranks agree); a state dict before the first forward holds the init; a
     checkpoint loaded after the init and before the first forward wins."""
     from xla_fsdp.checkpoints.full_state import full_state_dict
     from xla_fsdp.checkpoints.state_dict_api import StateDictOptions, set_model_state_dict
+    rank, world_size, device = me.rank, me.world_size, me.device
 
     def meta_net() -> Net:
         with torch.device("meta"):
@@ -358,12 +359,13 @@ def meta_init_facts(rank: int, world_size: int, device) -> Dict[str, Any]:
     return facts
 
 
-def dtensor_facts(rank: int, world_size: int, device) -> Dict[str, Any]:
+def dtensor_facts(me: Rank) -> Dict[str, Any]:
     """FSDP2's DTensor calls on XLA shards, after one training step: each parameter's placements,
     its local rows (``to_local``, no padding) and ``full_tensor()`` beside the full state dict."""
     from torch.distributed.tensor import Shard
 
     from xla_fsdp.checkpoints.full_state import full_state_dict
+    rank, world_size, device = me.rank, me.world_size, me.device
     model = build()
     for block in model.blocks:
         fully_shard(block)
@@ -405,38 +407,21 @@ def _what_needs_dtensors(model: nn.Module, opt: torch.optim.Optimizer, named, wo
 
 
 def run_dtensor_facts(world_size: int) -> List[Dict[str, Any]]:
-    with harness.xla_cpu_devices(world_size):
-        results = harness.run_multiprocess(_dtensor_entry, None)
-    return [results[r] for r in range(world_size)]
-
-
-def _dtensor_entry(_) -> Dict[str, Any]:
-    import torch_xla
-    import torch_xla.runtime as xr
-    return dtensor_facts(xr.global_ordinal(), xr.world_size(), torch_xla.device())
-
-
-def _meta_entry(_) -> Dict[str, Any]:
-    import torch_xla
-    import torch_xla.runtime as xr
-    return meta_init_facts(xr.global_ordinal(), xr.world_size(), torch_xla.device())
+    return on_xla(dtensor_facts, world_size)
 
 
 def run_meta_init_facts(world_size: int) -> List[Dict[str, Any]]:
-    with harness.xla_cpu_devices(world_size):
-        results = harness.run_multiprocess(_meta_entry, None)
-    return [results[r] for r in range(world_size)]
+    return on_xla(meta_init_facts, world_size)
 
 
-def meta_init_draws(_=None) -> Dict[str, Any]:
+def meta_init_draws(me: Rank) -> Dict[str, Any]:
     """FSDP2's meta-init order with the program's own seeded random init (``model.apply``), beside the
     same program unsharded: on the XLA device with ``xm.set_rng_state`` before ``fully_shard``, and with
     ``CPUOffloadPolicy`` and ``to_empty(device="cpu")`` from the CPU generator. The full state dicts
     after the first forward, and the device seed ``fully_shard`` left."""
-    import torch_xla
     import torch_xla.core.xla_model as xm
     from xla_fsdp.checkpoints.full_state import full_state_dict
-    device = torch_xla.device()
+    device = me.device
 
     def meta_net() -> nn.Sequential:
         with torch.device("meta"):
@@ -475,16 +460,15 @@ def meta_init_draws(_=None) -> Dict[str, Any]:
     return out
 
 
-def step_cut_facts(mode: str) -> Dict[str, Any]:
+def step_cut_facts(me: Rank, mode: str) -> Dict[str, Any]:
     """The FSDP2 tutorial's loop (forward, backward, ``clip_grad_norm_``, step, ``zero_grad``, the
     loss read back) on XLA for 6 steps, every rank on the same batches, with ``mode``: ``none`` (no
     sync in the program, as FSDP2 programs are), ``off`` (the same with
     ``set_sync_after_optimizer_step(False)``), ``own`` (the program syncs after each step) or
     ``unwrapped`` (the model unsharded, syncing after each step). Per step: the graphs compiled and
     the step markers run (process-wide counters: read at one device); the losses."""
-    import torch_xla
     import torch_xla.debug.metrics as met
-    device = torch_xla.device()
+    device = me.device
     with _LOCK:
         torch.manual_seed(0)
         model = Net().to(device)
@@ -513,59 +497,34 @@ def step_cut_facts(mode: str) -> Dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- runners
-def _xla_entry(names: List[str]) -> Dict[str, Any]:
-    import torch_xla
-    import torch_xla.runtime as xr
-    return {n: train_sharded(n, xr.global_ordinal(), xr.world_size(), torch_xla.device(), xla_fsdp.sync)
-            for n in names}
+def train_many(me: Rank, names: List[str]) -> Dict[str, Dict[str, Any]]:
+    """Rank ``me``'s runs of every program in ``names``, one after the other."""
+    return {n: train_sharded(me, n) for n in names}
 
 
 def run_xla(names: List[str], world_size: int) -> Dict[str, List[Dict[str, Any]]]:
     """Every program on ``world_size`` XLA:CPU devices (threads of one spawned process)."""
-    with harness.xla_cpu_devices(world_size):
-        results = harness.run_multiprocess(_xla_entry, names)
-    return {n: [results[r][n] for r in range(world_size)] for n in names}
-
-
-def _gloo_entry(rank: int, world_size: int, port: int, names: List[str], out_dir: str) -> None:
-    import torch.distributed as dist
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-    try:
-        result = {n: train_sharded(n, rank, world_size, torch.device("cpu"), lambda: None) for n in names}
-        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        harness.end_process_group()
-    # FSDP2's gloo tensors may be freed by gloo's thread during teardown (see fsdp2_runs.py), so this
-    # process leaves without it; os._exit skips the finalizer of the temp folder torch.distributed.nn
-    # makes at import
-    instantiator = sys.modules.get("torch.distributed.nn.jit.instantiator")
-    temp_dir = getattr(instantiator, "_TEMP_DIR", None)  # torch 2.9 makes it at import; newer ones do not
-    if temp_dir is not None:
-        temp_dir.cleanup()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    per_rank = on_xla(train_many, world_size, names)
+    return {n: [r[n] for r in per_rank] for n in names}
 
 
 def run_gloo(names: List[str], world_size: int) -> Dict[str, List[Dict[str, Any]]]:
-    """Every program on ``world_size`` gloo processes (PyTorch's own ``fully_shard``)."""
-    import torch.multiprocessing as mp
+    """Every program on ``world_size`` gloo processes (PyTorch's own ``fully_shard``); each rank leaves
+    without Python's teardown (FSDP2's gloo tensors: see ``ranks._exit_without_teardown``)."""
     names = [n for n in names if not PROGRAMS[n].get("xla_only")]
-    with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_gloo_entry, args=(world_size, harness._free_port(), names, out_dir), nprocs=world_size)
-        ranks = [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=True) for r in range(world_size)]
-    return {n: [ranks[r][n] for r in range(world_size)] for n in names}
+    per_rank = on_gloo(train_many, world_size, names, hard_exit=True, weights_only=True)
+    return {n: [r[n] for r in per_rank] for n in names}
 
 
 # ----------------------------------------------------------------------------- ignored_params, saved
-def ignored_checkpoint_facts(rank: int, world_size: int, device, folder: str) -> Dict[str, Any]:
+def ignored_checkpoint_facts(me: Rank, folder: str) -> Dict[str, Any]:
     """Modules with ``ignored_params`` (each block's LayerNorm) through the checkpoint paths: a full
     state dict (state_dict_api) and sharded rank files (save/load, consolidation) carry the ignored
     parameters under their names, and loading sets them."""
     import xla_fsdp
     from xla_fsdp.checkpoints import state_dict_api as sda
     from xla_fsdp.checkpoints.consolidate import consolidate_sharded_model_checkpoints
+    rank, device = me.rank, me.device
 
     def make() -> nn.Module:
         model = build()
@@ -592,13 +551,5 @@ def ignored_checkpoint_facts(rank: int, world_size: int, device, folder: str) ->
     return facts
 
 
-def _ignored_entry(folder: str) -> Dict[str, Any]:
-    import torch_xla
-    import torch_xla.runtime as xr
-    return ignored_checkpoint_facts(xr.global_ordinal(), xr.world_size(), torch_xla.device(), folder)
-
-
 def run_ignored_checkpoint_facts(world_size: int, folder: str) -> List[Dict[str, Any]]:
-    with harness.xla_cpu_devices(world_size):
-        results = harness.run_multiprocess(_ignored_entry, folder)
-    return [results[r] for r in range(world_size)]
+    return on_xla(ignored_checkpoint_facts, world_size, folder)

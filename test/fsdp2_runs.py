@@ -2,16 +2,11 @@
 with ``torch.distributed.checkpoint`` the way the FSDP2 tutorials do (``get_state_dict`` /
 ``set_state_dict``, ``dcp.save`` / ``dcp.load`` of ``{"model": ..., "optim": ...}``): the other
 side of the DCP interop tests."""
-import os
-import sys
-import tempfile
-from typing import Any, Dict, List, Optional
-
-import torch
-import torch.distributed as dist
+from typing import Any, Dict, Optional
 
 import harness
 import models
+from ranks import Rank, on_gloo
 
 
 def _torchtitan_state(model, opt, step: int) -> Dict[str, Any]:
@@ -26,29 +21,15 @@ def _torchtitan_state(model, opt, step: int) -> Dict[str, Any]:
             "lr_scheduler": {"last_epoch": step}, "train_state": {"step": step}}
 
 
-def _worker(rank: int, world_size: int, port: int, name: str, steps: int, start: int, per_rank: int,
-            load_dir: Optional[str], save_dir: Optional[str], out_dir: str, layout: str = "tutorial") -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-    try:
-        _train(rank, world_size, name, steps, start, per_rank, load_dir, save_dir, out_dir, layout)
-    finally:  # with the model gone (FSDP2's mesh holds the groups): see harness.end_process_group
-        harness.end_process_group()
-    # FSDP2 hands gloo its own tensors, and gloo's thread may free them as Python exits, aborting this
-    # rank after its results are written (pytorch/pytorch#190489; xla_fsdp's collectives keep theirs
-    # until gloo lets go: collectives/torch_dist.py). This helper leaves without Python's teardown.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
-def _train(rank: int, world_size: int, name: str, steps: int, start: int, per_rank: int,
-           load_dir: Optional[str], save_dir: Optional[str], out_dir: str, layout: str) -> None:
+def _train(me: Rank, name: str, steps: int, start: int, per_rank: int, load_dir: Optional[str],
+           save_dir: Optional[str], layout: str) -> Dict[str, Any]:
+    """Rank ``me``'s run: its losses and the full model state at the end."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                          set_state_dict)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    rank, world_size = me.rank, me.world_size
     cfg = harness.CONFIGS[name]
     model = models.make_model(cfg["model"])
     mesh = init_device_mesh("cpu", (world_size,))
@@ -76,7 +57,7 @@ def _train(rank: int, world_size: int, name: str, steps: int, start: int, per_ra
         model_sd, optim_sd = get_state_dict(model, opt)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=save_dir)
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    torch.save({"losses": losses, "full": full}, os.path.join(out_dir, f"rank{rank}.pt"))
+    return {"losses": losses, "full": full}
 
 
 def run(name: str, world_size: int, steps: int, start: int = 0, per_rank: int = 4, load_dir: Optional[str] = None,
@@ -84,11 +65,9 @@ def run(name: str, world_size: int, steps: int, start: int = 0, per_rank: int = 
     """Train ``steps`` steps on ``world_size`` gloo ranks; returns the global-batch losses (mean of
     the ranks' equal-sized batches) and the full model state at the end. ``layout``: how the save
     is laid out, the tutorials' ``{"model", "optim"}`` or ``"torchtitan"``'s."""
-    import torch.multiprocessing as mp
-    with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_worker, args=(world_size, harness._free_port(), name, steps, start, per_rank, load_dir, save_dir,
-                                out_dir, layout), nprocs=world_size)
-        ranks: List[Dict[str, Any]] = [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False)
-                                       for r in range(world_size)]
+    # FSDP2 hands gloo its own tensors, and gloo's thread may free them as Python exits, aborting a rank
+    # after its results are written: each rank leaves without Python's teardown (hard_exit)
+    ranks = on_gloo(_train, world_size, name, steps, start, per_rank, load_dir, save_dir, layout, hard_exit=True,
+                    weights_only=False)
     losses = [sum(r["losses"][i] for r in ranks) / world_size for i in range(steps)]
     return {"losses": losses, "full": ranks[0]["full"]}

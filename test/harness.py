@@ -8,16 +8,16 @@ import glob
 import functools
 import os
 import shutil
-import socket
 import tempfile
 import threading
-from typing import Any, Callable, Collection, Dict, Iterator, List, Optional, Tuple, Union
+from typing import Any, Callable, Collection, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
 
 import models
 import xla_fsdp
+from ranks import Rank, on_gloo, on_xla, one_rank_group
 from xla_fsdp import XlaFullyShardedDataParallel as FSDP, checkpoint_module
 from xla_fsdp.checkpoints.shard_merge import consolidate_sharded_state_dicts
 from xla_fsdp.wrap import (lambda_auto_wrap_policy, size_based_auto_wrap_policy,
@@ -281,15 +281,15 @@ def state_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
 _INIT_LOCK = threading.Lock()
 
 
-def train_sharded(name: str, rank: int, device: torch.device, sync: Callable[[], None],
-                  barrier: Callable[[], None] = lambda: None, steps: int = STEPS, start: int = 0,
-                  per_rank: int = 4, save_prefix: Optional[str] = None,
-                  load_prefix: Optional[str] = None, load_full_path: Optional[str] = None,
+def train_sharded(me: Rank, name: str, steps: int = STEPS, start: int = 0, per_rank: int = 4,
+                  save_prefix: Optional[str] = None, load_prefix: Optional[str] = None,
+                  load_full_path: Optional[str] = None,
                   full_state: Union[bool, Collection[str]] = False) -> Dict[str, Any]:
-    """One rank's run of config ``name`` for steps [start, start + steps); optionally loads a
+    """Rank ``me``'s run of config ``name`` for steps [start, start + steps); optionally loads a
     sharded checkpoint first and saves one at the end (``save_prefix + '_init'`` before training).
     Returns losses, shards, metadata and memory figures, and with ``full_state`` (True, or the
     names of the configs that want it) the gathered full model and optimizer state."""
+    rank, device, sync, barrier = me.rank, me.device, me.sync, me.barrier
     # "config@variant" runs config again in the same launch; a path may be a dict variant -> path.
     # Paths may name the config: "{name}" is replaced, so one launch can run several configs.
     base, _, variant = name.partition("@")
@@ -502,91 +502,43 @@ def train_reference(name: str, world_size: int, init_state: Optional[dict] = Non
     return {"losses": losses, "norms": norms, "state_dict": model.state_dict(), "param_bytes": ideal, "grads": grads}
 
 
-# ----------------------------------------------------------------------------- gloo transport
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def end_process_group() -> None:
-    """``destroy_process_group``, then collect what still holds a group (an FSDP2 mesh, a unit's
-    sharding groups, a model in a reference cycle): gloo's worker threads stop only when the group
-    object goes, and one that releases a finished collective's tensors while Python is exiting
-    aborts the process ("terminate called without an active exception": the thread takes the GIL
-    during finalization and is unwound through a noexcept destructor; pytorch/pytorch#190489). Call
-    it after the model is out of scope, as the workers here do."""
-    import gc
-
-    import torch.distributed as dist
-    dist.destroy_process_group()
-    gc.collect()
-
-
 def small_checkpoint(folder, make_model: Callable[[], nn.Module], input_width: int = 64):
     """``folder/in/ck``: a one-rank checkpoint of ``make_model()`` after one AdamW step on inputs of
     ``input_width`` features, and its DCP export ``folder/in/dcp``, for the tools' tests (a gloo
     group of one in this process)."""
     import subprocess
     import sys
-
-    import torch.distributed as dist
-    own_group = not dist.is_initialized()  # else the caller's (the gloo fixture's), left to it
-    if own_group:
-        dist.init_process_group("gloo", init_method=f"file://{folder / 'store'}", rank=0, world_size=1)
-    try:
+    with one_rank_group(folder / "store"):  # or the caller's (the gloo fixture's), left to it
         model = FSDP(make_model())
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         model(torch.randn(2, input_width)).sum().backward()
         opt.step()
         xla_fsdp.save_sharded_checkpoint(model, opt, str(folder / "in" / "ck"))
         del model, opt
-    finally:
-        if own_group:
-            end_process_group()
     subprocess.run([sys.executable, "-m", "xla_fsdp.convert", "--to", "dcp", "--ckpt_prefix", str(folder / "in" / "ck"),
                     "--out", str(folder / "in" / "dcp")], check=True, capture_output=True)
     return folder / "in"
 
 
-def _gloo_worker(rank: int, world_size: int, port: int, names: List[str], out_dir: str, kwargs: dict) -> None:
-    import torch.distributed as dist
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-    try:
-        results = {}
-        for name in names:
-            results[name] = train_sharded(name, rank, torch.device("cpu"), lambda: None, dist.barrier, **kwargs)
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        end_process_group()
+# ----------------------------------------------------------------------------- runs on N ranks (ranks.py)
+def train_many(me: Rank, names: List[str], kwargs: dict) -> Dict[str, Dict[str, Any]]:
+    """Rank ``me``'s runs of every config in ``names``, one after the other (see :func:`train_sharded`)."""
+    return {name: train_sharded(me, name, **kwargs) for name in names}
+
+
+def _by_name(per_rank: List[Dict[str, Any]], names: List[str]) -> Dict[str, List[Dict[str, Any]]]:
+    return {n: [r[n] for r in per_rank] for n in names}
 
 
 def run_gloo(names: List[str], world_size: int, **kwargs: Any) -> Dict[str, List[Dict[str, Any]]]:
-    """Spawn ``world_size`` gloo processes that run every config in ``names``; results per rank.
+    """Every config in ``names`` on ``world_size`` gloo processes; results per config and rank.
     ``kwargs`` go to :func:`train_sharded` (steps, start, per_rank, save/load prefixes)."""
-    import torch.multiprocessing as mp
-    with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_gloo_worker, args=(world_size, _free_port(), names, out_dir, kwargs), nprocs=world_size)
-        per_rank = [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
-    return {n: [per_rank[r][n] for r in range(world_size)] for n in names}
+    return _by_name(on_gloo(train_many, world_size, names, kwargs, weights_only=False), names)
 
 
-# ----------------------------------------------------------------------------- XLA transport
-_BARRIERS: Dict[int, threading.Barrier] = {}
-
-
-def _thread_barrier(world_size: int) -> threading.Barrier:
-    with _INIT_LOCK:
-        return _BARRIERS.setdefault(world_size, threading.Barrier(world_size))
-
-
-def _xla_worker(names: List[str], kwargs: dict) -> Dict[str, Any]:
-    import torch_xla
-    import torch_xla.runtime as xr
-    device, rank = torch_xla.device(), xr.global_ordinal()
-    barrier = _thread_barrier(xr.world_size()).wait  # the ranks are threads of this process
-    return {name: train_sharded(name, rank, device, xla_fsdp.sync, barrier, **kwargs) for name in names}
+def run_xla(names: List[str], world_size: int, **kwargs: Any) -> Dict[str, List[Dict[str, Any]]]:
+    """Run the configs on ``world_size`` XLA:CPU devices (threads of one spawned process)."""
+    return _by_name(on_xla(train_many, world_size, names, kwargs), names)
 
 
 def xla_steps(model: nn.Module, optimizer: torch.optim.Optimizer, batches: List[torch.Tensor],
@@ -606,38 +558,6 @@ def xla_steps(model: nn.Module, optimizer: torch.optim.Optimizer, batches: List[
         xla_fsdp.sync()
         losses.append(loss.item())
     return losses
-
-
-def run_multiprocess(fn: Callable[..., Any], *args: Any) -> Dict[int, Any]:
-    """torch_xla's ``pjrt.run_multiprocess`` (results by rank) with what several XLA:CPU devices need
-    (``xla_fsdp.enable_xla_cpu_devices``), installed for this call only, as ``xla_fsdp.launch`` does."""
-    from torch_xla._internal import pjrt
-    with xla_fsdp.patches.scope():
-        xla_fsdp.enable_xla_cpu_devices()
-        return pjrt.run_multiprocess(fn, *args)
-
-
-@contextlib.contextmanager
-def xla_cpu_devices(world_size: int) -> Iterator[None]:
-    """``PJRT_DEVICE=CPU CPU_NUM_DEVICES=world_size`` for the processes spawned inside; the
-    environment is left as found (later subprocesses must not inherit the device count)."""
-    saved = {k: os.environ.get(k) for k in ("PJRT_DEVICE", "CPU_NUM_DEVICES")}
-    os.environ.update(PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(world_size))
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-def run_xla(names: List[str], world_size: int, **kwargs: Any) -> Dict[str, List[Dict[str, Any]]]:
-    """Run the configs on ``world_size`` XLA:CPU devices (threads of one spawned process)."""
-    with xla_cpu_devices(world_size):
-        results = run_multiprocess(_xla_worker, names, kwargs)
-    return {n: [results[r][n] for r in range(world_size)] for n in names}
 
 
 # ----------------------------------------------------------------------------- one run per session
@@ -717,5 +637,5 @@ def first_replica(rank_results: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
 
 
 def consolidate(rank_results: List[Dict[str, Any]]) -> Dict[str, torch.Tensor]:
-    ranks = first_replica(rank_results)
-    return consolidate_sharded_state_dicts([r["state_dict"] for r in ranks], ranks[0]["metadata"])
+    first = first_replica(rank_results)
+    return consolidate_sharded_state_dicts([r["state_dict"] for r in first], first[0]["metadata"])

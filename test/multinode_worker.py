@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402
+from ranks import Rank, end_process_group  # noqa: E402
 
 
 def _refusals() -> dict:
@@ -41,14 +42,15 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     try:
-        rank = dist.get_rank()
-        results = {n: harness.train_sharded(n, rank, torch.device("cpu"), lambda: None, dist.barrier) for n in names}
+        me = Rank.of_torch_group()
+        rank = me.rank
+        results = {n: harness.train_sharded(me, n) for n in names}
         results["refusals"] = _refusals()
         results["env"] = {k: int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
                                                            "GROUP_RANK")}
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
-        harness.end_process_group()
+        end_process_group()
 
 
 if __name__ == "__main__":

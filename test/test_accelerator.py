@@ -16,6 +16,7 @@ import torch
 
 import harness
 import models
+from ranks import Rank, end_process_group, free_port
 
 ACCELERATOR = torch.accelerator.current_accelerator(check_available=True)
 pytestmark = pytest.mark.skipif(ACCELERATOR is None, reason="needs an accelerator (CUDA, XPU or a PrivateUse1 "
@@ -42,15 +43,15 @@ def _init(rank: int, world_size: int, port: int) -> torch.device:
 
 
 def _training_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
-    import torch.distributed as dist
     device = _init(rank, world_size, port)
     try:
+        me = Rank.of_torch_group(device, torch.accelerator.synchronize)
         results = {}
         for name in CONFIGS:
-            results[name] = harness.train_sharded(name, rank, device, torch.accelerator.synchronize, dist.barrier)
+            results[name] = harness.train_sharded(me, name)
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
-        harness.end_process_group()
+        end_process_group()
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +59,7 @@ def runs():
     import torch.multiprocessing as mp
     world_size = _world_size()
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_training_worker, args=(world_size, harness._free_port(), out_dir), nprocs=world_size)
+        mp.spawn(_training_worker, args=(world_size, free_port(), out_dir), nprocs=world_size)
         per_rank = [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
     return {n: [per_rank[r][n] for r in range(world_size)] for n in CONFIGS}
 
@@ -129,7 +130,7 @@ def _resume_worker(rank: int, world_size: int, port: int, ckpt_dir: str, out_dir
                    os.path.join(out_dir, f"rank{rank}.pt"))
         del wrapped, opt
     finally:
-        harness.end_process_group()
+        end_process_group()
 
 
 def test_training_checkpoint_resumes_and_consolidates_on_the_accelerator(tmp_path):
@@ -140,7 +141,7 @@ def test_training_checkpoint_resumes_and_consolidates_on_the_accelerator(tmp_pat
     world_size = _world_size()
     ckpt_dir, out_dir = tmp_path / "ckpt", tmp_path / "out"
     out_dir.mkdir()
-    mp.spawn(_resume_worker, args=(world_size, harness._free_port(), str(ckpt_dir), str(out_dir)), nprocs=world_size)
+    mp.spawn(_resume_worker, args=(world_size, free_port(), str(ckpt_dir), str(out_dir)), nprocs=world_size)
     got = torch.load(out_dir / "rank0.pt", weights_only=True)
     assert got["resumed_at"] == 3
     assert max(abs(a - b) for a, b in zip(got["resumed"], got["straight"])) <= 1e-6, (got["resumed"], got["straight"])

@@ -10,6 +10,7 @@ import torch.nn as nn
 
 import harness
 import models
+from ranks import end_process_group
 from xla_fsdp import XlaFullyShardedDataParallel as FSDP, checkpoint_module
 from xla_fsdp.collectives import select_collectives
 from xla_fsdp.unit.freed import FreedParameter
@@ -413,8 +414,8 @@ def _reinit_rank(rank: int, attempts: range, store_dir: str, out_dir: str) -> No
             model(torch.full((3, 4), float(rank + 1))).sum().backward()
             torch.save([p.grad for p in model.parameters()], f"{out_dir}/rank{rank}-attempt{attempt}.pt")
         finally:
-            model = None  # its units hold the sharding group: gone first (see harness.end_process_group)
-            harness.end_process_group()
+            model = None  # its units hold the sharding group: gone first (see ranks.end_process_group)
+            end_process_group()
 
 
 def test_a_new_process_group_gets_new_collectives(tmp_path):

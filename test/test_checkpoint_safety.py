@@ -15,6 +15,7 @@ import torch
 
 import harness
 import models
+from ranks import end_process_group, free_port, run_multiprocess, xla_cpu_devices
 from xla_fsdp.checkpoints import CheckpointError
 from xla_fsdp.checkpoints.files import rank_path
 from xla_fsdp.consolidate_sharded_ckpts import main as consolidate_cli
@@ -316,7 +317,7 @@ def _gloo_load_worker(rank, port, folder, damage_rank, out, damage):
         torch.save(_save_then_load(rank, torch.device("cpu"), folder, damage_rank, damage),
                    os.path.join(out, f"{rank}.pt"))
     finally:
-        harness.end_process_group()
+        end_process_group()
 
 
 def _xla_load_worker(folder, damage_rank, damage):
@@ -328,10 +329,10 @@ def _xla_load_worker(folder, damage_rank, damage):
 def _load_damaged(transport, tmp_path, damage):
     if transport == "torch":
         import torch.multiprocessing as mp
-        mp.spawn(_gloo_load_worker, args=(harness._free_port(), str(tmp_path), 1, str(tmp_path), damage), nprocs=2)
+        mp.spawn(_gloo_load_worker, args=(free_port(), str(tmp_path), 1, str(tmp_path), damage), nprocs=2)
         return [torch.load(tmp_path / f"{r}.pt", weights_only=False) for r in range(2)]
-    with harness.xla_cpu_devices(2):
-        by_rank = harness.run_multiprocess(_xla_load_worker, str(tmp_path), 1, damage)
+    with xla_cpu_devices(2):
+        by_rank = run_multiprocess(_xla_load_worker, str(tmp_path), 1, damage)
     return [by_rank[r] for r in range(2)]
 
 

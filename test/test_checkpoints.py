@@ -12,6 +12,7 @@ import torch
 
 import harness
 import models
+from ranks import run_multiprocess
 from xla_fsdp.consolidate_sharded_ckpts import main as consolidate_cli
 from xla_fsdp.resize import main as resize_cli
 
@@ -420,7 +421,7 @@ def test_torch_xla_checkpoint_consolidates_and_resizes(tmp_path, monkeypatch):
     monkeypatch.setenv("PJRT_DEVICE", "CPU")
     monkeypatch.setenv("CPU_NUM_DEVICES", "1")
     prefix = str(tmp_path / "txla")
-    want = harness.run_multiprocess(_torch_xla_fsdp_checkpoint, prefix)[0]
+    want = run_multiprocess(_torch_xla_fsdp_checkpoint, prefix)[0]
     got = consolidate(prefix)["model"]
     params = {k: v for k, v in want.items() if "running_" not in k and "num_batches" not in k}
     for k, v in params.items():

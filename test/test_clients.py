@@ -11,6 +11,7 @@ import torch.nn as nn
 import harness
 import models
 import xla_fsdp
+from ranks import run_multiprocess
 from xla_fsdp import XlaFullyShardedDataParallel as FSDP, checkpoint_module
 from xla_fsdp.checkpoints.files import CheckpointError
 
@@ -165,7 +166,7 @@ def test_checkpoint_module_takes_keyword_arguments_on_xla(monkeypatch):
     pytest.importorskip("torch_xla")
     monkeypatch.setenv("PJRT_DEVICE", "CPU")
     monkeypatch.setenv("CPU_NUM_DEVICES", "1")
-    out, x_grad, mask_grad = harness.run_multiprocess(_xla_checkpoint_with_keywords)[0]
+    out, x_grad, mask_grad = run_multiprocess(_xla_checkpoint_with_keywords)[0]
     torch.manual_seed(0)
     fc = nn.Linear(4, 4)
     x = torch.randn(3, 4).requires_grad_()

@@ -11,6 +11,7 @@ import pytest
 import fsdp2_runs
 import harness
 import models
+from ranks import end_process_group, free_port, run_multiprocess, xla_cpu_devices
 from xla_fsdp.convert import main as convert_cli
 
 K = 3  # steps per leg
@@ -131,8 +132,8 @@ def _state_dict_api_worker(rank, world_size, port, name, phase, dcp_dir, out_dir
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
         _state_dict_api_steps(rank, world_size, name, phase, dcp_dir, out_dir)
-    finally:  # the model gone first: see harness.end_process_group
-        harness.end_process_group()
+    finally:  # the model gone first: see ranks.end_process_group
+        end_process_group()
 
 
 def _state_dict_api_steps(rank, world_size, name, phase, dcp_dir, out_dir):
@@ -184,8 +185,8 @@ def test_the_fsdp2_tutorials_state_dict_code_runs_on_xla_fsdp_across_world_sizes
     import torch
     import torch.multiprocessing as mp
     name, folder = "zero3_nested_adamw", str(tmp_path / "dcp")
-    mp.spawn(_state_dict_api_worker, args=(2, harness._free_port(), name, "save", folder, str(tmp_path)), nprocs=2)
-    mp.spawn(_state_dict_api_worker, args=(4, harness._free_port(), name, "load", folder, str(tmp_path)), nprocs=4)
+    mp.spawn(_state_dict_api_worker, args=(2, free_port(), name, "save", folder, str(tmp_path)), nprocs=2)
+    mp.spawn(_state_dict_api_worker, args=(4, free_port(), name, "load", folder, str(tmp_path)), nprocs=4)
     ranks = [torch.load(tmp_path / f"load{r}.pt", weights_only=True)["losses"] for r in range(4)]
     resumed = [sum(r[i] for r in ranks) / 4 for i in range(K)]
     reference = harness.train_reference(name, 4, steps=2 * K, per_rank=GLOBAL_BATCH // 4)["losses"][K:]
@@ -379,8 +380,8 @@ def test_the_tutorials_checkpoint_calls_on_the_xla_group(how, tmp_path):
     of get_state_dict's full dicts (before: 'Argument gather_list must be specified on destination
     rank', then the same check failure: torch's object collectives broadcast host tensors) give every
     rank the saved model and optimizer state exactly."""
-    with harness.xla_cpu_devices(2):
-        results = harness.run_multiprocess(_broadcast_from_rank0_on_xla, how, str(tmp_path / "dcp"))
+    with xla_cpu_devices(2):
+        results = run_multiprocess(_broadcast_from_rank0_on_xla, how, str(tmp_path / "dcp"))
     for rank, r in results.items():
         for got_key in ("got", "dcp"):
             _same_state(r["want"], r[got_key], (rank, got_key))

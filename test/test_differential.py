@@ -11,7 +11,8 @@ import os
 import pytest
 from hypothesis import HealthCheck, Phase, given, seed, settings
 
-from differential import GlooRanks, Program, compare, fully_shard_programs, programs, run_xla, train_reference
+from differential import Program, compare, fully_shard_programs, programs, run_xla, train_reference, train_sharded
+from ranks import GlooPool
 
 NIGHTLY = os.environ.get("XLA_FSDP_DIFF_PROFILE") == "nightly"
 SCALE = 10 if NIGHTLY else 1
@@ -24,7 +25,7 @@ DEVIATIONS: dict = {}
 
 @pytest.fixture(scope="module")
 def ranks():
-    pools = {ws: GlooRanks(ws) for ws in (1, 2, 4)}
+    pools = {ws: GlooPool(train_sharded, ws) for ws in (1, 2, 4)}
     yield pools
     for pool in pools.values():
         pool.close()

@@ -3,13 +3,14 @@ XLA:CPU devices and on 2 and 4 gloo ranks equal the same model trained unsharded
 (losses and parameters within 1e-5 in fp32; bf16 losses within 5e-3 of fp32 training), and
 what the API promises beyond numbers: the module keeps its class and place, settings act, and
 what XLA cannot honour is a clear error."""
-from typing import Any, Dict
+from typing import Any, Dict, List
 
 import pytest
 import torch
 import torch.nn as nn
 
 import fsdp2_programs as programs
+from ranks import on_xla, run_multiprocess, xla_cpu_devices
 
 TOL = 1e-5
 # bf16 vs fp32 training, 3 AdamW steps at lr 1e-2. Losses: measured 2.5e-3 (PyTorch's FSDP2, gloo) and
@@ -73,23 +74,18 @@ def test_meta_init_draws_what_the_unsharded_program_draws(world_size):
     gives the unsharded program's values exactly: on the device with xm.set_rng_state (fully_shard's
     syncs leave the seed), and with CPUOffloadPolicy and to_empty(device="cpu") from the CPU generator
     (before: drawn on the XLA device, off by up to 4.8)."""
-    import harness
-    with harness.xla_cpu_devices(world_size):
-        results = harness.run_multiprocess(programs.meta_init_draws, None)
-    for rank, r in results.items():
+    for rank, r in enumerate(on_xla(programs.meta_init_draws, world_size)):
         assert r["seed_after_fully_shard"] == 101, rank
         for where in ("xla", "cpu"):
             for k, want in r[f"{where}_want"].items():
                 assert torch.equal(r[f"{where}_got"][k], want), (rank, where, k)
 
 
-def _step_cut_runs(world_size: int) -> Dict[str, Dict[int, Dict[str, Any]]]:
+def _step_cut_runs(world_size: int) -> Dict[str, List[Dict[str, Any]]]:
     """``off`` and ``own`` at one device only (their point does not depend on the world size)."""
-    import harness
     runs = {}
     for mode in ("none", "off", "own", "unwrapped") if world_size == 1 else ("none", "unwrapped"):
-        with harness.xla_cpu_devices(world_size):
-            runs[mode] = harness.run_multiprocess(programs.step_cut_facts, mode)
+        runs[mode] = on_xla(programs.step_cut_facts, world_size, mode)
     return runs
 
 
@@ -282,7 +278,7 @@ def test_prefetch_lists_issue_gathers_ahead_as_in_fsdp2(transport, world_size):
 # ----------------------------------------------------------------------------- one XLA device
 def _one_device(fn):
     """``fn()`` on one XLA:CPU device in a spawned process (the parent stays free of torch_xla)."""
-    return programs.harness.run_multiprocess(fn)
+    return run_multiprocess(fn)
 
 
 def _errors() -> dict:
@@ -334,7 +330,7 @@ def _errors() -> dict:
 
 @pytest.mark.xla
 def test_what_xla_cannot_honour_is_a_clear_error():
-    with programs.harness.xla_cpu_devices(1):
+    with xla_cpu_devices(1):
         got = _one_device(_errors)[0]
     assert "must be a factor of the world size 1, not 2" in got["int"]
     assert "ignored_params must hold parameters of the module" in got["ignored"]

@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 
 import harness
+from ranks import end_process_group, free_port
 
 LIMIT = 24 * 1024  # bytes: every output below is larger (the inputs are read, not written)
 
@@ -144,7 +145,7 @@ def _full_disk_worker(rank, port, folder, out):
         del model, opt
         torch.save(seen, os.path.join(out, f"{rank}.pt"))
     finally:
-        harness.end_process_group()
+        end_process_group()
 
 
 def test_training_saves_on_a_full_disk_fail_on_every_rank_and_keep_the_previous_checkpoint(tmp_path):
@@ -152,7 +153,7 @@ def test_training_saves_on_a_full_disk_fail_on_every_rank_and_keep_the_previous_
     folder, out = tmp_path / "ckpts", tmp_path / "out"
     folder.mkdir()
     out.mkdir()
-    mp.spawn(_full_disk_worker, args=(harness._free_port(), str(folder), str(out)), nprocs=2)
+    mp.spawn(_full_disk_worker, args=(free_port(), str(folder), str(out)), nprocs=2)
     zero, one = (torch.load(out / f"{r}.pt", weights_only=True) for r in range(2))
     for kind in ("blocking", "async", "training"):
         own, peer = one[kind], zero[kind]

@@ -13,7 +13,7 @@ import torch
 transformers = pytest.importorskip("transformers", reason="test extra: pip install -e .[test]")
 safetensors = pytest.importorskip("safetensors")
 
-import harness  # noqa: E402
+from ranks import end_process_group, free_port  # noqa: E402
 from xla_fsdp.consolidate_sharded_ckpts import main as consolidate_cli  # noqa: E402
 
 LIMIT = "20KB"
@@ -51,14 +51,14 @@ def _worker(rank, world_size, port, out_dir, flatten):
         if rank == 0:
             torch.save(logits, os.path.join(out_dir, "logits.pt"))
     finally:
-        model = wrapped = opt = None  # noqa: F841 (gone before the group: see harness.end_process_group)
-        harness.end_process_group()
+        model = wrapped = opt = None  # noqa: F841 (gone before the group: see ranks.end_process_group)
+        end_process_group()
 
 
 @pytest.mark.parametrize("flatten", [False, True])
 def test_consolidated_folder_loads_with_from_pretrained(tmp_path, flatten):
     import torch.multiprocessing as mp
-    mp.spawn(_worker, args=(2, harness._free_port(), str(tmp_path), flatten), nprocs=2)
+    mp.spawn(_worker, args=(2, free_port(), str(tmp_path), flatten), nprocs=2)
     logits = torch.load(tmp_path / "logits.pt", weights_only=True)
     _config().save_pretrained(tmp_path / "config")
     folder = tmp_path / "hf"

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import harness
+from ranks import free_port, run_multiprocess, xla_cpu_devices
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "train_llama_fsdp2.py")
@@ -49,7 +49,7 @@ def _argv(transport: str, world_size: int, out_dir: str):
         return [sys.executable, EXAMPLE, "--num_devices", str(world_size)]
     # torchrun's logs in the run's folder: by default it leaves a torchelastic_* folder in the temp folder
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world_size),
-            "--master_port", str(harness._free_port()), "--log-dir", os.path.join(out_dir, "torchrun"), EXAMPLE]
+            "--master_port", str(free_port()), "--log-dir", os.path.join(out_dir, "torchrun"), EXAMPLE]
 
 
 def _run(out_dir: str, transport: str, world_size: int, *extra: str) -> dict:
@@ -129,8 +129,8 @@ def _reference(seed_dir: str, transport: str, world_size: int):
     on one XLA:CPU device in a spawned process (XLA runs: XLA:CPU's arithmetic differs from eager
     CPU's by up to 2e-5 in a few AdamW-updated elements even with nothing sharded)."""
     if transport == "xla" and "xla" not in _REFERENCE:
-        with harness.xla_cpu_devices(1):
-            _REFERENCE["xla"] = harness.run_multiprocess(_unsharded_on_one_xla_device, seed_dir)[0]
+        with xla_cpu_devices(1):
+            _REFERENCE["xla"] = run_multiprocess(_unsharded_on_one_xla_device, seed_dir)[0]
     if transport == "torch" and world_size not in _REFERENCE.setdefault("torch", {}):
         _REFERENCE["torch"][world_size] = train_unsharded(seed_dir, world_size)
     return _REFERENCE[transport][world_size]

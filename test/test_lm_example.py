@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-import harness
+from ranks import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOL = 1e-5
@@ -69,7 +69,7 @@ def run(cmd, cwd, env, timeout=300, extra_env=None):
 
 def two_nodes(lines, cwd, env):
     """The README's two torchrun lines, one per simulated node, at once; their joint output."""
-    port = harness._free_port()
+    port = free_port()
     commands = [command(line, port) for line in lines]
     nodes = [subprocess.Popen(argv, cwd=cwd, env=dict(env, **extra), stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for argv, extra in commands]

@@ -10,6 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import harness
+from ranks import run_multiprocess, xla_cpu_devices
 from xla_fsdp import XlaFullyShardedDataParallel as FSDP
 from xla_fsdp.unit.gather_group import GatherGroup
 from xla_fsdp.wrap import lambda_auto_wrap_policy
@@ -148,8 +149,8 @@ def test_torch_autocast_on_xla_trains_as_unwrapped(world_size):
     weights and a bf16 gradient under autocast: XLA's HLO verifier rejected the step at 2 devices
     ("Seen floating point types of different precisions"), and at 1 device the second loss differed
     (0.056638 vs 0.056705). Under autocast the layer runs F.linear as plain torch_xla does."""
-    with harness.xla_cpu_devices(world_size):
-        by_rank = harness.run_multiprocess(_autocast_programs)
+    with xla_cpu_devices(world_size):
+        by_rank = run_multiprocess(_autocast_programs)
     for rank, results in by_rank.items():
         for name in ("wrapper", "fully_shard"):
             worst = max(abs(a - b) for a, b in zip(results[name], results["unwrapped"]))

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import harness
+from ranks import free_port
 
 TOL = 1e-5
 NODES, PER_NODE = 2, 2
@@ -52,7 +53,7 @@ def torchrun_nodes(script_args, port, out_dir, timeout=300):
 @pytest.fixture(scope="module")
 def multinode_run(tmp_path_factory):
     out_dir = str(tmp_path_factory.mktemp("multinode"))
-    torchrun_nodes([os.path.join(HERE, "multinode_worker.py"), out_dir, ",".join(CONFIGS)], harness._free_port(),
+    torchrun_nodes([os.path.join(HERE, "multinode_worker.py"), out_dir, ",".join(CONFIGS)], free_port(),
                    out_dir)
     return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
 

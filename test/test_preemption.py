@@ -162,8 +162,8 @@ def _damaged_newest_worker(rank, port, ckpt, out):
     import torch
     import torch.distributed as dist
 
-    import harness
     import xla_fsdp
+    from ranks import end_process_group
     from xla_fsdp.checkpoints import CheckpointError
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     seen = {}
@@ -201,7 +201,7 @@ def _damaged_newest_worker(rank, port, ckpt, out):
         del model, optimizer, fresh, fresh_opt
         torch.save(seen, os.path.join(out, f"{rank}.pt"))
     finally:
-        harness.end_process_group()
+        end_process_group()
 
 
 def test_resume_falls_back_from_a_damaged_newest_checkpoint_on_every_rank(tmp_path):
@@ -210,10 +210,10 @@ def test_resume_falls_back_from_a_damaged_newest_checkpoint_on_every_rank(tmp_pa
     import torch
     import torch.multiprocessing as mp
 
-    import harness
+    from ranks import free_port
     ckpt, out = tmp_path / "ckpt", tmp_path / "out"
     out.mkdir()
-    mp.spawn(_damaged_newest_worker, args=(harness._free_port(), str(ckpt), str(out)), nprocs=2)
+    mp.spawn(_damaged_newest_worker, args=(free_port(), str(ckpt), str(out)), nprocs=2)
     for rank in range(2):
         seen = torch.load(out / f"{rank}.pt", weights_only=True)
         assert seen["step"] == 1 and seen["restored"], seen

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 pytest.importorskip("torch_xla")
-import harness  # noqa: E402  (harness.run_multiprocess enables several XLA:CPU devices, as xla_fsdp.launch does)
+# ranks.run_multiprocess enables several XLA:CPU devices, as xla_fsdp.launch does
+from ranks import run_multiprocess  # noqa: E402
 import xla_fsdp  # noqa: E402
 
 
@@ -70,7 +71,7 @@ def _user_program(folder):
 def test_torch_xla_user_collectives_on_several_xla_cpu_devices(world_size, monkeypatch, tmp_path):
     monkeypatch.setenv("PJRT_DEVICE", "CPU")
     monkeypatch.setenv("CPU_NUM_DEVICES", str(world_size))
-    results = harness.run_multiprocess(_user_program, str(tmp_path))
+    results = run_multiprocess(_user_program, str(tmp_path))
     assert sorted(results) == list(range(world_size))
     ws = world_size
     a = [float(r + 1) for r in range(ws)]
@@ -133,7 +134,7 @@ def test_a_rank_far_behind_at_a_user_collective_is_waited_for(monkeypatch):
     checkpoint write) reaches it LATE_S after its peer; the peer waits on the host, nothing aborts."""
     monkeypatch.setenv("PJRT_DEVICE", "CPU")
     monkeypatch.setenv("CPU_NUM_DEVICES", "2")
-    results = harness.run_multiprocess(_late_rank_program)
+    results = run_multiprocess(_late_rank_program)
     expected_first = torch.tanh(torch.tensor(1.0)).item()  # rank 0 iterates tanh from 1: it shrinks, stays > 0
     for r in range(2):
         gathered, summed, waited = results[r]
@@ -206,8 +207,8 @@ def test_xm_optimizer_step_leaves_fsdp_gradients_alone(use_xm_step, monkeypatch)
     parameter FSDP does not own is still averaged over ranks."""
     monkeypatch.setenv("PJRT_DEVICE", "CPU")
     monkeypatch.setenv("CPU_NUM_DEVICES", "2")
-    results = harness.run_multiprocess(_optimizer_step_program, use_xm_step)
-    reference = harness.run_multiprocess(_optimizer_step_program, False) if use_xm_step else results
+    results = run_multiprocess(_optimizer_step_program, use_xm_step)
+    reference = run_multiprocess(_optimizer_step_program, False) if use_xm_step else results
     for r in range(2):
         state, plain = results[r]
         for key, value in reference[0][0].items():

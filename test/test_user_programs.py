@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from harness import _free_port, end_process_group, run_multiprocess, xla_cpu_devices, xla_steps
+from harness import xla_steps
+from ranks import end_process_group, free_port, run_multiprocess, xla_cpu_devices
 from xla_fsdp import XlaFullyShardedDataParallel as FSDP
 from xla_fsdp.checkpoints import full_state_dict
 
@@ -38,7 +39,7 @@ def run_ranks(fn: Callable[[int, int], Any], world_size: int) -> List[Any]:
     """``fn(rank, world_size)`` on gloo ranks; each rank's result, or its error as a string."""
     import torch.multiprocessing as mp
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_rank, args=(world_size, _free_port(), fn, out_dir), nprocs=world_size)
+        mp.spawn(_rank, args=(world_size, free_port(), fn, out_dir), nprocs=world_size)
         return [torch.load(os.path.join(out_dir, f"{r}.pt"), weights_only=False) for r in range(world_size)]
 
 

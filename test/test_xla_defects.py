@@ -5,8 +5,8 @@ import threading
 import pytest
 import torch
 
-import harness
 import models
+from ranks import run_multiprocess
 
 pytest.importorskip("torch_xla")
 
@@ -36,7 +36,7 @@ def _bf16_conv_and_embedding():
 def test_bf16_conv2d_and_embedding_with_barriers_on_xla_cpu(monkeypatch):
     monkeypatch.setenv("PJRT_DEVICE", "CPU")
     monkeypatch.setenv("CPU_NUM_DEVICES", "1")
-    result = harness.run_multiprocess(_bf16_conv_and_embedding)[0]
+    result = run_multiprocess(_bf16_conv_and_embedding)[0]
     conv_ok, lm_loss = result
     assert conv_ok
     torch.manual_seed(0)
@@ -66,7 +66,7 @@ def test_ranks_that_built_different_units_fail_fast_with_a_clear_error(monkeypat
     """Instead of pairing unrelated collectives or waiting until XLA aborts the process."""
     monkeypatch.setenv("PJRT_DEVICE", "CPU")
     monkeypatch.setenv("CPU_NUM_DEVICES", "2")
-    messages = harness.run_multiprocess(_mismatched_construction)
+    messages = run_multiprocess(_mismatched_construction)
     assert sorted(messages) == [0, 1]
     for msg in messages.values():
         assert "ranks built different FSDP units" in msg and "[" in msg, msg
@@ -101,7 +101,7 @@ def test_a_rank_late_to_the_first_forward_is_waited_for(monkeypatch):
     Trainer resume); before the host meeting one rank waited in XLA's rendezvous and the process aborted."""
     monkeypatch.setenv("PJRT_DEVICE", "CPU")
     monkeypatch.setenv("CPU_NUM_DEVICES", "2")
-    losses = harness.run_multiprocess(_one_rank_late_to_its_first_forward)
+    losses = run_multiprocess(_one_rank_late_to_its_first_forward)
     torch.manual_seed(0)
     ref = models.MLP()
     x = torch.randn(2, 12, generator=torch.Generator().manual_seed(0))
@@ -186,7 +186,7 @@ def test_profiler_scopes_around_a_step_on_several_xla_cpu_devices(monkeypatch):
     with torch_xla's scope reset inside the user's open scopes. It trains as without the annotations."""
     monkeypatch.setenv("PJRT_DEVICE", "CPU")
     monkeypatch.setenv("CPU_NUM_DEVICES", "2")
-    results = harness.run_multiprocess(_train_with_and_without_profiler_annotations)
+    results = run_multiprocess(_train_with_and_without_profiler_annotations)
     assert sorted(results) == [0, 1]
     for runs in results.values():
         (plain_losses, plain_params), (losses, params) = runs[False], runs[True]
@@ -243,7 +243,7 @@ def test_a_branch_used_on_one_rank_only_in_a_root_unit(monkeypatch):
     from xla_fsdp.checkpoints.shard_merge import consolidate_sharded_state_dicts
     monkeypatch.setenv("PJRT_DEVICE", "CPU")
     monkeypatch.setenv("CPU_NUM_DEVICES", "2")
-    results = harness.run_multiprocess(_train_with_a_branch_on_rank_zero)
+    results = run_multiprocess(_train_with_a_branch_on_rank_zero)
     assert sorted(results) == [0, 1]
     torch.manual_seed(0)
     ref = _BranchOnRankZero()
@@ -320,7 +320,7 @@ def test_an_inf_gradient_stays_in_its_own_parameter(monkeypatch):
     gradients equal those of the same program without the inf; the inf arrives where it belongs."""
     monkeypatch.setenv("PJRT_DEVICE", "CPU")
     monkeypatch.setenv("CPU_NUM_DEVICES", "2")
-    results = harness.run_multiprocess(_gradients_with_and_without_an_inf)
+    results = run_multiprocess(_gradients_with_and_without_an_inf)
     assert sorted(results) == [0, 1]
     for rank, grads in results.items():
         for strategy in ("FULL_SHARD", "NO_SHARD"):
@@ -368,7 +368,7 @@ def test_a_freed_full_parameter_holds_no_memory(monkeypatch):
     memory, so the process's resident memory shows them."""
     monkeypatch.setenv("PJRT_DEVICE", "CPU")
     monkeypatch.setenv("CPU_NUM_DEVICES", "1")
-    param_mib, grew_mib, shards = harness.run_multiprocess(_memory_wrapping_holds)[0]
+    param_mib, grew_mib, shards = run_multiprocess(_memory_wrapping_holds)[0]
     assert shards == 32 and param_mib == pytest.approx(256, rel=0.01)
     # ws 1: the shards replace the originals one for one, so wrapping adds no parameter-sized memory
     assert grew_mib < 0.4 * param_mib, f"wrapping a {param_mib:.0f} MiB model grew memory by {grew_mib:.0f} MiB"
