@@ -22,7 +22,7 @@ import torch
 import xla_fsdp
 
 #: how long an XLA:CPU rank thread waits at a barrier for the others: longer is a hang (a rank failed)
-BARRIER_TIMEOUT_S = 120
+BARRIER_TIMEOUT_S = 600
 
 
 def _no_sync() -> None:

@@ -835,3 +835,60 @@ def test_state_dict_api_options_are_pytorchs_or_refused_and_clip_groups_too():
         assert r["lenient"] == (["2.bias"], ["extra"]) and r["lenient_loaded"] and r["lenient_kept"]
         assert r["frozen_missing"] == ([], [])
         assert "leave out groups" in r["clip_groups"]
+
+
+def _grad_types_around_steps(rank: int, world_size: int) -> Dict[str, Any]:
+    """Per optimizer: the Python calls shard gradients made during ``step()``, their type after it, and
+    the norm ``torch.nn.utils.clip_grad_norm_`` takes after it and inside a pre-hook of the optimizer's own
+    (the first step, beside the unsharded model's norm for the same batch: every rank draws the same)."""
+    from xla_fsdp.unit.shard_grad import ShardGrad
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(6, 8), nn.Linear(8, 3))
+    torch.manual_seed(0)
+    model = FSDP(nn.Sequential(nn.Linear(6, 8), nn.Linear(8, 3)))
+    x = torch.randn(4, 6)
+    reference(x).sum().backward()
+    calls: List[Any] = []
+    original = ShardGrad.__torch_function__.__func__
+
+    def counted(cls, func, types, args=(), kwargs=None):
+        calls.append(func)
+        return original(cls, func, types, args, kwargs)
+    out: Dict[str, Any] = {"unsharded_norm": float(torch.nn.utils.clip_grad_norm_(reference.parameters(), 1e9))}
+    ShardGrad.__torch_function__ = classmethod(counted)
+    try:
+        for name, make in (("pre_hook", torch.optim.AdamW), ("AdamW", torch.optim.AdamW),
+                           ("subclass", type("MyAdamW", (torch.optim.AdamW,), {}))):
+            opt = make(model.parameters(), lr=1e-3)
+            in_hook: List[float] = []
+            if name == "pre_hook":  # a clip in a hook of its own: it must see gradients whose norms span the ranks
+                opt.register_step_pre_hook(functools.partial(_clip_into, model, in_hook))
+            model(x).sum().backward()
+            calls.clear()
+            opt.step()
+            out[name] = {"calls": len(calls), "types": sorted({type(p.grad).__name__ for p in model.parameters()}),
+                         "norm_after": float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)),
+                         "norm_in_hook": in_hook}
+            opt.zero_grad()
+    finally:
+        ShardGrad.__torch_function__ = classmethod(original)
+    return out
+
+
+def _clip_into(model: nn.Module, norms: List[float], *_: Any) -> None:
+    norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)))
+
+
+def test_an_elementwise_optimizer_steps_on_plain_gradients_and_norms_still_span_the_ranks():
+    """Host time: an element-wise PyTorch optimizer (exactly AdamW here) steps on plain shard gradients,
+    so its reads make no Python call; after the step they are shard gradients again, and a norm spans the
+    ranks. A subclass (it may add its own reductions) and an optimizer with a pre-hook of its own (a clip
+    there) keep them: in the hook the norm is the unsharded model's (1e-5), on both ranks."""
+    results = run_ranks(_grad_types_around_steps, 2)
+    for r in results:
+        assert not isinstance(r, str), r
+        assert r["AdamW"]["calls"] == 0 and r["subclass"]["calls"] > 0 and r["pre_hook"]["calls"] > 0
+        assert all(r[name]["types"] == ["ShardGrad"] for name in ("pre_hook", "AdamW", "subclass"))
+        assert r["pre_hook"]["norm_in_hook"] == pytest.approx([r["unsharded_norm"]], rel=1e-5)
+    for name in ("pre_hook", "AdamW", "subclass"):
+        assert results[0][name]["norm_after"] == results[1][name]["norm_after"]
