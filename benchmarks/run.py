@@ -57,18 +57,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_one(contender: str, ws: int, workload, warmup: int, steps: int, timeout: int) -> Dict[str, Any]:
-    """One measurement in a fresh process; returns per-rank results or the failure."""
+def run_one(contender: str, ws: int, workload, warmup: int, steps: int, timeout: int,
+            root: str = ROOT) -> Dict[str, Any]:
+    """One measurement in a fresh process; returns per-rank results or the failure. ``root``: the
+    checkout whose package and benchmark worker run (another commit's, for a same-run comparison)."""
     spec = {"contender": contender, "ws": ws, "workload": workload.describe(), "warmup": warmup,
             "steps": steps, "port": _free_port()}
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=ROOT)
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=root)
     for key in ("PJRT_DEVICE", "CPU_NUM_DEVICES"):
         env.pop(key, None)
     with tempfile.TemporaryDirectory() as out:
         t0 = time.time()
         try:
             proc = subprocess.run([sys.executable, "-m", "benchmarks.worker", json.dumps(spec), out], env=env,
-                                  cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+                                  cwd=root, capture_output=True, text=True, timeout=timeout)
             error = None if proc.returncode == 0 else f"exit {proc.returncode}: {proc.stderr.strip()[-600:]}"
         except subprocess.TimeoutExpired:
             error = f"timed out after {timeout} s"

@@ -43,12 +43,12 @@ def largest_program_bytes(dump_dir: str) -> Optional[int]:
     return max(sizes) if sizes else None
 
 
-def measure(contender: str, ws: int, workload: str, workloads: Dict = FULL) -> Dict:
+def measure(contender: str, ws: int, workload: str, workloads: Dict = FULL, root: Optional[str] = None) -> Dict:
     with tempfile.TemporaryDirectory() as dump:
         saved = os.environ.get("XLA_FLAGS")
         os.environ["XLA_FLAGS"] = f"{saved or ''} --xla_dump_to={dump} --xla_dump_hlo_as_text".strip()
         try:
-            run = run_one(contender, ws, workloads[workload], 1, 1, 900)
+            run = run_one(contender, ws, workloads[workload], 1, 1, 900, **({"root": root} if root else {}))
         finally:
             if saved is None:
                 os.environ.pop("XLA_FLAGS")

@@ -236,3 +236,21 @@ def test_reshard_and_prefetch_settings_move_gathers_and_memory_as_fsdp2s_do(tmp_
     text = open(tmp_path / "reshard.md").read()
     assert "| XLA:CPU, xla_fsdp.fully_shard | 2 | False |" in text and "NO |" not in text
     assert "| gloo, PyTorch's fully_shard | 2 | True, prefetch 2 |" in text
+
+
+def test_against_commit_exports_the_other_checkout_and_pairs_rounds(tmp_path):
+    """``benchmarks.against_commit``: the other commit's files are exported whole (its package and
+    benchmark worker run from there), and each round's figures are paired with the same round's."""
+    from benchmarks.against_commit import export, table
+
+    other = export("HEAD", str(tmp_path))
+    assert os.path.isfile(os.path.join(other, "xla_fsdp", "__init__.py"))
+    assert os.path.isfile(os.path.join(other, "benchmarks", "worker.py"))
+    figures = {"xla_fsdp_xla_perparam": {"this": {"step": [1.0, 2.0], "host": [0.5, None]},
+                                         "other": {"step": [2.0, 2.0], "host": [0.25, 0.3]}}}
+    lines = table({"figures": figures, "device_bytes": {"xla_fsdp_xla_perparam": {"this": 2**20, "other": 2**21}}},
+                  "abc")
+    row = lines[-1]
+    assert "| 0.750 (0.500, 1.000) |" in row  # step: per round, pooled as their median
+    assert "| 2.000 (2.000) |" in row  # host: the round with a failed run is left out
+    assert row.endswith("| 1.00 / 2.00 |")

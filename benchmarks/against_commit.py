@@ -1,0 +1,138 @@
+"""This checkout against another commit, side by side in one run: step time, host time and the
+step's device bytes of xla_fsdp's XLA contenders, so a change that should leave them alone (a
+restructure) is shown to.
+
+    python -m benchmarks.against_commit --commit REV [--rounds 3] [--world_size 2] [--workload transformer]
+
+The other commit's files are exported (``git archive``) to a temporary folder, and each run imports
+the package and the benchmark worker of its own checkout (:func:`benchmarks.run.run_one`'s ``root``).
+Per round every contender runs from both checkouts back to back, the order reversed every other
+round. Per run: the median over measured steps of the slowest rank's step time, and of its host time
+(``benchmarks.host_time``); ratios (this / the other) are taken per round and pooled as their median.
+Device bytes (``benchmarks.step_buffers``) are deterministic: measured once per checkout. Writes
+benchmarks/results/against_<rev>.json and .md.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import subprocess
+import tarfile
+import tempfile
+from typing import Any, Dict, List, Optional
+
+from . import step_buffers
+from .host_time import host_seconds
+from .report import write_result
+from .run import ROOT, run_one
+from .workloads import FULL, QUICK
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CONTENDERS = ("xla_fsdp_xla_perparam", "xla_fsdp_fully_shard")
+
+
+def step_seconds(run: Dict[str, Any]) -> Optional[float]:
+    """Median over measured steps of the slowest rank's step time; None for a failed run."""
+    if run["error"] or not run["ranks"]:
+        return None
+    return statistics.median(max(steps) for steps in zip(*(r["times"] for r in run["ranks"])))
+
+
+def export(rev: str, folder: str) -> str:
+    """The files of commit ``rev`` of this repository, written under ``folder``."""
+    archive = os.path.join(folder, "rev.tar")
+    subprocess.run(["git", "archive", "--format=tar", "-o", archive, rev], cwd=ROOT, check=True)
+    target = os.path.join(folder, "checkout")
+    with tarfile.open(archive) as tar:
+        tar.extractall(target, filter="data")
+    return target
+
+
+def measure(other: str, contenders: List[str], world_size: int, rounds: int, workload, warmup: int,
+            steps: int) -> Dict[str, Any]:
+    roots = {"this": ROOT, "other": other}
+    figures: Dict[str, Dict[str, Dict[str, List[Optional[float]]]]] = {
+        c: {side: {"step": [], "host": []} for side in roots} for c in contenders}
+    errors: List[str] = []
+    for r in range(rounds):
+        sides = list(roots) if r % 2 == 0 else list(roots)[::-1]
+        for contender in contenders:
+            for side in sides:
+                run = run_one(contender, world_size, workload, warmup, steps, 1800, root=roots[side])
+                figures[contender][side]["step"].append(step_seconds(run))
+                figures[contender][side]["host"].append(host_seconds(run))
+                if run["error"]:
+                    errors.append(f"{contender} ({side}) round {r}: {run['error']}")
+    return {"figures": figures, "errors": errors}
+
+
+def device_bytes(other: str, contenders: List[str], world_size: int, workload: str,
+                 workloads: Dict) -> Dict[str, Dict[str, Optional[int]]]:
+    return {c: {side: step_buffers.measure(c, world_size, workload, workloads, root=root)["step_bytes_per_device"]
+                for side, root in (("this", ROOT), ("other", other))} for c in contenders}
+
+
+def _ratio_cell(this: List[Optional[float]], other: List[Optional[float]]) -> str:
+    ratios = [a / b for a, b in zip(this, other) if a is not None and b]
+    if not ratios:
+        return "-"
+    return f"{statistics.median(ratios):.3f} ({', '.join(f'{x:.3f}' for x in ratios)})"
+
+
+def table(result: Dict[str, Any], rev: str) -> List[str]:
+    lines = [f"| contender | step s, this / {rev} (median of rounds) | step ratio, pooled (each round) "
+             f"| host s, this / {rev} | host ratio, pooled (each round) | device MiB, this / {rev} |",
+             "|---|---|---|---|---|---|"]
+    for contender, sides in result["figures"].items():
+        med = {side: {k: statistics.median([v for v in vals if v is not None] or [float("nan")])
+                      for k, vals in kinds.items()} for side, kinds in sides.items()}
+        nbytes = result["device_bytes"].get(contender, {})
+        mib = " / ".join("-" if nbytes.get(s) is None else f"{nbytes[s] / 2**20:.2f}" for s in ("this", "other"))
+        lines.append(f"| {contender} | {med['this']['step']:.4f} / {med['other']['step']:.4f} "
+                     f"| {_ratio_cell(sides['this']['step'], sides['other']['step'])} "
+                     f"| {med['this']['host']:.4f} / {med['other']['host']:.4f} "
+                     f"| {_ratio_cell(sides['this']['host'], sides['other']['host'])} | {mib} |")
+    return lines
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--commit", required=True, help="the commit to compare with (a revision git knows)")
+    p.add_argument("--contenders", default=",".join(CONTENDERS))
+    p.add_argument("--world_size", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--workload", default="transformer")
+    p.add_argument("--quick", action="store_true", help="the quick workload shapes")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--out", default="", help="default: benchmarks/results/against_<commit>")
+    args = p.parse_args(argv)
+    workloads = QUICK if args.quick else FULL
+    contenders = args.contenders.split(",")
+    rev = subprocess.run(["git", "rev-parse", "--short", args.commit], cwd=ROOT, check=True, capture_output=True,
+                         text=True).stdout.strip()
+    with tempfile.TemporaryDirectory() as folder:
+        other = export(rev, folder)
+        result = measure(other, contenders, args.world_size, args.rounds, workloads[args.workload], args.warmup,
+                         args.steps)
+        result["device_bytes"] = device_bytes(other, contenders, args.world_size, args.workload, workloads)
+    this = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                          text=True).stdout.strip()
+    lines = [f"# This checkout ({this}) against {rev}, {datetime.date.today()}", "",
+             f"Workload {args.workload}{' (quick shapes)' if args.quick else ''}, {args.world_size} XLA:CPU devices; "
+             f"{args.warmup} warm-up and {args.steps} measured steps per run, {args.rounds} rounds, both checkouts "
+             "back to back in each round. Per run the median over steps of the slowest rank's step time and host "
+             "time; ratios (this / the other) per round, pooled as their median. Device MiB: the compiled "
+             "step's buffer assignment per device (deterministic).", ""]
+    lines += table(result, rev)
+    if result["errors"]:
+        lines += ["", "Errors:"] + [f"- {e}" for e in result["errors"]]
+    write_result(args.out or os.path.join(HERE, "results", f"against_{rev}"),
+                 dict(result, this=this, other=rev, workload=args.workload, quick=args.quick,
+                      world_size=args.world_size, warmup=args.warmup, steps=args.steps), lines)
+
+
+if __name__ == "__main__":
+    main()
