@@ -3,9 +3,10 @@
 warned about once (its steps on shards differ from unsharded training)."""
 from __future__ import annotations
 
+import dataclasses
 import re
 import warnings
-from typing import Any, List, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 
@@ -115,6 +116,27 @@ def _shard_groups(optimizer: torch.optim.Optimizer) -> List[Any]:
     return list(seen.values())
 
 
+@dataclasses.dataclass
+class _Watch:
+    """What the check keeps about one optimizer, in one attribute of it (``_xla_fsdp_watch``)."""
+
+    #: the parameter count it was checked at (None: never checked; its post-hook not yet registered)
+    checked: Optional[int] = None
+    #: the gather groups whose shards it holds
+    groups: List[Any] = dataclasses.field(default_factory=list)
+    #: the XLA step mark after its last step (see :func:`sync_after_step`)
+    step_mark: Any = None
+    #: shard gradients made plain for the step under way (see :func:`_plain_grads_for_step`)
+    plain_grads: List[torch.Tensor] = dataclasses.field(default_factory=list)
+
+
+def _watch(optimizer: torch.optim.Optimizer) -> _Watch:
+    watch = optimizer.__dict__.get("_xla_fsdp_watch")
+    if watch is None:
+        watch = optimizer._xla_fsdp_watch = _Watch()
+    return watch
+
+
 #: PyTorch's optimizers whose step works element by element (no norm, no reduction over a gradient):
 #: exactly these classes, not subclasses, which may add their own reductions
 _ELEMENTWISE = tuple(getattr(torch.optim, n) for n in ("SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax",
@@ -136,23 +158,24 @@ def _plain_grads_for_step(optimizer: torch.optim.Optimizer) -> None:
         return
     from .shard_grad import ShardGrad
     plain = []
-    for group in optimizer._xla_fsdp_groups:
+    watch = _watch(optimizer)
+    for group in watch.groups:
         grad = group.shard.grad
         if type(grad) is ShardGrad:
             grad.__class__ = torch.Tensor
             plain.append(grad)
-    optimizer._xla_fsdp_plain_grads = plain
+    watch.plain_grads = plain
 
 
 def after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     """After a step: shard gradients made plain for it are ``ShardGrad`` s again; then the graph cut
     (:func:`sync_after_step`)."""
-    plain = getattr(optimizer, "_xla_fsdp_plain_grads", None)
+    watch = _watch(optimizer)
+    plain, watch.plain_grads = watch.plain_grads, []
     if plain:
         from .shard_grad import ShardGrad
         for grad in plain:
             grad.__class__ = ShardGrad
-        optimizer._xla_fsdp_plain_grads = []
     sync_after_step(optimizer, args, kwargs)
 
 
@@ -164,13 +187,14 @@ def sync_after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) ->
     takes longer than the last. Whether the program marks steps is seen at its second step: if a
     cut ran since the first step's end, the program has its own and nothing is added (its graphs
     and random draws stay as they were). Off with ``model.set_sync_after_optimizer_step(False)``."""
-    group = next((g for g in getattr(optimizer, "_xla_fsdp_groups", ()) if g.sync_after_optimizer_step), None)
+    watch = _watch(optimizer)
+    group = next((g for g in watch.groups if g.sync_after_optimizer_step), None)
     if group is None or not group.comms.compiles_step:
         return
-    mark = getattr(optimizer, "_xla_fsdp_step_mark", None)
+    mark = watch.step_mark
     if mark is not None and not group.comms.marked_since(mark):
         group.comms.sync(keep_rng=False)
-    optimizer._xla_fsdp_step_mark = group.comms.step_mark()
+    watch.step_mark = group.comms.step_mark()
 
 
 def install_optimizer_check() -> None:
@@ -189,7 +213,8 @@ def install_optimizer_check() -> None:
 def _check(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     """The pre-hook :func:`install_optimizer_check` registers (checked again when the parameter count changes)."""
     count = sum(len(g["params"]) for g in optimizer.param_groups)
-    if getattr(optimizer, "_xla_fsdp_checked", None) == count:
+    watch = _watch(optimizer)
+    if watch.checked == count:
         _plain_grads_for_step(optimizer)
         return
     stale = sum(1 for g in optimizer.param_groups for p in g["params"] if getattr(p, "_xla_fsdp_sharded", False))
@@ -201,8 +226,8 @@ def _check(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
             "optimizer = torch.optim.AdamW(fsdp_model.parameters(), ...)")
     _warn_if_shape_dependent(optimizer)
     _refuse_recipes_applied_to_shards(optimizer)
-    if not hasattr(optimizer, "_xla_fsdp_groups"):
+    if watch.checked is None:
         optimizer.register_step_post_hook(after_step)
-    optimizer._xla_fsdp_groups = _shard_groups(optimizer)
-    optimizer._xla_fsdp_checked = count
+    watch.groups = _shard_groups(optimizer)
+    watch.checked = count
     _plain_grads_for_step(optimizer)
