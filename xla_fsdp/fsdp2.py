@@ -394,7 +394,7 @@ class _FullyShardUnit(XlaFullyShardedDataParallel):
             if unit.training_state is not TrainingState.IDLE:
                 raise RuntimeError("xla_fsdp.fully_shard: to_empty inside forward or backward; call it before "
                                    "training, as FSDP2's meta-device init does")
-            unit.begin_late_init(device)
+            unit._runtime.begin_late_init(device)
             unit.awaiting_to_empty = False
         self._late_init_units = units
 
