@@ -190,7 +190,7 @@ def test_cpu_offload_takes_pytorchs_spellings(gloo, spelling):
     import torch.distributed.fsdp as fsdp
     make, on = SPELLINGS[spelling]
     model = FSDP(nn.Linear(4, 4), cpu_offload=make(fsdp))
-    assert model.cpu_offload is on and (model._offload is not None) is on
+    assert model.cpu_offload is on and (model._runtime.offload is not None) is on
     assert all(p.device.type == "cpu" for p in model.parameters())
 
 

@@ -12,7 +12,8 @@ import torch
 
 from .freeing import FreeingPolicy
 from .offload import offload_requested
-from .options import UnitOptions, defaults
+from . import options as unit_options
+from .options import UnitOptions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +72,8 @@ def resolve(options: UnitOptions, comms: Any, strategy: Any, reshard_after_forwa
         multiple = 128 if on_tpu else 1
     sync = options.sync_module_states
     if sync is None:
-        sync = defaults.threads_take_rank_0 and comms.ranks_share_a_process
+        # read now: a launcher replaces the process defaults (patches.replace(options, 'defaults', ...))
+        sync = unit_options.defaults.threads_take_rank_0 and comms.ranks_share_a_process
     # Gradients are averaged over every rank that computed one: the shard group and its replicas.
     data_parallel = comms.world_size * comms.num_replicas
     predivide = default_predivide_factor(data_parallel)
