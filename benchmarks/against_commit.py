@@ -24,7 +24,7 @@ import tempfile
 from typing import Any, Dict, List, Optional
 
 from . import step_buffers
-from .host_time import host_seconds
+from .host_time import add_run_arguments, host_seconds
 from .report import write_result
 from .run import ROOT, run_one
 from .workloads import FULL, QUICK
@@ -101,12 +101,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--commit", required=True, help="the commit to compare with (a revision git knows)")
     p.add_argument("--contenders", default=",".join(CONTENDERS))
-    p.add_argument("--world_size", type=int, default=2)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--workload", default="transformer")
-    p.add_argument("--quick", action="store_true", help="the quick workload shapes")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--steps", type=int, default=5)
+    add_run_arguments(p)
     p.add_argument("--out", default="", help="default: benchmarks/results/against_<commit>")
     args = p.parse_args(argv)
     workloads = QUICK if args.quick else FULL

@@ -76,14 +76,19 @@ def table(figures: Dict[str, List[Optional[float]]], world_size: int) -> List[st
     return lines
 
 
-def main(argv: Optional[List[str]] = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of a run of XLA contenders side by side (this benchmark's and ``against_commit``'s)."""
     p.add_argument("--world_size", type=int, default=2)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--workload", default="transformer")
     p.add_argument("--quick", action="store_true", help="the quick workload shapes")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=5)
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_run_arguments(p)
     p.add_argument("--out", default=os.path.join(HERE, "results", "host_time"))
     args = p.parse_args(argv)
     workload = (QUICK if args.quick else FULL)[args.workload]
