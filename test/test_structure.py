@@ -168,7 +168,8 @@ def test_the_suites_litter_check_counts_only_its_own_processes(leaves, tmp_path)
 
 #: the unit's own files (the wrapper's shell, fully_shard's, and the runtime they hold): the only ones that
 #: touch a unit's private state (forward.py, backward.py and adoption.py use the runtime's public names)
-UNIT_CLASS_FILES = {"fully_sharded_data_parallel.py", "fsdp2.py", os.path.join("unit", "runtime.py")}
+UNIT_CLASS_FILES = {"fully_sharded_data_parallel.py", "fsdp2.py", os.path.join("unit", "runtime.py"),
+                    os.path.join("unit", "shell.py")}
 
 
 @pytest.mark.fast

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import warnings
 import weakref
 from typing import Any, Callable, Dict, Generator, Iterable, List, Optional, Tuple
 
@@ -35,82 +34,12 @@ from .unit.coalesce import SOLO_NUMEL
 from .unit.gather_group import GatherGroup
 from .unit.module_view import torch_xla_view
 from .unit.offload import HostOffload, shards_held_back
-from .unit.options import UnitOptions
 from .unit.param_names import WRAPPED
 from .unit.runtime import UnitRuntime
 from .unit.schedule import TrainingState
+from .unit.shell import DEEPCOPY_REFUSED, FlattenFlag, Setting, on_tpu, options_from_keywords, take_before_state_dict
 from .unit.settings import UnitSettings, resolve as resolve_settings
 from .wrap import recursive_wrap, set_default_wrapper
-
-_DEBUG_DUMMIES = ("_debug_dummy_forward_pass", "_debug_dummy_all_gather_op", "_debug_dummy_all_reduce_op",
-                  "_debug_dummy_reduce_scatter_op", "_debug_dummy_optimization_barrier_op")
-
-
-def _options_from_keywords(keywords: Dict[str, Any]) -> UnitOptions:
-    """The constructor's keywords as :class:`UnitOptions`: deprecated and debug-only ones resolved."""
-    keywords = dict(keywords)
-    keywords.pop("auto_wrap_policy", None)
-    keywords.pop("auto_wrapper_callable", None)
-    mark_step = keywords.pop("mark_step_on_finalization", None)
-    if mark_step is not None:
-        warnings.warn("mark_step_on_finalization is deprecated; use sync_on_finalization",
-                      DeprecationWarning, stacklevel=3)
-        keywords["sync_on_finalization"] = mark_step
-    if any(keywords.pop(name, False) for name in _DEBUG_DUMMIES):
-        raise ValueError("xla_fsdp runs real collectives only; to test without a TPU use "
-                         "PJRT_DEVICE=CPU with CPU_NUM_DEVICES=N, or transport='torch' with gloo.")
-    return UnitOptions(**keywords)
-
-
-def _on_tpu(comms: Any) -> bool:
-    if comms.name != "xla":
-        return False
-    import torch_xla.runtime as xr
-    return xr.device_type() not in ("CPU",)
-
-
-class _Setting:
-    """A unit attribute torch_xla has (``compute_dtype``, ``fp32_reduce_scatter``, ...): read from the
-    unit's frozen settings; setting it replaces them (so the next step does what it shows)."""
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-
-    def __get__(self, unit: Any, owner: type) -> Any:
-        if unit is None:
-            return self
-        return getattr(unit._runtime.settings, self.name)
-
-    def __set__(self, unit: Any, value: Any) -> None:
-        unit._runtime.replace_settings(**{self.name: value})
-
-
-def _take_before_state_dict(runtime: "weakref.ref[UnitRuntime]", module: nn.Module, prefix: str,
-                            keep_vars: bool) -> None:
-    alive = runtime()
-    if alive is not None:
-        alive.take_deferred_values()
-
-
-class _FlattenFlag(int):
-    """The unit's ``flatten_parameters`` option (torch_xla's public attribute, true or false) that
-    can also be called: a wrapped ``nn.LSTM`` / ``nn.GRU`` is still asked ``rnn.flatten_parameters()``
-    by the code around it, which then reaches the layer's own method."""
-
-    def __new__(cls, value: bool, unit: nn.Module) -> "_FlattenFlag":
-        flag = super().__new__(cls, bool(value))
-        flag._unit = unit
-        return flag
-
-    def __repr__(self) -> str:
-        return repr(bool(self))
-
-    def __call__(self) -> None:
-        method = getattr(self._unit._fsdp_wrapped_module, "flatten_parameters", None)
-        if not callable(method):
-            raise TypeError("xla_fsdp: flatten_parameters is this unit's option (a bool), not a method of the "
-                            "wrapped module")
-        method()
 
 
 class XlaFullyShardedDataParallel(ShardedUnit):
@@ -250,7 +179,7 @@ class XlaFullyShardedDataParallel(ShardedUnit):
         nn.Module.__init__(self)  # not super(): under fully_shard the module's own class follows in the MRO
         construction.validate_module(module)
         construction.warn_untied_embeddings(module)
-        options = _options_from_keywords(keywords)
+        options = options_from_keywords(keywords)
         self._options = options
         transport = resolve_transport(options.transport)
         strategy, reshard_after_forward, groups, shard_rank, shard_size, replica_groups = plan_for_unit(
@@ -260,7 +189,7 @@ class XlaFullyShardedDataParallel(ShardedUnit):
                                    options.pin_layout_in_collective_ops, replica_groups)
         self.comms = comms
         settings = self._settings(resolve_settings(options, comms, strategy, reshard_after_forward,
-                                                   _on_tpu(comms)))
+                                                   on_tpu(comms)))
         if auto_wrap_policy is not None:
             with tied.tied_ownership(module):  # tied parameters go to their closest common unit
                 recursive_wrap(module, auto_wrap_policy=auto_wrap_policy,
@@ -284,7 +213,7 @@ class XlaFullyShardedDataParallel(ShardedUnit):
         # a state_dict before the first forward holds the deferred values too (in place: the
         # program asks the module, whose unit is outside its tree)
         hooked = module if self.shards_in_place else self
-        hooked.register_state_dict_pre_hook(functools.partial(_take_before_state_dict, weakref.ref(self._runtime)))
+        hooked.register_state_dict_pre_hook(functools.partial(take_before_state_dict, weakref.ref(self._runtime)))
         if options.execute_sharding_on_init:
             comms.sync()
 
@@ -312,25 +241,25 @@ class XlaFullyShardedDataParallel(ShardedUnit):
         return forward.forward(self._runtime, args, kwargs)
 
     # ------------------------------------------------------------------ settings (torch_xla's attributes)
-    sharding_strategy = _Setting()
-    compute_dtype = _Setting()
-    buffer_dtype = _Setting()
-    param_storage_dtype = _Setting()
-    output_dtype = _Setting()
-    cast_forward_inputs = _Setting()
-    optimization_barrier_in_forward = _Setting()
-    optimization_barrier_in_backward = _Setting()
-    sync_on_finalization = _Setting()
-    fp32_reduce_scatter = _Setting()
-    prefetch = _Setting()
-    cpu_offload = _Setting()
-    shard_param_on_dim_0 = _Setting()
-    sharding_groups = _Setting()
-    reduce_scatter_bucket_size_mb = _Setting()
-    coalesce_all_gather_ops = _Setting()
-    gradient_predivide_factor = _Setting()
-    gradient_postdivide_factor = _Setting()
-    freeing = _Setting()
+    sharding_strategy = Setting()
+    compute_dtype = Setting()
+    buffer_dtype = Setting()
+    param_storage_dtype = Setting()
+    output_dtype = Setting()
+    cast_forward_inputs = Setting()
+    optimization_barrier_in_forward = Setting()
+    optimization_barrier_in_backward = Setting()
+    sync_on_finalization = Setting()
+    fp32_reduce_scatter = Setting()
+    prefetch = Setting()
+    cpu_offload = Setting()
+    shard_param_on_dim_0 = Setting()
+    sharding_groups = Setting()
+    reduce_scatter_bucket_size_mb = Setting()
+    coalesce_all_gather_ops = Setting()
+    gradient_predivide_factor = Setting()
+    gradient_postdivide_factor = Setting()
+    freeing = Setting()
 
     @property
     def settings(self) -> UnitSettings:
@@ -338,8 +267,8 @@ class XlaFullyShardedDataParallel(ShardedUnit):
         return self._runtime.settings
 
     @property
-    def flatten_parameters(self) -> "_FlattenFlag":
-        return _FlattenFlag(self._runtime.settings.flatten_parameters, self)
+    def flatten_parameters(self) -> "FlattenFlag":
+        return FlattenFlag(self._runtime.settings.flatten_parameters, self)
 
     @property
     def reshard_after_forward(self) -> bool:
@@ -513,12 +442,7 @@ class XlaFullyShardedDataParallel(ShardedUnit):
     def __deepcopy__(self, memo: Dict[int, Any]) -> "XlaFullyShardedDataParallel":
         """A copy would share this rank's process group and gather state with the original and
         hold only shards: refused, with the way an EMA teacher or a snapshot is made instead."""
-        raise TypeError(
-            f"xla_fsdp: a sharded model ({type(self).__name__}) cannot be deep-copied: its units hold this "
-            "rank's shards, process group and gather state. Copy the model before wrapping and wrap the copy "
-            "the same way (an EMA teacher: `teacher = FSDP(copy.deepcopy(net), **same_arguments)` before "
-            "`student = FSDP(net, **same_arguments)`; its shards then pair with the student's), or take a "
-            "full copy with xla_fsdp.checkpoints.full_state_dict(model)")
+        raise TypeError(DEEPCOPY_REFUSED.format(name=type(self).__name__))
 
     # ------------------------------------------------------------------ public methods
     @contextlib.contextmanager
