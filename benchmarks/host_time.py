@@ -1,6 +1,8 @@
-"""Host time per step on XLA: the CPU time a rank thread spends tracing one training step (forward,
-backward, optimizer step: the Python and IR work a TPU waits on when the device is fast,
-pytorch/xla#5280), from the step's start to its sync.
+"""Host time per step on XLA: the CPU time spent tracing one training step (forward, backward,
+optimizer step: the Python and IR work a TPU waits on when the device is fast, pytorch/xla#5280),
+from the step's start to its sync. On XLA autograd runs backward in a thread of its own for the
+device, so a step's host time is the rank thread's CPU time plus that thread's during backward
+(``measure.BackwardThreadTime``); the backward part is also shown on its own.
 
     python -m benchmarks.host_time [--world_size 2] [--rounds 3] [--workload transformer] [--quick]
 
@@ -30,25 +32,29 @@ OURS = ("xla_fsdp_xla_perparam", "xla_fsdp_fully_shard")
 PLAIN = "xla_plain"
 
 
-def host_seconds(run: Dict[str, Any]) -> Optional[float]:
-    """Median over measured steps of the slowest rank's host time; None for a failed run."""
+def host_seconds(run: Dict[str, Any], key: str = "host_times") -> Optional[float]:
+    """Median over measured steps of the slowest rank's host time (``key``: or its backward part);
+    None for a failed run. A step whose backward thread could not be timed on some rank is left out."""
     if run["error"] or not run["ranks"]:
         return None
-    per_step = [max(steps) for steps in zip(*(r["host_times"] for r in run["ranks"]))]
-    return statistics.median(per_step)
+    per_step = [max(steps) for steps in zip(*(r.get(key, r["host_times"]) for r in run["ranks"]))
+                if None not in steps]
+    return statistics.median(per_step) if per_step else None
 
 
 def measure(world_size: int, rounds: int, workload, warmup: int, steps: int) -> Dict[str, Any]:
     plan = [(PLAIN, 1), (PEER, world_size)] + [(name, world_size) for name in OURS]
     figures: Dict[str, List[Optional[float]]] = {name: [] for name, _ in plan}
+    backward: Dict[str, List[Optional[float]]] = {name: [] for name, _ in plan}
     errors: List[str] = []
     for r in range(rounds):
         for name, ws in plan if r % 2 == 0 else plan[::-1]:
             run = run_one(name, ws, workload, warmup, steps, 1800)
             figures[name].append(host_seconds(run))
+            backward[name].append(host_seconds(run, "backward_host_times"))
             if run["error"]:
                 errors.append(f"{name} ws{ws} round {r}: {run['error']}")
-    return {"figures": figures, "errors": errors}
+    return {"figures": figures, "backward": backward, "errors": errors}
 
 
 def _ratios(a: List[Optional[float]], b: List[Optional[float]]) -> List[float]:
@@ -64,15 +70,17 @@ def _seconds(value: Optional[float]) -> str:
     return "-" if value is None else f"{value:.4f}"
 
 
-def table(figures: Dict[str, List[Optional[float]]], world_size: int) -> List[str]:
-    lines = ["| contender | devices | host s/step, pooled (each round) | / torch_xla XlaFSDP, pooled (each round) |",
-             "|---|---|---|---|"]
+def table(figures: Dict[str, List[Optional[float]]], world_size: int,
+          backward: Optional[Dict[str, List[Optional[float]]]] = None) -> List[str]:
+    lines = ["| contender | devices | host s/step, pooled (each round) | of which backward's thread, pooled "
+             "| / torch_xla XlaFSDP, pooled (each round) |", "|---|---|---|---|---|"]
     for name, values in figures.items():
         ratios = _ratios(values, figures[PEER])
         per_round = ", ".join(_seconds(v) for v in values)
         ratio = f"{statistics.median(ratios):.3f} ({', '.join(f'{x:.3f}' for x in ratios)})" if ratios else "-"
         devices = 1 if name == PLAIN else world_size
-        lines.append(f"| {name} | {devices} | {_seconds(_median(values))} ({per_round}) | {ratio} |")
+        back = _seconds(_median(backward[name])) if backward and name in backward else "-"
+        lines.append(f"| {name} | {devices} | {_seconds(_median(values))} ({per_round}) | {back} | {ratio} |")
     return lines
 
 
@@ -96,9 +104,10 @@ def main(argv: Optional[List[str]] = None) -> None:
     lines = [f"# Host time per step on XLA, {datetime.date.today()}", "",
              f"Workload {args.workload}{' (quick shapes)' if args.quick else ''}; {args.warmup} warm-up and "
              f"{args.steps} measured steps per run, {args.rounds} rounds. Host time: a rank thread's CPU time "
-             "(`time.thread_time`) from the step's start to its sync; per run the median over steps of the "
-             "slowest rank's. Ratios are per round, pooled as their median.", ""]
-    lines += table(result["figures"], args.world_size)
+             "(`time.thread_time`) from the step's start to its sync, plus autograd's device thread's during "
+             "backward (XLA runs backward there); per run the median over steps of the slowest rank's. Ratios "
+             "are per round, pooled as their median.", ""]
+    lines += table(result["figures"], args.world_size, result["backward"])
     if result["errors"]:
         lines += ["", "Errors:"] + [f"- {e}" for e in result["errors"]]
     write_result(args.out, dict(result, workload=args.workload, quick=args.quick, world_size=args.world_size,

@@ -5,6 +5,7 @@ import functools
 import re
 import resource
 import threading
+import time
 from typing import Dict
 
 import torch
@@ -169,3 +170,34 @@ def xla_transfers_to_host() -> int:
         return 0
     data = met.metric_data("TransferFromDeviceTime")
     return int(data[0]) if data else 0
+
+
+class BackwardThreadTime:
+    """The CPU time of the thread autograd runs a backward in, when that is not the calling thread.
+
+    On XLA (TPU or XLA:CPU) autograd runs backward in its own thread for the device, so the tracing
+    of backward (the gradient hooks, the reduce-scatters) is not in the calling thread's CPU time,
+    yet the step waits for it. Measured from the first node of ``loss``'s graph to the last final
+    callback queued before backward ended (the package's own end-of-backward work included).
+    ``seconds`` is 0.0 when backward ran in the calling thread (already in its time, eager ranks),
+    None when the end ran in another thread than the start (not measurable)."""
+
+    def __init__(self, loss: torch.Tensor):
+        self.seconds: "float | None" = 0.0
+        self._caller = threading.get_ident()
+        if loss.grad_fn is not None:
+            loss.grad_fn.register_prehook(self._begin)
+
+    def _begin(self, grad_outputs):
+        me = threading.get_ident()
+        if me == self._caller:
+            return None
+        start = time.thread_time()
+        engine = torch.autograd.Variable._execution_engine
+
+        def end() -> None:
+            self.seconds = time.thread_time() - start if threading.get_ident() == me else None
+
+        # queued from a final callback: after every callback queued during backward
+        engine.queue_callback(lambda: engine.queue_callback(end))
+        return None

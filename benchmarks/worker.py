@@ -27,7 +27,7 @@ def train_loop(model, opt, w: Workload, spec: Dict[str, Any], rank: int, device,
                barrier: Callable, shard_batch: Callable = lambda t: t, per_rank: int = 0) -> Dict[str, Any]:
     per_rank = per_rank or w.batch
     warmup, steps = spec["warmup"], spec["steps"]
-    times, host_times, losses = [], [], []
+    times, host_times, backward_host_times, losses = [], [], [], []
     compiles_step2 = transfers_start = 0
     for step in range(warmup + steps):
         if step == 2:  # the target: no new XLA compilation after the second step
@@ -42,15 +42,21 @@ def train_loop(model, opt, w: Workload, spec: Dict[str, Any], rank: int, device,
         x, y = shard_batch(x.to(device)), shard_batch(y.to(device))
         opt.zero_grad(set_to_none=True)
         loss = loss_fn(model(x), y)
+        backward_clock = measure.BackwardThreadTime(loss)
         loss.backward()
         opt.step()
-        host_times.append(time.thread_time() - h0)  # this rank thread's CPU time tracing the step (pytorch/xla#5280)
+        # the CPU time tracing the step (pytorch/xla#5280): this rank thread's, and autograd's thread's
+        # for backward where that is another thread (XLA)
+        caller = time.thread_time() - h0
+        backward_host_times.append(backward_clock.seconds)
+        host_times.append(None if backward_clock.seconds is None else caller + backward_clock.seconds)
         sync()
         value = loss.item()
         times.append(time.perf_counter() - t0)
         losses.append(value)
     return {
-        "rank": rank, "times": times[warmup:], "host_times": host_times[warmup:], "losses": losses,
+        "rank": rank, "times": times[warmup:], "host_times": host_times[warmup:],
+        "backward_host_times": backward_host_times[warmup:], "losses": losses,
         "state_bytes": measure.state_bytes(model, opt),
         "peak_rss_mib": measure.peak_rss_mib(), "collective_bytes_per_step": measure.collective_bytes(device) / steps,
         "all_gathers_per_step": measure.all_gather_calls(device) / steps,

@@ -161,6 +161,8 @@ def test_torch_xlas_fsdp_collectives_stay_in_the_compiled_step_as_ours_do(tmp_pa
         # from windows that may be a step apart on a loaded machine (seen: 2.5); host exchanges: 165.5
         assert rank["host_transfers_per_step"] <= 5, rank["host_transfers_per_step"]
         assert rank["compiles_end"] == rank["compiles_step2"]  # the same graphs every step
+        # backward ran in autograd's thread for the device, and its CPU time was measured there
+        assert all(t is not None and 0 < t < h for t, h in zip(rank["backward_host_times"], rank["host_times"]))
     for a, b in zip(theirs, ours):
         assert max(abs(x - y) for x, y in zip(a["losses"], b["losses"])) < 1e-5
 
@@ -254,3 +256,14 @@ def test_against_commit_exports_the_other_checkout_and_pairs_rounds(tmp_path):
     assert "| 0.750 (0.500, 1.000) |" in row  # step: per round, pooled as their median
     assert "| 2.000 (2.000) |" in row  # host: the round with a failed run is left out
     assert row.endswith("| 1.00 / 2.00 |")
+
+
+def test_backward_thread_time_is_zero_where_backward_runs_in_the_calling_thread():
+    """Eager CPU: autograd runs backward in the calling thread, whose CPU time already holds it."""
+    import torch
+
+    from benchmarks.measure import BackwardThreadTime
+    loss = (torch.ones(3, requires_grad=True) * 2).sum()
+    clock = BackwardThreadTime(loss)
+    loss.backward()
+    assert clock.seconds == 0.0
