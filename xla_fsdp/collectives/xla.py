@@ -412,11 +412,16 @@ def _linked(tensor: torch.Tensor) -> torch.Tensor:
     link = _LINKS.pop(str(tensor.device), None)
     if link is None or not torch_xla._XLAC._check_tensor_need_materialization([link])[0]:
         return tensor  # none, or from a graph that has run since
-    # + 0 * link: XLA keeps a float multiplication by 0 (it would turn an inf into NaN). The zero is
+    # + 0 * link: XLA keeps a float multiplication by 0 (it would turn an inf into NaN), and so does
+    # add's alpha (one IR node where mul then add made two). Where the dtypes differ, the zero is
     # made in the link's dtype and then cast to the tensor's: adding a 0-d f32 link to a bf16 tensor
     # is bf16 to PyTorch but f32 in torch_xla's IR, and the bf16 parameter gathered from it broke
     # XLA's verifier where it met a bf16 tensor (a LayerNorm weight in a recompute: issue 43's
     # differential suite). Casting the link itself could overflow (a finite f32 > bf16's max).
+    # (An optimization barrier over the tensor and the link, with no arithmetic, does not keep the
+    # order on XLA:CPU: ranks ran two reduce-scatters in different orders and XLA aborted them.)
+    if link.dtype == tensor.dtype:
+        return tensor.add(link, alpha=0)
     return tensor.add(link.mul(0).to(tensor.dtype))
 
 
@@ -441,7 +446,9 @@ def _outside_token(tensor: torch.Tensor, collective: Callable[[torch.Tensor], to
         result = collective(_linked(tensor))
     finally:
         torch_xla._XLAC._set_all_reduce_token(devctx.device, token)
-    _LINKS[str(tensor.device)] = torch.nan_to_num(result.detach().view(-1)[0], 0.0, 0.0, 0.0)
+    first = result.detach()
+    first = (first if first.dim() == 1 else first.reshape(-1))[0]
+    _LINKS[str(tensor.device)] = torch.nan_to_num(first, 0.0, 0.0, 0.0)
     return result
 
 

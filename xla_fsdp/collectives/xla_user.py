@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -34,9 +34,24 @@ from .. import patches
 from .host_exchange import thread_exchange
 
 
+#: torch_xla's own functions, noted when the patches go in: looked up per collective, and a step
+#: makes hundreds (the registry's lookup is a measurable part of tracing one)
+_ORIGINALS: Dict[str, Callable[..., Any]] = {}
+
+
 def _original(name: str) -> Callable[..., Any]:
-    import torch_xla.core.xla_model as xm
-    return patches.original(xm, name)
+    found = _ORIGINALS.get(name)
+    if found is None:
+        import torch_xla.core.xla_model as xm
+        found = patches.original(xm, name)
+    return found
+
+
+def _stays_in_the_graph(channel_id: Any, groups: Any, pin_layout: bool, use_global_device_ids: Any) -> bool:
+    """A call that already has the form a channel-id collective takes on rank threads (xla_fsdp's
+    own: every group named, layout not pinned, global device ids): torch_xla's function runs it
+    as it is on rank threads and elsewhere alike, so the device check is not needed."""
+    return channel_id is not None and bool(groups) and not pin_layout and use_global_device_ids is True
 
 
 def is_threaded_cpu() -> bool:
@@ -102,7 +117,7 @@ def _deliver(results: List[torch.Tensor], like: List[torch.Tensor], output: Any,
 def all_gather(value: Any, dim: int = 0, groups: Optional[List[List[int]]] = None,
                output: Any = None, pin_layout: bool = True, channel_id=None,
                use_global_device_ids=None) -> Any:
-    if not is_threaded_cpu():
+    if _stays_in_the_graph(channel_id, groups, pin_layout, use_global_device_ids) or not is_threaded_cpu():
         return _original("all_gather")(value, dim, groups, output, pin_layout, channel_id, use_global_device_ids)
     if channel_id is not None:  # xla_fsdp's own, part of a training step: stays in the graph
         return _original("all_gather")(value, dim, groups or [list(range(_world_size()))], output, False,
@@ -135,7 +150,7 @@ def _reduce(reduce_type: str, parts: List[torch.Tensor], scale: float) -> torch.
 def reduce_scatter(reduce_type: str, input: Any, scale: float, scatter_dim: int, shard_count: int,
                    groups: Optional[List[List[int]]] = None, output: Any = None, pin_layout: bool = True,
                    channel_id=None, use_global_device_ids=None) -> Any:
-    if not is_threaded_cpu():
+    if _stays_in_the_graph(channel_id, groups, pin_layout, use_global_device_ids) or not is_threaded_cpu():
         return _original("reduce_scatter")(reduce_type, input, scale, scatter_dim, shard_count, groups, output,
                                             pin_layout, channel_id, use_global_device_ids)
     if channel_id is not None:  # xla_fsdp's own: stays in the graph
@@ -199,4 +214,5 @@ def install_user_collectives() -> bool:
                           ("all_reduce", all_reduce), ("rendezvous", rendezvous)):
         patches.replace(xm, name, functools.wraps(getattr(xm, name))(patched),
                         "torch_xla's user collectives across XLA:CPU rank threads (host exchanges)")
+        _ORIGINALS[name] = patches.original(xm, name)
     return True

@@ -154,7 +154,10 @@ def used_members(group: Any, edges: Set[Edge], hidden_modules: Set[int]) -> List
     """Per member of ``group``: will it get a gradient from the graph whose edges are ``edges``.
     ``hidden_modules``: ids of modules whose use of a parameter the graph does not show (they ran
     under a reentrant checkpoint); a member any of them holds counts as used."""
-    hidden = [any(id(module) in hidden_modules for module, _ in ref.slots) for ref in group.refs]
+    if hidden_modules:
+        hidden = [any(id(module) in hidden_modules for module, _ in ref.slots) for ref in group.refs]
+    else:
+        hidden = [False] * len(group.refs)
     if not group.flat:
-        return [hidden[0] or tensor_edge(group.full) in edges]
+        return [hidden[0] or group.gradient_edge() in edges]
     return [seen or any(e in edges for e in member) for seen, member in zip(hidden, group.forward_edges)]
