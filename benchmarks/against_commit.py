@@ -4,8 +4,9 @@ restructure) is shown to.
 
     python -m benchmarks.against_commit --commit REV [--rounds 3] [--world_size 2] [--workload transformer]
 
-The other commit's files are exported (``git archive``) to a temporary folder, and each run imports
-the package and the benchmark worker of its own checkout (:func:`benchmarks.run.run_one`'s ``root``).
+The other commit's files are exported (``git archive``) to a temporary folder, with this checkout's
+``benchmarks/`` in place of its own: both sides are measured by the same code, and only the package
+differs. Each run imports the package of its own checkout (:func:`benchmarks.run.run_one`'s ``root``).
 Per round every contender runs from both checkouts back to back, the order reversed every other
 round. Per run: the median over measured steps of the slowest rank's step time, and of its host time
 (``benchmarks.host_time``); ratios (this / the other) are taken per round and pooled as their median.
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import shutil
 import statistics
 import subprocess
 import tarfile
@@ -40,13 +42,18 @@ def step_seconds(run: Dict[str, Any]) -> Optional[float]:
     return statistics.median(max(steps) for steps in zip(*(r["times"] for r in run["ranks"])))
 
 
-def export(rev: str, folder: str) -> str:
-    """The files of commit ``rev`` of this repository, written under ``folder``."""
+def export(rev: str, folder: str, measure_from: str = HERE) -> str:
+    """The files of commit ``rev`` of this repository, written under ``folder``, with the benchmark
+    code of ``measure_from`` (this checkout's: the measure) in place of the commit's."""
+    os.makedirs(folder, exist_ok=True)
     archive = os.path.join(folder, "rev.tar")
     subprocess.run(["git", "archive", "--format=tar", "-o", archive, rev], cwd=ROOT, check=True)
     target = os.path.join(folder, "checkout")
     with tarfile.open(archive) as tar:
         tar.extractall(target, filter="data")
+    shutil.rmtree(os.path.join(target, "benchmarks"), ignore_errors=True)
+    shutil.copytree(measure_from, os.path.join(target, "benchmarks"),
+                    ignore=shutil.ignore_patterns("results", "__pycache__"))
     return target
 
 

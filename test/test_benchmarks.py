@@ -241,13 +241,18 @@ def test_reshard_and_prefetch_settings_move_gathers_and_memory_as_fsdp2s_do(tmp_
 
 
 def test_against_commit_exports_the_other_checkout_and_pairs_rounds(tmp_path):
-    """``benchmarks.against_commit``: the other commit's files are exported whole (its package and
-    benchmark worker run from there), and each round's figures are paired with the same round's."""
+    """``benchmarks.against_commit``: the other commit's package is exported (it runs from there) and
+    measured by this checkout's benchmark code, and each round's figures are paired with the same round's."""
     from benchmarks.against_commit import export, table
 
-    other = export("HEAD", str(tmp_path))
+    measure = tmp_path / "measure"
+    (measure / "results").mkdir(parents=True)
+    (measure / "worker.py").write_text("# this checkout's worker\n")
+    other = export("HEAD", str(tmp_path / "out"), measure_from=str(measure))
     assert os.path.isfile(os.path.join(other, "xla_fsdp", "__init__.py"))
-    assert os.path.isfile(os.path.join(other, "benchmarks", "worker.py"))
+    # the same measure on both sides: the commit's own benchmark code is replaced, results left out
+    assert sorted(os.listdir(os.path.join(other, "benchmarks"))) == ["worker.py"]
+    assert (tmp_path / "out" / "checkout" / "benchmarks" / "worker.py").read_text() == "# this checkout's worker\n"
     figures = {"xla_fsdp_xla_perparam": {"this": {"step": [1.0, 2.0], "host": [0.5, None]},
                                          "other": {"step": [2.0, 2.0], "host": [0.25, 0.3]}}}
     lines = table({"figures": figures, "device_bytes": {"xla_fsdp_xla_perparam": {"this": 2**20, "other": 2**21}}},
