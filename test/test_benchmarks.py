@@ -272,3 +272,22 @@ def test_backward_thread_time_is_zero_where_backward_runs_in_the_calling_thread(
     clock = BackwardThreadTime(loss)
     loss.backward()
     assert clock.seconds == 0.0
+
+
+def test_step_cut_table_pairs_each_round_with_its_own_sync_run_and_flags_other_losses():
+    """``benchmarks.step_cut``: totals and steady steps over the same round's ``own_sync`` run; the
+    steady step is the median of the second half (the first steps compile); a failed run is shown."""
+    from benchmarks.step_cut import steady_step, table
+
+    def run(total, steps, losses=(1.0, 0.5)):
+        return {"total_s": total, "step_times": steps, "losses": list(losses), "compiles": 3}
+    assert steady_step(run(1, [9.0, 8.0, 1.0, 3.0])) == 2.0
+    runs = {"as_written": [run(10.0, [5, 5, 1, 1]), run(12.0, [5, 5, 2, 2])],
+            "own_sync": [run(10.0, [5, 5, 1, 1]), run(10.0, [5, 5, 1, 1])],
+            "cut_off": [run(40.0, [5, 5, 9, 9], losses=(1.0, 0.7)), {"error": "exit 1"}]}
+    lines = {line.split(" | ")[0]: line for line in table(runs)[2:]}
+    assert "| 1.10 (1.00, 1.20) |" in lines["| as_written"]  # total, per round
+    assert "| 1.50 (1.00, 2.00) |" in lines["| as_written"]  # steady step, per round
+    assert lines["| as_written"].endswith("| 3 | True |")
+    assert "| 4.00 (4.00) |" in lines["| cut_off"]  # the failed round is left out of the ratios
+    assert lines["| cut_off"].endswith("| False |")  # other losses than own_sync's
