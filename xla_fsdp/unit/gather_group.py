@@ -151,7 +151,6 @@ class GatherGroup:
         # Gradient edges of each member's installed tensors during a root's forward (flat groups),
         # for the root's plan of which groups get gradients (see gradient_usage.py); None when not recording.
         self.forward_edges: Optional[List[List[Edge]]] = None
-        self._full_edge: Optional[Edge] = None  # see gradient_edge
         self._installed: Optional[List[torch.Tensor]] = None  # what the module sees now (flat)
         self.warned_unused: Set[str] = set()  # members already reported as partly unused
         self._members: Optional[List[torch.Tensor]] = None  # a flat group's parameters (lazy transports)
@@ -371,13 +370,12 @@ class GatherGroup:
             self._record_edges()
 
     def gradient_edge(self) -> Edge:
-        """Where ``full``'s gradient flows (its accumulator). Kept, as torch_xla's FSDP and FSDP1 keep
-        theirs: looking it up costs microseconds, and the root's gradient plan asks it of every
-        group each step. Looked up again when the accumulator no longer holds ``full`` (a swap)."""
-        edge = self._full_edge
-        if edge is None or getattr(edge[0], "variable", None) is not self.full:
-            edge = self._full_edge = tensor_edge(self.full)
-        return edge
+        """Where ``full``'s gradient flows (its accumulator). Looked up each time, never kept: an
+        accumulator records the parameter's shape when it is made, and ``full`` changes shape
+        between gathered and freed, so a kept one made while ``full`` was freed sums every later
+        gradient down to one element (FSDP1 and torch_xla's FSDP keep theirs: their parameters'
+        shapes do not change)."""
+        return tensor_edge(self.full)
 
     def end_edge_record(self) -> None:
         self.forward_edges = None
