@@ -56,7 +56,8 @@ class XlaFullyShardedDataParallel(ShardedUnit):
             (ZeRO-3, least memory). ``False`` keeps them until after backward (ZeRO-2, one
             all-gather less per step).
         flatten_parameters: put this unit's trainable parameters into one flat shard (and frozen
-            ones into a second), so each unit does one all-gather and one reduce-scatter.
+            ones into a second), so each unit gathers one flat shard (two with frozen parameters)
+            and reduce-scatters one, whatever its number of parameters.
         execute_sharding_on_init: run the sharding graph right away on XLA (avoids one huge
             first graph); ignored by eager transports.
         optimization_barrier_in_forward / optimization_barrier_in_backward: on XLA, keep the
