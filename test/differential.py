@@ -24,7 +24,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-import threading
 import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -34,7 +33,7 @@ import torch.nn.functional as F
 from hypothesis import strategies as st
 
 import xla_fsdp
-from ranks import Rank, on_xla
+from training_program import Run
 from xla_fsdp import XlaFullyShardedDataParallel as FSDP, checkpoint_module
 from xla_fsdp.checkpoints import (full_optim_state_dict, full_state_dict, load_full_optim_state_dict,
                                   load_full_state_dict)
@@ -95,6 +94,82 @@ class Program:
     #                                    (inside checkpoint_module's when remat): torch's, torch_xla's on XLA
     autocast: bool = False             # the sharded forward runs under torch.autocast(<device>, bfloat16) over
     #                                    fp32 parameters (the reference in fp32: bf16 tolerances)
+
+    # The harness protocol (training_program.py): one step function for the sharded run on each
+    # rank and for the unsharded reference.
+
+    def build(self, run: Run) -> nn.Module:
+        torch.manual_seed(0)
+        net = Net(self)
+        run.notes["hooks"] = StepState(run.rank)  # the reference's overflow: in rank 0's batch, which it runs
+        add_hooks(self, net, run.notes["hooks"])
+        return net
+
+    def shard(self, model: nn.Module, run: Run) -> nn.Module:
+        return wrap(self, model, run.world_size)
+
+    def start(self, run: Run) -> None:
+        if self.toggle == "none":
+            toggled: List[str] = []
+        elif run.sharded:
+            toggled = toggled_names(self, run.model)
+        else:  # the names the sharded run toggled (its flat shards may hold more than blocks.0.fc)
+            toggled = run.told.get("toggled") or ["blocks.0.fc.weight", "blocks.0.fc.bias"]
+        run.notes.update(toggled=toggled, scaler=make_scaler(self, run.device), saved=None)
+        if self.wrong_reduction and run.sharded:
+            run.model.set_gradient_divide_factors(1.0, 1.0)  # sums over ranks: the self-test's bug
+        run.optimizer = make_optimizer(self, run.model)
+
+    def around_steps(self, run: Run) -> Any:
+        return _RecordedWarnings(run)
+
+    def step(self, run: Run, step: int) -> None:
+        p, model, opt, notes = self, run.model, run.optimizer, run.notes
+        scaler = notes["scaler"]
+        notes["hooks"].step = step
+        if step == 1 and notes["toggled"]:
+            set_requires_grad(p, model, notes["toggled"])
+        if step == 1 and p.reinit:
+            reinit(model)
+            run.sync()
+        if p.reload and step == 2:
+            if p.eval_before_reload:  # an eval pass without torch.no_grad(), never backward
+                model(batch(p, 99, 0, run.rank)[0].to(run.device))
+                run.sync()
+            _load_saved(run)
+        opt.zero_grad()
+        total = 0.0
+        for k in range(p.micro):
+            def loss_of(r: int, k: int = k) -> torch.Tensor:
+                x, y = batch(p, step, k, r)
+                return _loss(p, model, x.to(run.device), y.to(run.device), uses_branch(p, step, r))
+            with _accumulating(p, run, k == p.micro - 1):
+                # autocast: the sharded forward only (the reference in fp32, held to bf16 tolerances)
+                with torch.autocast(run.device.type, torch.bfloat16, enabled=p.autocast and run.sharded):
+                    loss = run.mean_over_ranks(loss_of)
+                (scaler.scale(loss) if scaler is not None else loss).backward()
+            run.sync()
+            total += loss.item()
+        optimizer_step(p, model, opt, scaler, run.norms)
+        run.sync()
+        run.losses.append(total)
+        if p.reload and step == 0:
+            notes["saved"] = _save(run)
+
+    def result(self, run: Run) -> Dict[str, Any]:
+        model, opt, scaler = run.model, run.optimizer, run.notes["scaler"]
+        common = {"losses": run.losses, "norms": run.norms, "scale": scaler.get_scale() if scaler is not None else None}
+        if not run.sharded:
+            names = {id(q): n for n, q in model.named_parameters()}
+            ordered = [names[id(q)] for g in opt.param_groups for q in g["params"]]
+            optim = {ordered[i]: s for i, s in opt.state_dict()["state"].items()}
+            return dict(common, full=model.state_dict(), optim=optim)
+        return dict(common, toggled=run.notes["toggled"], warnings=run.notes["warnings"],
+                    full=full_state_dict(model, rank0_only=False),
+                    optim=full_optim_state_dict(model, opt, rank0_only=False),
+                    # (fully_shard: its unit's, whose keys the metadata names)
+                    state_dict={k: v.detach().cpu().clone() for k, v in root_unit(model).state_dict().items()},
+                    metadata=root_unit(model).get_shard_metadata())
 
 
 def programs(world_size: int) -> st.SearchStrategy[Program]:
@@ -465,70 +540,34 @@ def optimizer_step(p: Program, model: nn.Module, opt: torch.optim.Optimizer, sca
         opt.step()
 
 
-_BUILD_LOCK = threading.Lock()  # XLA:CPU ranks are threads sharing the CPU RNG
+def _load_saved(run: Run) -> None:
+    """The reload at step 2 of the state saved after step 0 (the program's checkpoint API when sharded)."""
+    model, opt, saved = run.model, run.optimizer, run.notes["saved"]
+    if run.sharded:
+        load_full_state_dict(model, saved[0])
+        load_full_optim_state_dict(model, opt, saved[1])
+        run.sync()
+    else:
+        model.load_state_dict(saved[0])
+        opt.load_state_dict(saved[1])
 
 
-def train_sharded(me: Rank, p: Program) -> Dict[str, Any]:
-    """Rank ``me``'s run of program ``p``."""
-    rank, world_size, device, sync = me.rank, me.world_size, me.device, me.sync
-    state = StepState(rank)
-    with _BUILD_LOCK:
-        torch.manual_seed(0)
-        net = Net(p)
-        add_hooks(p, net, state)
-        model = wrap(p, net, world_size)
-    sync()
-    toggled = toggled_names(p, model) if p.toggle != "none" else []
-    scaler = make_scaler(p, device)
-    me.barrier()  # nobody trains (torch_xla's checkpoint forks the CPU RNG) before all have built
-    if p.wrong_reduction:
-        model.set_gradient_divide_factors(1.0, 1.0)  # sums over ranks: the self-test's bug
-    opt = make_optimizer(p, model)
-    losses, norms, saved = [], [], None
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", xla_fsdp.unit.gradient_usage.UnusedFlatParameterWarning)
-        for step in range(p.steps):
-            state.step = step
-            if step == 1 and toggled:
-                set_requires_grad(p, model, toggled)
-            if step == 1 and p.reinit:
-                reinit(model)
-                sync()
-            if p.reload and step == 2:
-                if p.eval_before_reload:
-                    x, _ = batch(p, 99, 0, rank)
-                    model(x.to(device))  # an eval pass without torch.no_grad(), never backward
-                    sync()
-                load_full_state_dict(model, saved[0])
-                load_full_optim_state_dict(model, opt, saved[1])
-                sync()
-            opt.zero_grad()
-            total = 0.0
-            for k in range(p.micro):
-                x, y = batch(p, step, k, rank)
-                if p.wrap == "fully_shard":  # FSDP2's accumulation
-                    model.set_requires_gradient_sync(k == p.micro - 1)
-                ctx = model.no_sync() if k < p.micro - 1 and p.wrap != "fully_shard" else _Null()
-                with ctx:
-                    with torch.autocast(torch.device(device).type, torch.bfloat16, enabled=p.autocast):
-                        loss = _loss(p, model, x.to(device), y.to(device), uses_branch(p, step, rank))
-                    (scaler.scale(loss) if scaler is not None else loss).backward()
-                sync()
-                total += loss.item()
-            optimizer_step(p, model, opt, scaler, norms)
-            sync()
-            losses.append(total)
-            if p.reload and step == 0:
-                saved = (full_state_dict(model, rank0_only=False), full_optim_state_dict(model, opt, rank0_only=False))
-    return {"losses": losses, "norms": norms, "toggled": toggled,
-            "scale": scaler.get_scale() if scaler is not None else None,
-            "full": full_state_dict(model, rank0_only=False),
-            "optim": full_optim_state_dict(model, opt, rank0_only=False),
-            # (fully_shard: its unit's, whose keys the metadata names)
-            "state_dict": {k: v.detach().cpu().clone() for k, v in root_unit(model).state_dict().items()},
-            "metadata": root_unit(model).get_shard_metadata(),
-            "warnings": sorted({str(w.message) for w in caught
-                                if issubclass(w.category, xla_fsdp.unit.gradient_usage.UnusedFlatParameterWarning)})}
+def _save(run: Run) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    if run.sharded:
+        return (full_state_dict(run.model, rank0_only=False),
+                full_optim_state_dict(run.model, run.optimizer, rank0_only=False))
+    return copy.deepcopy(run.model.state_dict()), copy.deepcopy(run.optimizer.state_dict())
+
+
+def _accumulating(p: Program, run: Run, last: bool) -> Any:
+    """A micro-batch's context: the sharded run skips the gradient sync before the last (FSDP2's
+    ``set_requires_gradient_sync``, the wrapper's ``no_sync``); the reference just accumulates."""
+    if not run.sharded:
+        return _Null()
+    if p.wrap == "fully_shard":
+        run.model.set_requires_gradient_sync(last)
+        return _Null()
+    return _Null() if last else run.model.no_sync()
 
 
 class _Null:
@@ -539,42 +578,22 @@ class _Null:
         return False
 
 
-def train_reference(p: Program, world_size: int, toggled: Optional[List[str]] = None) -> Dict[str, Any]:
-    """``toggled``: the names the sharded run toggled (its flat shards may hold more than blocks.0.fc)."""
-    torch.manual_seed(0)
-    model = Net(p)
-    state = StepState(0)  # the overflow of rank 0's batch: the reference runs every rank's batch
-    add_hooks(p, model, state)
-    opt = make_optimizer(p, model)
-    scaler = make_scaler(p, "cpu")
-    if toggled is None:
-        toggled = ["blocks.0.fc.weight", "blocks.0.fc.bias"] if p.toggle != "none" else []
-    losses, norms, saved = [], [], None
-    for step in range(p.steps):
-        state.step = step
-        if step == 1 and toggled:
-            set_requires_grad(p, model, toggled)
-        if step == 1 and p.reinit:
-            reinit(model)
-        if p.reload and step == 2:
-            model.load_state_dict(saved[0])
-            opt.load_state_dict(saved[1])
-        opt.zero_grad()
-        total = 0.0
-        for k in range(p.micro):
-            per_rank = [_loss(p, model, *batch(p, step, k, r), uses_branch(p, step, r)) for r in range(world_size)]
-            loss = torch.stack(per_rank).mean()
-            (scaler.scale(loss) if scaler is not None else loss).backward()
-            total += loss.item()
-        optimizer_step(p, model, opt, scaler, norms)
-        losses.append(total)
-        if p.reload and step == 0:
-            saved = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()))
-    names = {id(q): n for n, q in model.named_parameters()}
-    ordered = [names[id(q)] for g in opt.param_groups for q in g["params"]]
-    optim = {ordered[i]: s for i, s in opt.state_dict()["state"].items()}
-    return {"losses": losses, "norms": norms, "full": model.state_dict(), "optim": optim,
-            "scale": scaler.get_scale() if scaler is not None else None}
+class _RecordedWarnings:
+    """Over a sharded run's steps: the partly-used flat shard warnings it gave, into ``notes``."""
+
+    def __init__(self, run: Run):
+        self.run = run
+        self.caught = warnings.catch_warnings(record=True)
+
+    def __enter__(self):
+        self.log = self.caught.__enter__()
+        warnings.simplefilter("always", xla_fsdp.unit.gradient_usage.UnusedFlatParameterWarning)
+        return self
+
+    def __exit__(self, *exc):
+        self.run.notes["warnings"] = sorted({str(w.message) for w in self.log if issubclass(
+            w.category, xla_fsdp.unit.gradient_usage.UnusedFlatParameterWarning)})
+        return self.caught.__exit__(*exc)
 
 
 # ----------------------------------------------------------------------------- comparison
@@ -618,25 +637,3 @@ def compare(p: Program, sharded: List[Dict[str, Any]], ref: Dict[str, Any]) -> f
     for n in params:
         close(f"consolidated {n}", consolidated[n], ref["full"][n], tol)
     return worst
-
-
-# ----------------------------------------------------------------------------- XLA:CPU ranks
-def _train_programs(me: Rank, programs_: List[Program]) -> List[Any]:
-    """Rank ``me``'s runs of the programs, one after the other, until one fails (its error as a string:
-    the other ranks may be stuck)."""
-    out: List[Any] = []
-    for program in programs_:
-        try:
-            out.append(train_sharded(me, program))
-        except Exception as e:  # noqa: BLE001 - reported per program; the others may be stuck
-            out.append(f"{type(e).__name__}: {e}")
-            break
-    return out
-
-
-def run_xla(programs_: List[Program], world_size: int) -> List[List[Any]]:
-    """Every program on ``world_size`` XLA:CPU devices (threads of one spawned process); per
-    program, the list of rank results."""
-    per_rank = on_xla(_train_programs, world_size, programs_)
-    return [[per_rank[r][i] if i < len(per_rank[r]) else "did not run" for r in range(world_size)]
-            for i in range(len(programs_))]

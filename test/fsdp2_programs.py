@@ -1,8 +1,9 @@
 """FSDP2-style training programs written against ``xla_fsdp``'s ``fully_shard``, run on XLA:CPU
 devices (threads of one process) and on gloo ranks (where ``fully_shard`` is PyTorch's own), and the
 same model trained unsharded in one process for comparison (test_fsdp2)."""
+import contextlib
+import dataclasses
 import os
-import threading
 import warnings
 from typing import Any, Dict, List
 
@@ -10,12 +11,12 @@ import torch
 import torch.nn as nn
 
 import xla_fsdp
-from ranks import Rank, on_gloo, on_xla
+from ranks import Rank, on_xla
+from training_program import BUILD_LOCK, Run, on_rank, reference, run_sharded
 from xla_fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from xla_fsdp.unit.base import unit_of
 
 STEPS, PER_RANK, WIDTH = 3, 4, 16
-_LOCK = threading.Lock()
 
 
 class Block(nn.Module):
@@ -44,7 +45,7 @@ class Net(nn.Module):
 
 
 def build() -> Net:
-    with _LOCK:  # XLA:CPU rank threads share the CPU random generator
+    with BUILD_LOCK:  # XLA:CPU rank threads share the CPU random generator
         torch.manual_seed(0)
         return Net()
 
@@ -106,92 +107,135 @@ def _optimizer(name: str, params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-2) if name == "adamw" else torch.optim.SGD(params, lr=0.05)
 
 
-def train_sharded(me: Rank, name: str) -> Dict[str, Any]:
-    """Rank ``me``'s run of program ``name``."""
-    rank, world_size, device, sync = me.rank, me.world_size, me.device, me.sync
-    cfg = PROGRAMS[name]
-    if cfg.get("meta"):
-        with torch.device("meta"):
-            model = Net()
-    else:
-        model = build()
-    kw: Dict[str, Any] = {}
-    if "mp" in cfg:
-        kw["mp_policy"] = MixedPrecisionPolicy(**cfg["mp"])
-    if cfg.get("offload"):
-        kw["offload_policy"] = CPUOffloadPolicy(pin_memory=False)  # pinned host memory needs CUDA
-    for i, block in enumerate(model.blocks):
-        reshard = cfg.get("reshard_after_forward", True)
-        if cfg.get("int_reshard") == "half":
-            reshard = world_size // 2 if world_size >= 4 else world_size
-        elif cfg.get("int_reshard"):
-            reshard = 1 if i == 0 else world_size
-        ignored = set(block.norm.parameters()) if cfg.get("ignored") else None
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="reshard_after_forward=1")  # FSDP2's, and ours alike
-            fully_shard(block, reshard_after_forward=reshard, ignored_params=ignored, **kw)
-    fully_shard(model, **kw)
-    if cfg.get("meta"):
-        model.to_empty(device=device)
-        init_weights(model)
-    model.to(device)
-    blocks: List[FSDPModule] = list(model.blocks)
-    ahead = cfg.get("prefetch", 1)
-    if ahead:
-        for i, block in enumerate(blocks):
-            block.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + ahead])
-            block.set_modules_to_backward_prefetch(blocks[max(i - ahead, 0):i][::-1])
-    issued_at_forward, issued_at_backward = _watch_gathers(blocks)
-    if "divide_factor" in cfg:
-        for module in model.modules():
-            if isinstance(module, FSDPModule):
-                module.set_gradient_divide_factor(cfg["divide_factor"])
-                module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
-    if cfg.get("root_reshard"):
-        model.set_reshard_after_forward(True, recurse=False)
-    opt = _optimizer(cfg["opt"], model.parameters())
-    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
-    losses, kept_after_forward, pieces_after_forward = [], [], []
-    # XLA units only (empty on gloo): what unshard() and the root's forward left gathered, whether a
-    # micro-batch without gradient sync left the shards without gradients, the output's dtype
-    root_after_unshard, root_after_forward, shard_grads_after_no_sync, out_dtypes = [], [], [], []
-    for step in range(STEPS):
-        x, y = batch(step, world_size * cfg["micro"])
-        opt.zero_grad()
+@dataclasses.dataclass(frozen=True)
+class Fsdp2Program:
+    """Program ``name`` of PROGRAMS as a program of the harness protocol (training_program.py):
+    FSDP2's tutorial loop, its global batch split by rank. What the sharded run observes on XLA
+    units (gathered blocks, kept pieces, issued gathers) goes into its record."""
+    name: str
+    steps: int = STEPS
+
+    @property
+    def config(self) -> Dict[str, Any]:
+        return PROGRAMS[self.name]
+
+    def build(self, run: Run) -> nn.Module:
+        if self.config.get("meta") and run.sharded:  # FSDP2's meta-device init: shard first, then init
+            with torch.device("meta"):
+                return Net()
+        torch.manual_seed(0)
+        model = Net()
+        if self.config.get("meta"):
+            init_weights(model)
+        return model
+
+    def shard(self, model: nn.Module, run: Run) -> nn.Module:
+        cfg, world_size, device = self.config, run.world_size, run.device
+        kw: Dict[str, Any] = {}
+        if "mp" in cfg:
+            kw["mp_policy"] = MixedPrecisionPolicy(**cfg["mp"])
+        if cfg.get("offload"):
+            kw["offload_policy"] = CPUOffloadPolicy(pin_memory=False)  # pinned host memory needs CUDA
+        for i, block in enumerate(model.blocks):
+            reshard = cfg.get("reshard_after_forward", True)
+            if cfg.get("int_reshard") == "half":
+                reshard = world_size // 2 if world_size >= 4 else world_size
+            elif cfg.get("int_reshard"):
+                reshard = 1 if i == 0 else world_size
+            ignored = set(block.norm.parameters()) if cfg.get("ignored") else None
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="reshard_after_forward=1")  # FSDP2's, and ours alike
+                fully_shard(block, reshard_after_forward=reshard, ignored_params=ignored, **kw)
+        fully_shard(model, **kw)
+        if cfg.get("meta"):
+            model.to_empty(device=device)
+            init_weights(model)
+        model.to(device)
+        blocks: List[FSDPModule] = list(model.blocks)
+        ahead = cfg.get("prefetch", 1)
+        if ahead:
+            for i, block in enumerate(blocks):
+                block.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + ahead])
+                block.set_modules_to_backward_prefetch(blocks[max(i - ahead, 0):i][::-1])
+        run.notes["issued_at_forward"], run.notes["issued_at_backward"] = _watch_gathers(blocks)
+        if "divide_factor" in cfg:
+            for module in model.modules():
+                if isinstance(module, FSDPModule):
+                    module.set_gradient_divide_factor(cfg["divide_factor"])
+                    module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+        if cfg.get("root_reshard"):
+            model.set_reshard_after_forward(True, recurse=False)
+        return model
+
+    def start(self, run: Run) -> None:
+        run.optimizer = _optimizer(self.config["opt"], run.model.parameters())
+        run.notes["scheduler"] = torch.optim.lr_scheduler.LambdaLR(run.optimizer, lambda step: 1.0 / (1 + step))
+        # XLA units only (empty on gloo): what the blocks and the root hold after forward and after
+        # unshard(), whether a micro-batch without gradient sync left the shards without gradients,
+        # the output's dtype
+        for key in ("kept_after_forward", "pieces_after_forward", "root_after_unshard", "root_after_forward",
+                    "shard_grads_after_no_sync", "out_dtypes"):
+            run.notes[key] = []
+
+    def around_steps(self, run: Run) -> Any:
+        return contextlib.nullcontext()
+
+    def step(self, run: Run, step: int) -> None:
+        cfg, model, notes, world_size, micro = self.config, run.model, run.notes, run.world_size, self.config["micro"]
+        blocks = list(model.blocks)
+        # summed gradients (divide factor 1): the sharded run's gradients are the world size x the mean
+        scale = 1.0 if run.sharded else world_size / cfg.get("divide_factor", world_size)
+        x, y = batch(step, world_size * micro)
+        run.optimizer.zero_grad()
         total = 0.0
-        for k in range(cfg["micro"]):
-            model.set_requires_gradient_sync(k == cfg["micro"] - 1)
-            if cfg.get("keep_after_backward"):
-                model.set_reshard_after_backward(k == cfg["micro"] - 1)
-            model.unshard()
-            root_after_unshard += _blocks_gathered([model])
-            lo = (k * world_size + rank) * PER_RANK
-            out = model(x[lo:lo + PER_RANK].to(device))
-            out_dtypes.append(str(out.dtype))
-            kept_after_forward.append(_blocks_gathered(blocks))
-            pieces_after_forward.append(_pieces(blocks))
-            root_after_forward += _blocks_gathered([model])
-            loss = ((out.float() - y[lo:lo + PER_RANK].to(device)) ** 2).mean() / cfg["micro"]
-            loss.backward()
-            if cfg.get("ignored"):  # what FSDP2 leaves to the program: average the ignored parameters' gradients
-                _average_over_ranks([p.grad for b in blocks for p in b.norm.parameters()], world_size, device)
-            if k < cfg["micro"] - 1 and unit_of(model) is not None:
+        for k in range(micro):
+            if run.sharded:
+                model.set_requires_gradient_sync(k == micro - 1)
+                if cfg.get("keep_after_backward"):
+                    model.set_reshard_after_backward(k == micro - 1)
+                model.unshard()
+                notes["root_after_unshard"] += _blocks_gathered([model])
+
+            def loss_of(r: int, k: int = k) -> torch.Tensor:
+                lo = (k * world_size + r) * PER_RANK
+                out = model(x[lo:lo + PER_RANK].to(run.device))
+                if run.sharded:
+                    notes["out_dtypes"].append(str(out.dtype))
+                    notes["kept_after_forward"].append(_blocks_gathered(blocks))
+                    notes["pieces_after_forward"].append(_pieces(blocks))
+                    notes["root_after_forward"] += _blocks_gathered([model])
+                return ((out.float() - y[lo:lo + PER_RANK].to(run.device)) ** 2).mean() / micro
+            loss = run.mean_over_ranks(loss_of)
+            (loss * scale).backward()
+            if cfg.get("ignored") and run.sharded:  # FSDP2 leaves it to the program: average the ignored gradients
+                _average_over_ranks([p.grad for b in blocks for p in b.norm.parameters()], world_size, run.device)
+            if run.sharded and k < micro - 1 and unit_of(model) is not None:
                 units = [unit_of(m) for m in model.modules() if unit_of(m) is not None]
-                shard_grads_after_no_sync.append(all(g.shard.grad is None for u in units for g in u.gather_groups))
+                notes["shard_grads_after_no_sync"].append(
+                    all(g.shard.grad is None for u in units for g in u.gather_groups))
             total += loss.detach()
         if not cfg.get("no_clip"):
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-        opt.step()
-        scheduler.step()
-        sync()
-        losses.append(float(total))
-    return {"losses": losses, "full": _full_params(model), "class": type(model).__name__, "tree": tree_facts(model),
-            "is_net": isinstance(model, Net), "kept_after_forward": kept_after_forward,
-            "root_after_unshard": root_after_unshard, "root_after_forward": root_after_forward,
-            "shard_grads_after_no_sync": shard_grads_after_no_sync, "out_dtypes": out_dtypes,
-            "issued_at_forward": issued_at_forward, "issued_at_backward": issued_at_backward,
-            "pieces_after_forward": pieces_after_forward,
-            "ignored_shapes": [tuple(p.shape) for b in blocks for p in b.norm.parameters()]}
+        run.optimizer.step()
+        notes["scheduler"].step()
+        run.sync()
+        run.losses.append(float(total))
+
+    def result(self, run: Run) -> Dict[str, Any]:
+        model = run.model
+        if not run.sharded:
+            return {"losses": run.losses, "full": {n: p.detach() for n, p in model.named_parameters()}}
+        blocks = list(model.blocks)
+        notes = {k: v for k, v in run.notes.items() if k != "scheduler"}
+        return dict(notes, losses=run.losses, full=_full_params(model), tree=tree_facts(model),
+                    is_net=isinstance(model, Net), ignored_shapes=[tuple(p.shape) for b in blocks
+                                                                   for p in b.norm.parameters()],
+                    **{"class": type(model).__name__})
+
+
+def train_sharded(me: Rank, name: str) -> Dict[str, Any]:
+    """Rank ``me``'s run of program ``name``."""
+    return on_rank(me, Fsdp2Program(name))
 
 
 def _average_over_ranks(grads: List[torch.Tensor], world_size: int, device) -> None:
@@ -279,29 +323,7 @@ def unsharded_tree_facts() -> Dict[str, Any]:
 
 def train_unsharded(name: str, world_size: int) -> Dict[str, Any]:
     """The same program on the unwrapped model, fed every rank's samples at once."""
-    cfg = PROGRAMS[name]
-    model = build()
-    if cfg.get("meta"):
-        init_weights(model)
-    opt = _optimizer(cfg["opt"], model.parameters())
-    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
-    scale = world_size / cfg.get("divide_factor", world_size)  # summed gradients: world size x the mean
-    losses = []
-    for step in range(STEPS):
-        x, y = batch(step, world_size * cfg["micro"])
-        opt.zero_grad()
-        total = 0.0
-        for k in range(cfg["micro"]):
-            lo, hi = k * world_size * PER_RANK, (k + 1) * world_size * PER_RANK
-            loss = ((model(x[lo:hi]) - y[lo:hi]) ** 2).mean() / cfg["micro"]
-            (loss * scale).backward()
-            total += loss.item()
-        if not cfg.get("no_clip"):
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-        opt.step()
-        scheduler.step()
-        losses.append(total)
-    return {"losses": losses, "full": {n: p.detach() for n, p in model.named_parameters()}}
+    return reference(Fsdp2Program(name), world_size)
 
 
 # ----------------------------------------------------------------------------- meta-device init on XLA
@@ -449,7 +471,7 @@ def meta_init_draws(me: Rank) -> Dict[str, Any]:
     out["xla_got"] = full_state_dict(model, rank0_only=False)
     model = sharded(offload_policy=CPUOffloadPolicy())
     model.to_empty(device="cpu")
-    with _LOCK:  # the device threads share the CPU generator
+    with BUILD_LOCK:  # the device threads share the CPU generator
         torch.manual_seed(5)
         out["cpu_want"] = {k: v.clone() for k, v in meta_net().to_empty(device="cpu").apply(init).state_dict().items()}
         torch.manual_seed(5)
@@ -469,7 +491,7 @@ def step_cut_facts(me: Rank, mode: str) -> Dict[str, Any]:
     the step markers run (process-wide counters: read at one device); the losses."""
     import torch_xla.debug.metrics as met
     device = me.device
-    with _LOCK:
+    with BUILD_LOCK:
         torch.manual_seed(0)
         model = Net().to(device)
     if mode != "unwrapped":
@@ -497,23 +519,17 @@ def step_cut_facts(me: Rank, mode: str) -> Dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- runners
-def train_many(me: Rank, names: List[str]) -> Dict[str, Dict[str, Any]]:
-    """Rank ``me``'s runs of every program in ``names``, one after the other."""
-    return {n: train_sharded(me, n) for n in names}
-
-
 def run_xla(names: List[str], world_size: int) -> Dict[str, List[Dict[str, Any]]]:
     """Every program on ``world_size`` XLA:CPU devices (threads of one spawned process)."""
-    per_rank = on_xla(train_many, world_size, names)
-    return {n: [r[n] for r in per_rank] for n in names}
+    return dict(zip(names, run_sharded([Fsdp2Program(n) for n in names], world_size, "xla")))
 
 
 def run_gloo(names: List[str], world_size: int) -> Dict[str, List[Dict[str, Any]]]:
     """Every program on ``world_size`` gloo processes (PyTorch's own ``fully_shard``); each rank leaves
     without Python's teardown (FSDP2's gloo tensors: see ``ranks._exit_without_teardown``)."""
     names = [n for n in names if not PROGRAMS[n].get("xla_only")]
-    per_rank = on_gloo(train_many, world_size, names, hard_exit=True, weights_only=True)
-    return {n: [r[n] for r in per_rank] for n in names}
+    runs = run_sharded([Fsdp2Program(n) for n in names], world_size, "torch", hard_exit=True, weights_only=True)
+    return dict(zip(names, runs))
 
 
 # ----------------------------------------------------------------------------- ignored_params, saved

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import glob
 import functools
 import os
 import shutil
 import tempfile
-import threading
 from typing import Any, Callable, Collection, Dict, List, Optional, Tuple, Union
 
 import torch
@@ -17,7 +17,8 @@ import torch.nn as nn
 
 import models
 import xla_fsdp
-from ranks import Rank, on_gloo, on_xla, one_rank_group
+from ranks import Rank, one_rank_group
+from training_program import Run, on_rank, reference, run_sharded
 from xla_fsdp import XlaFullyShardedDataParallel as FSDP, checkpoint_module
 from xla_fsdp.checkpoints.shard_merge import consolidate_sharded_state_dicts
 from xla_fsdp.wrap import (lambda_auto_wrap_policy, size_based_auto_wrap_policy,
@@ -278,95 +279,146 @@ def state_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
     return total
 
 
-_INIT_LOCK = threading.Lock()
+@dataclasses.dataclass(frozen=True)
+class ConfigRun:
+    """A run of config ``name`` as a program of the harness protocol (training_program.py): steps
+    [start_step, start_step + steps) on ``per_rank`` samples per rank. Sharded, it may load a
+    checkpoint first (``load_prefix``: sharded; ``load_full_path``: full) and save one at the end
+    (``save_prefix``, and ``save_prefix + '_init'`` before training when nothing is loaded), and
+    ``full_state`` adds the gathered full model and optimizer state to its record. The reference
+    may start from ``init_state``. A name "config@variant" runs config again in the same launch."""
+    name: str
+    steps: int = STEPS
+    start_step: int = 0
+    per_rank: int = 4
+    save_prefix: Optional[str] = None
+    load_prefix: Optional[str] = None
+    load_full_path: Optional[str] = None
+    full_state: bool = False
+    init_state: Optional[Dict[str, torch.Tensor]] = None
 
+    @property
+    def config(self) -> Dict[str, Any]:
+        return CONFIGS[self.name.partition("@")[0]]
 
-def train_sharded(me: Rank, name: str, steps: int = STEPS, start: int = 0, per_rank: int = 4,
-                  save_prefix: Optional[str] = None, load_prefix: Optional[str] = None,
-                  load_full_path: Optional[str] = None,
-                  full_state: Union[bool, Collection[str]] = False) -> Dict[str, Any]:
-    """Rank ``me``'s run of config ``name`` for steps [start, start + steps); optionally loads a
-    sharded checkpoint first and saves one at the end (``save_prefix + '_init'`` before training).
-    Returns losses, shards, metadata and memory figures, and with ``full_state`` (True, or the
-    names of the configs that want it) the gathered full model and optimizer state."""
-    rank, device, sync, barrier = me.rank, me.device, me.sync, me.barrier
-    # "config@variant" runs config again in the same launch; a path may be a dict variant -> path.
-    # Paths may name the config: "{name}" is replaced, so one launch can run several configs.
-    base, _, variant = name.partition("@")
-    cfg = CONFIGS[base]
-    save_prefix, load_prefix, load_full_path = ((p.get(variant) if isinstance(p, dict) else p)
-                                                for p in (save_prefix, load_prefix, load_full_path))
-    save_prefix, load_prefix, load_full_path = (p.format(name=base) if p else p
-                                                for p in (save_prefix, load_prefix, load_full_path))
-    with _INIT_LOCK:  # XLA ranks are threads sharing the CPU RNG
-        model = models.make_model(cfg["model"])
-        wrapped = cfg["wrap"](model)
-    sync()
-    # No rank trains before every rank has built its model: torch_xla's checkpoint forks the
-    # process-wide CPU RNG during backward, which would change a slower thread's initialization.
-    barrier()
-    opt = make_optimizer(cfg["opt"], wrapped)
-    if load_full_path:
-        from xla_fsdp.checkpoints import load_full_optim_state_dict, load_full_state_dict
-        full = torch.load(load_full_path, weights_only=True)
-        load_full_state_dict(wrapped, full["model"])
-        load_full_optim_state_dict(wrapped, opt, full["optimizer"])
-    elif load_prefix:
-        xla_fsdp.load_sharded_checkpoint(wrapped, opt, load_prefix)
-    elif save_prefix:
-        xla_fsdp.save_sharded_checkpoint(wrapped, opt, save_prefix + "_init")
-    losses, freed, norms, residency = [], [], [], []
-    seen = _record_params_seen(wrapped) if cfg.get("check_freed") else []
-    for step in range(start, start + steps):
-        opt.zero_grad()
-        micro = cfg.get("micro", 1)
+    def build(self, run: Run) -> nn.Module:
+        model = models.make_model(self.config["model"])
+        run.notes["inner"] = model  # the unwrapped model (its set_step)
+        if not run.sharded:
+            if self.init_state is not None:
+                model.load_state_dict(self.init_state)
+            model.to(run.device)
+        return model
+
+    def shard(self, model: nn.Module, run: Run) -> nn.Module:
+        return self.config["wrap"](model)
+
+    def start(self, run: Run) -> None:
+        cfg, wrapped = self.config, run.model
+        run.optimizer = opt = make_optimizer(cfg["opt"], wrapped)
+        run.notes.update(freed=[], residency=[])
+        if not run.sharded:
+            return
+        run.notes["seen"] = _record_params_seen(wrapped) if cfg.get("check_freed") else []
+        if self.load_full_path:
+            from xla_fsdp.checkpoints import load_full_optim_state_dict, load_full_state_dict
+            full = torch.load(self.load_full_path, weights_only=True)
+            load_full_state_dict(wrapped, full["model"])
+            load_full_optim_state_dict(wrapped, opt, full["optimizer"])
+        elif self.load_prefix:
+            xla_fsdp.load_sharded_checkpoint(wrapped, opt, self.load_prefix)
+        elif self.save_prefix:
+            xla_fsdp.save_sharded_checkpoint(wrapped, opt, self.save_prefix + "_init")
+
+    def around_steps(self, run: Run) -> Any:
+        return contextlib.nullcontext()
+
+    def step(self, run: Run, index: int) -> None:
+        cfg, model, notes = self.config, run.model, run.notes
+        step, micro = self.start_step + index, cfg.get("micro", 1)
+        run.optimizer.zero_grad()
         step_loss = 0.0
-        if hasattr(model, "set_step"):
-            model.set_step(step)
+        if hasattr(notes["inner"], "set_step"):
+            notes["inner"].set_step(step)
         for k in range(micro):
-            x, y = models.batch(cfg["model"], step * micro + k, rank, per_rank)
-            x, y = x.to(device), y.to(device)
-            ctx = wrapped.no_sync() if k < micro - 1 else _null()
-            with ctx:
-                out = wrapped(x)
-                if cfg.get("check_freed"):
-                    freed.append(_inner_units_freed(wrapped) and _seen_params_freed(wrapped, seen))
-                seen.clear()
-                if cfg.get("check_kept"):
-                    freed.append(_inner_units_kept(wrapped))
-                loss = models.loss_fn(cfg["model"], out, y)
+            def loss_of(r: int, k: int = k) -> torch.Tensor:
+                x, y = (t.to(run.device) for t in models.batch(cfg["model"], step * micro + k, r, self.per_rank))
+                out = model(x)
+                if run.sharded:
+                    self._check_after_forward(run)
+                return models.loss_fn(cfg["model"], out, y)
+            with model.no_sync() if run.sharded and k < micro - 1 else contextlib.nullcontext():
+                loss = run.mean_over_ranks(loss_of)
                 loss.backward()
-            sync()
+            run.sync()
             step_loss += loss.item()
         if cfg.get("clip"):
-            norms.append(wrapped.clip_grad_norm_(cfg["clip"]))
-        opt.step()
-        sync()
-        losses.append(step_loss)
-        if cfg.get("check_host"):
-            residency.append(host_residency(wrapped, opt, barrier))
-    norms = [float(n.item()) for n in norms]
-    if save_prefix:
-        xla_fsdp.save_sharded_checkpoint(wrapped, opt, save_prefix)
-    result = {}
-    if full_state is True or (full_state and name in full_state):
-        from xla_fsdp.checkpoints import full_optim_state_dict, full_state_dict
-        result["full"] = full_state_dict(wrapped, rank0_only=False)
-        result["full_optim"] = full_optim_state_dict(wrapped, opt, rank0_only=False)
-    result.update({
-        "losses": losses,
-        "norms": norms,
-        "state_dict": {k: v.detach().cpu().clone() for k, v in wrapped.state_dict().items()},
-        "metadata": wrapped.get_shard_metadata(),
-        "state_bytes": state_bytes(wrapped, opt),
-        "freed_after_forward": freed,
-        "residency": residency,
-        "grad_state_dict": _grad_state_dict(wrapped) if cfg.get("check_host") else None,
-        "collective_split": _collective_split(wrapped),
-        "devices": sorted({str(p.device) for p in wrapped.parameters()} | {str(b.device) for b in wrapped.buffers()}),
-        "host_shards_pinned": _host_shards_pinned(wrapped),
-    })
-    return result
+            norm = (model.clip_grad_norm_(cfg["clip"]) if run.sharded
+                    else torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["clip"]))
+            run.norms.append(norm)
+        run.optimizer.step()
+        run.sync()
+        run.losses.append(step_loss)
+        if cfg.get("check_host") and run.sharded:
+            notes["residency"].append(host_residency(model, run.optimizer, run.barrier))
+
+    def _check_after_forward(self, run: Run) -> None:
+        """ZeRO-3: the nested units (and the tensors their layers saw) freed; ZeRO-2: kept."""
+        cfg, notes = self.config, run.notes
+        if cfg.get("check_freed"):
+            notes["freed"].append(_inner_units_freed(run.model) and _seen_params_freed(run.model, notes["seen"]))
+        notes["seen"].clear()
+        if cfg.get("check_kept"):
+            notes["freed"].append(_inner_units_kept(run.model))
+
+    def result(self, run: Run) -> Dict[str, Any]:
+        model, opt = run.model, run.optimizer
+        norms = [float(n) for n in run.norms]
+        if not run.sharded:
+            return {"losses": run.losses, "norms": norms, "state_dict": model.state_dict(),
+                    "param_bytes": sum(p.numel() * 4 for p in model.parameters()),
+                    "grads": {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}}
+        if self.save_prefix:
+            xla_fsdp.save_sharded_checkpoint(model, opt, self.save_prefix)
+        record: Dict[str, Any] = {}
+        if self.full_state:
+            from xla_fsdp.checkpoints import full_optim_state_dict, full_state_dict
+            record["full"] = full_state_dict(model, rank0_only=False)
+            record["full_optim"] = full_optim_state_dict(model, opt, rank0_only=False)
+        record.update({
+            "losses": run.losses,
+            "norms": norms,
+            "state_dict": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
+            "metadata": model.get_shard_metadata(),
+            "state_bytes": state_bytes(model, opt),
+            "freed_after_forward": run.notes["freed"],
+            "residency": run.notes["residency"],
+            "grad_state_dict": _grad_state_dict(model) if self.config.get("check_host") else None,
+            "collective_split": _collective_split(model),
+            "devices": sorted({str(p.device) for p in model.parameters()} | {str(b.device) for b in model.buffers()}),
+            "host_shards_pinned": _host_shards_pinned(model),
+        })
+        return record
+
+
+def config_run(name: str, steps: int = STEPS, start: int = 0, per_rank: int = 4, save_prefix: Any = None,
+               load_prefix: Any = None, load_full_path: Any = None,
+               full_state: Union[bool, Collection[str]] = False) -> ConfigRun:
+    """The run of config ``name`` that these keywords ask for: a path may be a dict variant -> path
+    (the variant of "config@variant"), and may name the config with "{name}", so one launch can
+    run several configs; ``full_state``: True, or the names of the configs that want it."""
+    base, _, variant = name.partition("@")
+
+    def path(p: Any) -> Optional[str]:
+        p = p.get(variant) if isinstance(p, dict) else p
+        return p.format(name=base) if p else p
+    return ConfigRun(name, steps, start, per_rank, path(save_prefix), path(load_prefix), path(load_full_path),
+                     full_state is True or bool(full_state and name in full_state))
+
+
+def train_sharded(me: Rank, name: str, **kwargs: Any) -> Dict[str, Any]:
+    """Rank ``me``'s run of config ``name`` (keywords: :func:`config_run`)."""
+    return on_rank(me, config_run(name, **kwargs))
 
 
 def _host_shards_pinned(root: FSDP) -> Optional[bool]:
@@ -420,14 +472,6 @@ def _collective_split(root: FSDP) -> List[Tuple[int, int]]:
     return splits
 
 
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
-
-
 def _inner_units_freed(root: FSDP) -> bool:
     """ZeRO-3 after forward: every nested unit has freed its full parameters, except, on eager
     transports, the one that ended forward last (it runs first in backward), which must still hold
@@ -472,34 +516,7 @@ def _inner_units_kept(root: FSDP) -> bool:
 def train_reference(name: str, world_size: int, init_state: Optional[dict] = None, steps: int = STEPS,
                     per_rank: int = 4, device: Union[str, torch.device] = "cpu") -> Dict[str, Any]:
     """The same training, unsharded, in this process: each step averages the per-rank losses."""
-    cfg = CONFIGS[name]
-    model = models.make_model(cfg["model"])
-    if init_state is not None:
-        model.load_state_dict(init_state)
-    model.to(device)
-    opt = make_optimizer(cfg["opt"], model)
-    losses, norms = [], []
-    for step in range(steps):
-        opt.zero_grad()
-        micro = cfg.get("micro", 1)
-        step_loss = 0.0
-        if hasattr(model, "set_step"):
-            model.set_step(step)
-        for k in range(micro):
-            rank_losses = []
-            for r in range(world_size):
-                x, y = (t.to(device) for t in models.batch(cfg["model"], step * micro + k, r, per_rank))
-                rank_losses.append(models.loss_fn(cfg["model"], model(x), y))
-            loss = torch.stack(rank_losses).mean()
-            loss.backward()
-            step_loss += loss.item()
-        if cfg.get("clip"):
-            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["clip"])))
-        opt.step()
-        losses.append(step_loss)
-    ideal = sum(p.numel() * 4 for p in model.parameters())
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    return {"losses": losses, "norms": norms, "state_dict": model.state_dict(), "param_bytes": ideal, "grads": grads}
+    return reference(ConfigRun(name, steps, per_rank=per_rank, init_state=init_state), world_size, device=device)
 
 
 def small_checkpoint(folder, make_model: Callable[[], nn.Module], input_width: int = 64):
@@ -521,24 +538,21 @@ def small_checkpoint(folder, make_model: Callable[[], nn.Module], input_width: i
 
 
 # ----------------------------------------------------------------------------- runs on N ranks (ranks.py)
-def train_many(me: Rank, names: List[str], kwargs: dict) -> Dict[str, Dict[str, Any]]:
-    """Rank ``me``'s runs of every config in ``names``, one after the other (see :func:`train_sharded`)."""
-    return {name: train_sharded(me, name, **kwargs) for name in names}
-
-
-def _by_name(per_rank: List[Dict[str, Any]], names: List[str]) -> Dict[str, List[Dict[str, Any]]]:
-    return {n: [r[n] for r in per_rank] for n in names}
+def _runs(names: List[str], world_size: int, transport: str, kwargs: Dict[str, Any],
+          **launch: Any) -> Dict[str, List[Dict[str, Any]]]:
+    programs = [config_run(n, **kwargs) for n in names]
+    return dict(zip(names, run_sharded(programs, world_size, transport, **launch)))
 
 
 def run_gloo(names: List[str], world_size: int, **kwargs: Any) -> Dict[str, List[Dict[str, Any]]]:
     """Every config in ``names`` on ``world_size`` gloo processes; results per config and rank.
-    ``kwargs`` go to :func:`train_sharded` (steps, start, per_rank, save/load prefixes)."""
-    return _by_name(on_gloo(train_many, world_size, names, kwargs, weights_only=False), names)
+    ``kwargs`` go to :func:`config_run` (steps, start, per_rank, save/load prefixes)."""
+    return _runs(names, world_size, "torch", kwargs, weights_only=False)
 
 
 def run_xla(names: List[str], world_size: int, **kwargs: Any) -> Dict[str, List[Dict[str, Any]]]:
     """Run the configs on ``world_size`` XLA:CPU devices (threads of one spawned process)."""
-    return _by_name(on_xla(train_many, world_size, names, kwargs), names)
+    return _runs(names, world_size, "xla", kwargs)
 
 
 def xla_steps(model: nn.Module, optimizer: torch.optim.Optimizer, batches: List[torch.Tensor],

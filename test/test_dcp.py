@@ -4,7 +4,6 @@ size, and xla_fsdp continues the run as FSDP2 continues it; xla_fsdp's checkpoin
 ``--to dcp`` to FSDP2 and to a plain model. Model and AdamW state both (1e-5 on losses and
 parameters: the frameworks sum gradients in different orders)."""
 import os
-import threading
 
 import pytest
 
@@ -12,6 +11,7 @@ import fsdp2_runs
 import harness
 import models
 from ranks import end_process_group, free_port, run_multiprocess, xla_cpu_devices
+from training_program import BUILD_LOCK
 from xla_fsdp.convert import main as convert_cli
 
 K = 3  # steps per leg
@@ -334,7 +334,7 @@ def _broadcast_from_rank0_on_xla(how: str, folder: str):
     dist.init_process_group("xla", init_method="xla://")
     try:
         def build(seed):
-            with _BUILD_LOCK:
+            with BUILD_LOCK:
                 torch.manual_seed(seed)
                 net = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
             net = net.to(torch_xla.device())
@@ -368,7 +368,6 @@ def _broadcast_from_rank0_on_xla(how: str, folder: str):
         dist.destroy_process_group()
 
 
-_BUILD_LOCK = threading.Lock()  # the device threads share the CPU generator
 
 
 @pytest.mark.xla

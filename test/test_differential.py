@@ -11,8 +11,9 @@ import os
 import pytest
 from hypothesis import HealthCheck, Phase, given, seed, settings
 
-from differential import Program, compare, fully_shard_programs, programs, run_xla, train_reference, train_sharded
+from differential import Program, compare, fully_shard_programs, programs
 from ranks import GlooPool
+from training_program import on_rank, reference, run_sharded
 
 NIGHTLY = os.environ.get("XLA_FSDP_DIFF_PROFILE") == "nightly"
 SCALE = 10 if NIGHTLY else 1
@@ -25,7 +26,7 @@ DEVIATIONS: dict = {}
 
 @pytest.fixture(scope="module")
 def ranks():
-    pools = {ws: GlooPool(train_sharded, ws) for ws in (1, 2, 4)}
+    pools = {ws: GlooPool(on_rank, ws) for ws in (1, 2, 4)}
     yield pools
     for pool in pools.values():
         pool.close()
@@ -43,7 +44,7 @@ def _given(strategy, examples: int):
 
 
 def _check(program: Program, world_size: int, sharded, transport: str = "gloo") -> None:
-    worst = compare(program, sharded, train_reference(program, world_size, sharded[0]["toggled"]))
+    worst = compare(program, sharded, reference(program, world_size, told=sharded[0]))
     key = (transport, world_size, program.dtype)
     DEVIATIONS[key] = max(DEVIATIONS.get(key, 0.0), worst)
 
@@ -186,7 +187,7 @@ def xla_results():
     listed = list(REGRESSIONS.values()) + drawn + fsdp2
     names = (list(REGRESSIONS) + [f"drawn{i}" for i in range(len(drawn))]
              + [f"fully_shard{i}" for i in range(len(fsdp2))])
-    return dict(zip(names, zip(listed, run_xla(listed, 2))))
+    return dict(zip(names, zip(listed, run_sharded(listed, 2, "xla", keep_errors=True))))
 
 
 @pytest.mark.xla
@@ -210,7 +211,7 @@ def test_a_partly_used_flat_shard_warns_once_naming_the_parameter(ranks):
         assert "flatten_parameters=False" in text and "flatten_group_fn" in text
         assert len(rank_result["warnings"]) == 2  # once per parameter, not once per step
     with pytest.raises(AssertionError, match="branch"):
-        compare(program, [dict(r, warnings=[]) for r in sharded], train_reference(program, 2))
+        compare(program, [dict(r, warnings=[]) for r in sharded], reference(program, 2))
 
 
 @pytest.mark.fast
@@ -218,5 +219,5 @@ def test_self_test_a_summed_reduction_fails(ranks):
     """The differential check must catch a wrong reduction (sum over ranks instead of mean)."""
     program = Program(wrong_reduction=True)
     with pytest.raises(AssertionError, match="deviation"):
-        compare(program, ranks[2].run(program), train_reference(program, 2))
-    compare(Program(), ranks[2].run(Program()), train_reference(Program(), 2))  # the same, right, passes
+        compare(program, ranks[2].run(program), reference(program, 2))
+    compare(Program(), ranks[2].run(Program()), reference(Program(), 2))  # the same, right, passes

@@ -2,7 +2,6 @@
 reduce-scatter, buffer and output dtypes, and bf16 training tracking fp32 training."""
 import functools
 
-import threading
 
 import pytest
 import torch
@@ -11,6 +10,7 @@ import torch.nn.functional as F
 
 import harness
 from ranks import run_multiprocess, xla_cpu_devices
+from training_program import BUILD_LOCK
 from xla_fsdp import XlaFullyShardedDataParallel as FSDP
 from xla_fsdp.unit.gather_group import GatherGroup
 from xla_fsdp.wrap import lambda_auto_wrap_policy
@@ -111,7 +111,6 @@ def test_bf16_training_tracks_fp32_loss_curve(transport):
     assert ref[-1] < ref[0] - 0.05 and bf16[-1] < bf16[0] - 0.05  # the curve goes somewhere
 
 
-_BUILD_LOCK = threading.Lock()
 
 
 def _autocast_programs():
@@ -123,7 +122,7 @@ def _autocast_programs():
     device = torch_xla.device()
 
     def build():
-        with _BUILD_LOCK:  # XLA:CPU device threads share the CPU generator
+        with BUILD_LOCK:  # XLA:CPU device threads share the CPU generator
             torch.manual_seed(0)
             return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Sequential(nn.Linear(16, 16), nn.GELU()),
                                  nn.Linear(16, 4)).to(device)

@@ -11,6 +11,7 @@ import torch
 pytest.importorskip("torch_xla")
 # ranks.run_multiprocess enables several XLA:CPU devices, as xla_fsdp.launch does
 from ranks import run_multiprocess  # noqa: E402
+from training_program import BUILD_LOCK
 import xla_fsdp  # noqa: E402
 
 
@@ -165,7 +166,6 @@ def test_torch_xla_style_training_script_on_digits(devices, tmp_path):
     assert len(list(tmp_path.glob("final_ckpt_rank-*.pth"))) == devices
 
 
-_BUILD_LOCK = threading.Lock()
 
 
 def _optimizer_step_program(use_xm_step):
@@ -175,7 +175,7 @@ def _optimizer_step_program(use_xm_step):
     from xla_fsdp import XlaFullyShardedDataParallel as FSDP
     from xla_fsdp.checkpoints import full_state_dict
     dev, r = torch_xla.device(), xr.global_ordinal()
-    with _BUILD_LOCK:  # the device threads share torch's CPU generator
+    with BUILD_LOCK:  # the device threads share torch's CPU generator
         torch.manual_seed(0)
         net = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
     model = FSDP(net.to(dev))

@@ -19,6 +19,7 @@ import torch.nn as nn
 
 from harness import xla_steps
 from ranks import end_process_group, free_port, run_multiprocess, xla_cpu_devices
+from training_program import BUILD_LOCK
 from xla_fsdp import XlaFullyShardedDataParallel as FSDP
 from xla_fsdp.checkpoints import full_state_dict
 
@@ -184,7 +185,6 @@ def test_a_parameter_between_steps_refuses_its_data_and_summon_full_params_gives
         assert seen["frozen_moved"] == 0.0
 
 
-_BUILD_LOCK = threading.Lock()  # XLA:CPU device threads share one CPU random generator
 
 
 def _xla_built_per_rank(sync: Any, wrap_under_lock: bool = False) -> Any:
@@ -193,7 +193,7 @@ def _xla_built_per_rank(sync: Any, wrap_under_lock: bool = False) -> Any:
     device, rank = torch_xla.device(), xr.global_ordinal()
     before = None
     try:
-        with _BUILD_LOCK:  # each thread's seed and draws together: rank 0's model is seed 0's
+        with BUILD_LOCK:  # each thread's seed and draws together: rank 0's model is seed 0's
             torch.manual_seed(rank)
             net = Net()
             if wrap_under_lock:  # construction must not wait for a peer that waits for this lock

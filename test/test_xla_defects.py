@@ -7,6 +7,7 @@ import torch
 
 import models
 from ranks import run_multiprocess
+from training_program import BUILD_LOCK
 
 pytest.importorskip("torch_xla")
 
@@ -73,7 +74,6 @@ def test_ranks_that_built_different_units_fail_fast_with_a_clear_error(monkeypat
 
 
 LATE_S = 17  # XLA:CPU aborts a device rendezvous whose peers are 15 s late (5 s warning + 10 s)
-_BUILD_LOCK = threading.Lock()  # the rank threads share torch's CPU generator
 
 
 def _one_rank_late_to_its_first_forward():
@@ -83,7 +83,7 @@ def _one_rank_late_to_its_first_forward():
     import xla_fsdp
     from xla_fsdp import XlaFullyShardedDataParallel as FSDP
     dev = torch_xla.device()
-    with _BUILD_LOCK:
+    with BUILD_LOCK:
         torch.manual_seed(0)
         model = FSDP(models.MLP())
     x = torch.randn(2, 12, generator=torch.Generator().manual_seed(0)).to(dev)
@@ -114,7 +114,7 @@ def _rank_one_fails_before_its_first_forward(index):
     import torch_xla
     import torch_xla.runtime as xr
     from xla_fsdp import XlaFullyShardedDataParallel as FSDP
-    with _BUILD_LOCK:
+    with BUILD_LOCK:
         torch.manual_seed(0)
         model = FSDP(models.MLP())
     if xr.global_ordinal() == 1:
@@ -154,7 +154,7 @@ def _train_with_and_without_profiler_annotations():
     dev, rank = torch_xla.device(), xr.global_ordinal()
     runs = {}
     for annotate in (False, True):
-        with _BUILD_LOCK:
+        with BUILD_LOCK:
             torch.manual_seed(0)
             # sync_on_finalization: a graph cut of the package's in backward too, inside the user's StepTrace
             model = FSDP(models.MLP(), sync_on_finalization=True)
@@ -219,7 +219,7 @@ def _train_with_a_branch_on_rank_zero():
     import xla_fsdp
     from xla_fsdp import XlaFullyShardedDataParallel as FSDP
     dev, rank = torch_xla.device(), xr.global_ordinal()
-    with _BUILD_LOCK:
+    with BUILD_LOCK:
         torch.manual_seed(0)
         model = FSDP(_BranchOnRankZero(), flatten_parameters=False, reshard_after_forward=True)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -300,7 +300,7 @@ def _gradients_with_and_without_an_inf():
     grads = {}
     for strategy in ("FULL_SHARD", "NO_SHARD"):  # both with the default per-parameter layout
         for first in (float("inf"), 3.0):
-            with _BUILD_LOCK:
+            with BUILD_LOCK:
                 torch.manual_seed(0)
                 model = FSDP(_ScaleThenMLP(), sharding_strategy=strategy)
             x, y = (t.to(dev) for t in models.batch("mlp", 0, rank))
