@@ -365,9 +365,13 @@ def test_kill_during_save_never_leaves_a_bad_file(tmp_path, mode):
     prefix = str(tmp_path / "live")
     helper = os.path.join(os.path.dirname(__file__), "kill_saver.py")
     rng = random.Random(0 if mode == "blocking" else 1)
+    # a killed saver cannot remove its temp files (its gloo file store, torch.distributed.nn's folder):
+    # they go to a folder of the test's own, removed with tmp_path
+    env = dict(os.environ, TMPDIR=str(tmp_path.parent / f"{tmp_path.name}-saver-tmp"))
+    os.makedirs(env["TMPDIR"])
     for trial in range(8):
         proc = subprocess.Popen([sys.executable, helper, prefix] + (["--async"] if mode == "async" else []),
-                                stdout=subprocess.PIPE, text=True)
+                                stdout=subprocess.PIPE, text=True, env=env)
         last = -1
         target = rng.randint(1, 3)
         while last < target:  # let it complete a few saves, then kill it mid-way through another
