@@ -32,11 +32,17 @@ def _rank_key(tensor=None) -> str:
     return "process"
 
 
-def _counting(fn, names, size, gather: bool = False):
+_NESTED = threading.local()  # per thread: inside a counted XLA call (its inner collectives are part of it)
+
+
+def _counting(fn, names, size, gather: bool = False, outermost: bool = False):
     """Wrap ``fn`` so every call adds ``size(**bound)`` bytes (and, for an all-gather, one call);
-    ``names`` are its leading parameters."""
+    ``names`` are its leading parameters. ``outermost``: not counted when made inside another
+    ``outermost`` call of this thread (xm's pinned all-gather and the all-reduce it is made of)."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        if outermost and getattr(_NESTED, "inside", False):
+            return fn(*args, **kwargs)
         bound = dict(zip(names, args))
         bound.update({k: v for k, v in kwargs.items() if k in names})
         n, key = size(bound)
@@ -44,14 +50,29 @@ def _counting(fn, names, size, gather: bool = False):
             _COUNTS[key] = _COUNTS.get(key, 0) + n
             if gather:
                 _GATHERS[key] = _GATHERS.get(key, 0) + 1
-        return fn(*args, **kwargs)
+        if not outermost:
+            return fn(*args, **kwargs)
+        _NESTED.inside = True
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _NESTED.inside = False
     return wrapper
 
 
 def install_collective_counters() -> None:
-    """Count the full-size bytes of every collective issued through torch.distributed or
-    torch_xla's xla_model (all-gather: the gathered output; reduce-scatter: the input; all-reduce:
-    the tensor). DDP's C++ reducer and SPMD's compiler-inserted collectives are not visible here."""
+    """Count the full-size bytes of every collective issued through torch.distributed or traced
+    through torch_xla's collective bindings (all-gather: the gathered output; reduce-scatter: the
+    input; all-reduce: the tensor). DDP's C++ reducer and SPMD's compiler-inserted collectives are
+    not visible here.
+
+    On XLA the count is taken at ``torch_xla._XLAC`` (what ``xm.all_gather`` & co. call, once per
+    call, and what xla_fsdp calls directly), so torch_xla's FSDP and xla_fsdp are counted at the
+    same level. Also counted: xm's pinned all-gather, which it builds from an all-reduce (one
+    all-gather, its inner all-reduce not counted again). Not visible: an ``xm.all_reduce`` of one
+    tensor over every device with a pinned layout and scale 1 (torch_xla lowers it through
+    ``torch.ops._c10d_functional``), and user collectives xla_fsdp runs as host exchanges on XLA:CPU
+    rank threads (no device collective)."""
     global _INSTALLED
     with _LOCK:
         if _INSTALLED:
@@ -67,20 +88,41 @@ def install_collective_counters() -> None:
                                 lambda b: (_nbytes(b.get("tensor_list")), "process"), gather=True)
     dist.all_reduce = _counting(dist.all_reduce, ("tensor",), lambda b: (_nbytes(b.get("tensor")), "process"))
     try:
+        import torch_xla
         import torch_xla.core.xla_model as xm
         import torch_xla.runtime as xr
     except ImportError:
         return
 
-    def gathered(b):
+    def gathered(b):  # the bindings take the shard count as xm computes it: the group size
+        return _nbytes(b.get("value")) * int(b["shard_count"]), _rank_key(b.get("value"))
+
+    def reduced(b):
+        return _nbytes(b.get("input")), _rank_key(b.get("input"))
+
+    xlac = torch_xla._XLAC
+    # the leading positional parameters of each binding (torch_xla 2.9; they take no keywords)
+    for name, names, size, gather in (
+            ("_xla_all_gather", ("value", "dim", "shard_count"), gathered, True),
+            ("_xla_all_gather_out", ("output", "value", "token", "dim", "shard_count"), gathered, True),
+            ("_xla_all_gather_coalesced", ("value", "token", "dim", "shard_count"), gathered, True),
+            ("_xla_all_gather_coalesced_out", ("output", "value", "token", "dim", "shard_count"), gathered, True),
+            ("_xla_reduce_scatter", ("reduce_type", "input"), reduced, False),
+            ("_xla_reduce_scatter_out", ("reduce_type", "output", "input"), reduced, False),
+            ("_xla_reduce_scatter_coalesced", ("reduce_type", "input"), reduced, False),
+            ("_xla_reduce_scatter_coalesced_out", ("reduce_type", "output", "input"), reduced, False),
+            ("_xla_all_reduce", ("reduce_type", "input"), reduced, False),
+            ("_xla_all_reduce_inplace", ("reduce_type", "input"), reduced, False)):
+        if hasattr(xlac, name):
+            setattr(xlac, name, _counting(getattr(xlac, name), names, size, gather=gather, outermost=True))
+
+    def pinned(b):  # xm's pinned all-gather: an all-reduce of the input padded to the group's size
         groups = b.get("groups")
         size = len(groups[0]) if groups else xr.world_size()
         return _nbytes(b.get("value")) * size, _rank_key(b.get("value"))
-    xm.all_gather = _counting(xm.all_gather, ("value", "dim", "groups"), gathered, gather=True)
-    xm.reduce_scatter = _counting(xm.reduce_scatter, ("reduce_type", "input"),
-                                  lambda b: (_nbytes(b.get("input")), _rank_key(b.get("input"))))
-    xm.all_reduce = _counting(xm.all_reduce, ("reduce_type", "inputs"),
-                              lambda b: (_nbytes(b.get("inputs")), _rank_key(b.get("inputs"))))
+    if hasattr(xm, "_all_gather_using_all_reduce"):
+        xm._all_gather_using_all_reduce = _counting(xm._all_gather_using_all_reduce, ("value", "dim", "groups"),
+                                                    pinned, gather=True, outermost=True)
 
 
 def collective_bytes(device=None) -> int:

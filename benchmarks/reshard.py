@@ -122,7 +122,8 @@ def main(argv: Optional[List[str]] = None) -> None:
              "previous two in `..._backward_prefetch` "
              "(without lists FSDP2 prefetches none in forward and the previous block in backward). "
              "All-gathers per step: calls issued through "
-             "torch.distributed (gloo) or traced through torch_xla's `xm.all_gather` (XLA), per rank; in the compiled "
+             "torch.distributed (gloo) or traced through torch_xla's all-gather bindings (XLA: `torch_xla._XLAC`, "
+             "which `xm.all_gather` and xla_fsdp call), per rank; in the compiled "
              "step: all-gather instructions XLA kept in the optimized step program. Collective "
              "bytes: gathered plus reduce-scattered, over the fp32 parameter bytes. Step device MiB: XLA's buffer "
              "assignment of the compiled step. Peak RSS: the largest rank process (XLA: the one process).", ""]

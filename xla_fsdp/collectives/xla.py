@@ -134,6 +134,13 @@ class XlaCollectives(Collectives):
         # A pinned all-gather is lowered per rank (pad by ordinal + all-reduce): never pin on the
         # channel-id path, whose point is identical, id-matched collectives.
         self.pin_layout = pin_layout and not use_channel_ids
+        # Our collectives call torch_xla's bindings (torch_xla._XLAC) with the arguments xm.all_gather /
+        # xm.reduce_scatter pass them, without xm's per-call Python (device context, token, checks): a
+        # step traces hundreds. Not where xm's function is another: a pinned all-gather (xm builds it
+        # from an all-reduce), or rank threads without channel ids (xla_user's host exchanges).
+        self._direct = use_channel_ids or not is_threaded_cpu()
+        self._direct_gather = self._direct and not self.pin_layout
+        self._own_groups = self._xm_groups(self.groups)
         self._placeholders: Dict[torch.dtype, torch.Tensor] = {}
         #: set by the SPMD mode (world size 1): the compiler, not this object, gathers the shards
         self.gather_by_annotation = False
@@ -202,13 +209,36 @@ class XlaCollectives(Collectives):
             return {}
         return {"channel_id": int(channel), "use_global_device_ids": True}
 
+    def _channel_ids(self, channel: int) -> Tuple[Optional[int], Optional[bool]]:
+        """``channel_id`` and ``use_global_device_ids`` as the bindings take them."""
+        return (int(channel), True) if self.use_channel_ids else (None, None)
+
+    def _xm_groups(self, groups: List[List[int]]) -> Tuple[List[List[int]], int]:
+        """The groups and shard count xm would pass the bindings: without channel ids one group is
+        left implicit (every device), as it always was here."""
+        import torch_xla.runtime as xr
+
+        if self.use_channel_ids or len(groups) > 1:
+            return groups, len(groups[0])
+        return [], xr.world_size()
+
     def _gather(self, tensor: torch.Tensor, channel: int, groups: List[List[int]],
                 gradients: bool = False) -> torch.Tensor:
         """``gradients``: values that may hold an inf, kept out of torch_xla's token (see _outside_token)."""
+        import torch_xla
+
+        xm_groups, shard_count = self._own_groups if groups is self.groups else self._xm_groups(groups)
+        if self._direct_gather:
+            # _XLAC looked up at each call: whatever is installed there (a counter) sees it. The
+            # binding takes and advances the device's token itself (xm passes it none).
+            ids = self._channel_ids(channel)
+            if not gradients:
+                return torch_xla._XLAC._xla_all_gather(_linked(tensor), 0, shard_count, xm_groups, False, *ids)
+            return _outside_token(tensor, lambda t: torch_xla._XLAC._xla_all_gather(
+                t, 0, shard_count, xm_groups, False, *ids))
         import torch_xla.core.xla_model as xm
 
-        groups = groups if (self.use_channel_ids or len(groups) > 1) else None
-        kwargs = dict(groups=groups, pin_layout=self.pin_layout, **self._channel_kwargs(channel))
+        kwargs = dict(groups=xm_groups or None, pin_layout=self.pin_layout, **self._channel_kwargs(channel))
         if gradients:
             return _outside_token(tensor, lambda t: xm.all_gather(t, 0, **kwargs))
         return xm.all_gather(_linked(tensor), 0, **kwargs)
@@ -226,13 +256,25 @@ class XlaCollectives(Collectives):
         return result
 
     def reduce_scatter(self, full: torch.Tensor, channel: int) -> torch.Tensor:
-        import torch_xla.core.xla_model as xm
+        import torch_xla
 
         if self.world_size == 1:
             return full
-        groups = self.groups if (self.use_channel_ids or len(self.groups) > 1) else None
-        kwargs = dict(groups=groups, pin_layout=self.pin_layout, **self._channel_kwargs(channel))
-        return _outside_token(full, lambda t: xm.reduce_scatter(xm.REDUCE_SUM, t, 1.0, 0, self.world_size, **kwargs))
+        xm_groups, _ = self._own_groups
+        if not self._direct:
+            import torch_xla.core.xla_model as xm
+            kwargs = dict(groups=xm_groups or None, pin_layout=self.pin_layout, **self._channel_kwargs(channel))
+            return _outside_token(full, lambda t: xm.reduce_scatter(xm.REDUCE_SUM, t, 1.0, 0, self.world_size,
+                                                                    **kwargs))
+        # The device's token goes in (as xm's) and the new one is not kept (xm keeps it): the gradient
+        # stays out of the token as _outside_token keeps it, its order kept by the link.
+        xlac = torch_xla._XLAC
+        linked = _linked(full)
+        token = xlac._get_all_reduce_token(xlac._xla_get_default_device())  # the device xm takes the token of
+        result = xlac._xla_reduce_scatter("sum", linked, token, 1.0, 0, self.world_size, xm_groups,  # xm.REDUCE_SUM
+                                          self.pin_layout, *self._channel_ids(channel))[0]
+        _link_after(result, full)
+        return result
 
     def all_reduce_sum(self, tensor: torch.Tensor, channel: int) -> torch.Tensor:
         flat = tensor.reshape(1, -1)
@@ -439,17 +481,23 @@ def _outside_token(tensor: torch.Tensor, collective: Callable[[torch.Tensor], to
     for each other in two rendezvous until XLA aborted them. Keyed by the tensor's device, not the
     thread: backward hooks run in autograd's thread for the device."""
     import torch_xla
-    import torch_xla.core.xla_model as xm
 
-    token, devctx = xm._get_all_reduce_token()
+    xlac = torch_xla._XLAC
+    device = xlac._xla_get_default_device()  # the device xm's collectives take the token of
+    token = xlac._get_all_reduce_token(device)
     try:
         result = collective(_linked(tensor))
     finally:
-        torch_xla._XLAC._set_all_reduce_token(devctx.device, token)
+        xlac._set_all_reduce_token(device, token)
+    _link_after(result, tensor)
+    return result
+
+
+def _link_after(result: torch.Tensor, tensor: torch.Tensor) -> None:
+    """The next collective on ``tensor``'s device follows this one (see :func:`_outside_token`)."""
     first = result.detach()
     first = (first if first.dim() == 1 else first.reshape(-1))[0]
     _LINKS[str(tensor.device)] = torch.nan_to_num(first, 0.0, 0.0, 0.0)
-    return result
 
 
 def _refresh_metadata(tensor: torch.Tensor) -> None:

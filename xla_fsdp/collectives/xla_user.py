@@ -48,9 +48,10 @@ def _original(name: str) -> Callable[..., Any]:
 
 
 def _stays_in_the_graph(channel_id: Any, groups: Any, pin_layout: bool, use_global_device_ids: Any) -> bool:
-    """A call that already has the form a channel-id collective takes on rank threads (xla_fsdp's
-    own: every group named, layout not pinned, global device ids): torch_xla's function runs it
-    as it is on rank threads and elsewhere alike, so the device check is not needed."""
+    """A call that already has the form a channel-id collective takes on rank threads (the form of
+    xla_fsdp's own, which call torch_xla's bindings directly and never come here: every group named,
+    layout not pinned, global device ids): torch_xla's function runs it as it is on rank threads and
+    elsewhere alike, so the device check is not needed."""
     return channel_id is not None and bool(groups) and not pin_layout and use_global_device_ids is True
 
 
@@ -119,7 +120,7 @@ def all_gather(value: Any, dim: int = 0, groups: Optional[List[List[int]]] = Non
                use_global_device_ids=None) -> Any:
     if _stays_in_the_graph(channel_id, groups, pin_layout, use_global_device_ids) or not is_threaded_cpu():
         return _original("all_gather")(value, dim, groups, output, pin_layout, channel_id, use_global_device_ids)
-    if channel_id is not None:  # xla_fsdp's own, part of a training step: stays in the graph
+    if channel_id is not None:  # numbered as a step's collective (the benchmark's torch_xla FSDP): in the graph
         return _original("all_gather")(value, dim, groups or [list(range(_world_size()))], output, False,
                                         channel_id, True)
     tensors, is_list = _as_list(value)
@@ -153,7 +154,7 @@ def reduce_scatter(reduce_type: str, input: Any, scale: float, scatter_dim: int,
     if _stays_in_the_graph(channel_id, groups, pin_layout, use_global_device_ids) or not is_threaded_cpu():
         return _original("reduce_scatter")(reduce_type, input, scale, scatter_dim, shard_count, groups, output,
                                             pin_layout, channel_id, use_global_device_ids)
-    if channel_id is not None:  # xla_fsdp's own: stays in the graph
+    if channel_id is not None:  # numbered as a step's collective: stays in the graph
         return _original("reduce_scatter")(reduce_type, input, scale, scatter_dim, shard_count,
                                             groups or [list(range(_world_size()))], output, False, channel_id, True)
     tensors, is_list = _as_list(input)
