@@ -441,7 +441,7 @@ def _warn_draws_before_cut() -> None:
 
 
 # --- gradient collectives outside torch_xla's collective token --------------------------------------
-#: per XLA device: a finite scalar computed from the result of the last gradient collective of the
+#: per XLA device: a bool scalar computed from the result of the last gradient collective of the
 #: graph being traced; the next collective's input adds 0 times it, so it runs after that one
 _LINKS: Dict[str, torch.Tensor] = {}
 
@@ -455,16 +455,12 @@ def _linked(tensor: torch.Tensor) -> torch.Tensor:
     if link is None or not torch_xla._XLAC._check_tensor_need_materialization([link])[0]:
         return tensor  # none, or from a graph that has run since
     # + 0 * link: XLA keeps a float multiplication by 0 (it would turn an inf into NaN), and so does
-    # add's alpha (one IR node where mul then add made two). Where the dtypes differ, the zero is
-    # made in the link's dtype and then cast to the tensor's: adding a 0-d f32 link to a bf16 tensor
-    # is bf16 to PyTorch but f32 in torch_xla's IR, and the bf16 parameter gathered from it broke
-    # XLA's verifier where it met a bf16 tensor (a LayerNorm weight in a recompute: issue 43's
-    # differential suite). Casting the link itself could overflow (a finite f32 > bf16's max).
-    # (An optimization barrier over the tensor and the link, with no arithmetic, does not keep the
-    # order on XLA:CPU: ranks ran two reduce-scatters in different orders and XLA aborted them.)
-    if link.dtype == tensor.dtype:
-        return tensor.add(link, alpha=0)
-    return tensor.add(link.mul(0).to(tensor.dtype))
+    # add's alpha (one IR node). The link is a bool, converted to the tensor's dtype in the add: 0 or 1,
+    # finite in every dtype (a float link in another dtype than the tensor's broke XLA's verifier:
+    # issue 43's bf16 recompute). (An optimization barrier over the tensor and the link, with no
+    # arithmetic, does not keep the order on XLA:CPU: ranks ran two reduce-scatters in different
+    # orders and XLA aborted them.)
+    return tensor.add(link, alpha=0)
 
 
 def _outside_token(tensor: torch.Tensor, collective: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
@@ -476,7 +472,7 @@ def _outside_token(tensor: torch.Tensor, collective: Callable[[torch.Tensor], to
     element is inf makes the token ``0 * inf = NaN``, and every later collective of the graph adds
     that NaN to its input: the other parameters' gradients arrive as NaN. So the token is put back
     as it was before this collective, and the order goes on through a link of our own: the next
-    collective's input adds ``0 * nan_to_num(result[0])``, the same dependency, always a finite 0.
+    collective's input adds ``0 * isnan(result[0])``, the same dependency, always a finite 0.
     The order matters: XLA:CPU ranks that ran independent collectives in different orders waited
     for each other in two rendezvous until XLA aborted them. Keyed by the tensor's device, not the
     thread: backward hooks run in autograd's thread for the device."""
@@ -496,8 +492,9 @@ def _outside_token(tensor: torch.Tensor, collective: Callable[[torch.Tensor], to
 def _link_after(result: torch.Tensor, tensor: torch.Tensor) -> None:
     """The next collective on ``tensor``'s device follows this one (see :func:`_outside_token`)."""
     first = result.detach()
-    first = (first if first.dim() == 1 else first.reshape(-1))[0]
-    _LINKS[str(tensor.device)] = torch.nan_to_num(first, 0.0, 0.0, 0.0)
+    # isnan: a bool computed from the result, finite whatever the result holds (nan_to_num of it
+    # made the same dependency at 5x the tracing time)
+    _LINKS[str(tensor.device)] = (first if first.dim() == 1 else first.reshape(-1))[0].isnan()
 
 
 def _refresh_metadata(tensor: torch.Tensor) -> None:
