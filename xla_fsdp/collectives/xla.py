@@ -352,13 +352,20 @@ class XlaCollectives(Collectives):
 
     def gather_into(self, full: torch.Tensor, shard: torch.Tensor, channel: int,
                     padded_shape: Tuple[int, ...], unpad: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        self.fill_full(full, self.all_gather(shard.detach().to(full.dtype), channel), padded_shape, unpad)
+        # The direct binding records no autograd: the shard goes in as it is (a detach is an op to
+        # trace per parameter); a cast, or xm's path, is kept out of autograd's graph.
+        direct = self._direct_gather and self.world_size > 1 and shard.dtype == full.dtype
+        source = shard if direct else shard.detach().to(full.dtype)
+        self.fill_full(full, self.all_gather(source, channel), padded_shape, unpad)
 
     def fill_full(self, full: torch.Tensor, data: torch.Tensor, padded_shape: Tuple[int, ...],
                   unpad: Callable[[torch.Tensor], torch.Tensor]) -> None:
         import torch_xla
 
-        torch_xla._XLAC._replace_xla_tensor(full, unpad(data.reshape(padded_shape)))
+        # a reshape to the same shape is still an op to trace; SPMD's data is the shard itself
+        if self.gather_by_annotation or tuple(data.shape) != tuple(padded_shape):
+            data = data.reshape(padded_shape)
+        torch_xla._XLAC._replace_xla_tensor(full, unpad(data))
         full._xla_fsdp_freed = False
         _refresh_metadata(full)
 
@@ -460,7 +467,7 @@ def _linked(tensor: torch.Tensor) -> torch.Tensor:
     # issue 43's bf16 recompute). (An optimization barrier over the tensor and the link, with no
     # arithmetic, does not keep the order on XLA:CPU: ranks ran two reduce-scatters in different
     # orders and XLA aborted them.)
-    return tensor.add(link, alpha=0)
+    return (tensor.detach() if tensor.requires_grad else tensor).add(link, alpha=0)
 
 
 def _outside_token(tensor: torch.Tensor, collective: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
@@ -491,7 +498,7 @@ def _outside_token(tensor: torch.Tensor, collective: Callable[[torch.Tensor], to
 
 def _link_after(result: torch.Tensor, tensor: torch.Tensor) -> None:
     """The next collective on ``tensor``'s device follows this one (see :func:`_outside_token`)."""
-    first = result.detach()
+    first = result.detach() if result.requires_grad else result  # (the bindings' results do not)
     # isnan: a bool computed from the result, finite whatever the result holds (nan_to_num of it
     # made the same dependency at 5x the tracing time)
     _LINKS[str(tensor.device)] = (first if first.dim() == 1 else first.reshape(-1))[0].isnan()

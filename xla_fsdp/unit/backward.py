@@ -47,7 +47,8 @@ def end_gradient_plan(rt: Any, outputs: Any) -> None:
     # Walked also where no plan is made (one rank): a program's own reentrant checkpoint must
     # keep the groups it uses gathered until its later backward pass.
     recomputed: List[Any] = []
-    edges = reachable_edges(outputs, recomputed)
+    leaves: Set[int] = set()
+    edges = reachable_edges(outputs, recomputed, leaves)
     # torch_xla's checkpoint is reentrant: what it recomputes is not in this graph. Every
     # parameter the modules of a unit that ran under it hold counts as used (its own, and a
     # tied one its parent owns). So do those of the program's own reentrant checkpoints: the
@@ -66,7 +67,7 @@ def end_gradient_plan(rt: Any, outputs: Any) -> None:
         group.gradient_in_later_pass = any(id(module) in later for ref in group.refs for module, _ in ref.slots)
     if not root.plans_gradients:
         return
-    used = [used_members(g, edges, hidden) for unit in root.units for g in unit.groups if g.requires_grad]
+    used = [used_members(g, edges, hidden, leaves) for unit in root.units for g in unit.groups if g.requires_grad]
     for group in root.trainable_groups:
         group.end_edge_record()
     schedule.plan = GradientPlan(root.trainable_groups, used, rt.comms.start_sum_over_ranks)

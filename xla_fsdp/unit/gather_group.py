@@ -210,6 +210,8 @@ class GatherGroup:
             return padded[:self.layout.rows].view(self.full_shape)
         if self.flat:
             return padded
+        if self.layout.padding == 0:  # no slice op to trace
+            return padded.view(self.full_shape)
         return padded[:self.layout.numel].view(self.full_shape)
 
     def _pad_grad(self, grad: torch.Tensor) -> torch.Tensor:

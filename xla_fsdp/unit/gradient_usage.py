@@ -34,8 +34,11 @@ def tensor_edge(tensor: torch.Tensor) -> Edge:
     return edge.node, edge.output_nr
 
 
-def reachable_edges(outputs: Any, recomputed: Optional[List[Any]] = None) -> Set[Edge]:
+def reachable_edges(outputs: Any, recomputed: Optional[List[Any]] = None,
+                    leaves: Optional[Set[int]] = None) -> Set[Edge]:
     """Every gradient edge of the autograd graph behind ``outputs`` (a pytree of tensors).
+    ``leaves``: collects the ids of the leaf tensors whose accumulators the graph reaches (read from
+    the accumulator: a leaf's own edge is found only by tracing a view of it, an op per lookup).
     ``recomputed``: collects the function of each reentrant checkpoint of the program's own in the
     graph (PyTorch's and torch_xla's keep it as ``ctx.run_function``; ``checkpoint_module``'s is
     left out): the parameters it uses are not in the graph, and get their gradients in a backward
@@ -52,6 +55,8 @@ def reachable_edges(outputs: Any, recomputed: Optional[List[Any]] = None) -> Set
                 stack.append(node)
     while stack:
         node = stack.pop()
+        if leaves is not None and type(node).__name__ == "AccumulateGrad":
+            leaves.add(id(node.variable))
         if (recomputed is not None and hasattr(node, "run_function")
                 and not getattr(node.run_function, "recomputes_a_unit", False)):
             recomputed.append(node.run_function)
@@ -150,14 +155,17 @@ class UnusedFlatParameterWarning(UserWarning):
     """A member of a flat shard got no gradient while the rest of the shard did."""
 
 
-def used_members(group: Any, edges: Set[Edge], hidden_modules: Set[int]) -> List[bool]:
-    """Per member of ``group``: will it get a gradient from the graph whose edges are ``edges``.
-    ``hidden_modules``: ids of modules whose use of a parameter the graph does not show (they ran
-    under a reentrant checkpoint); a member any of them holds counts as used."""
+def used_members(group: Any, edges: Set[Edge], hidden_modules: Set[int], leaves: Set[int]) -> List[bool]:
+    """Per member of ``group``: will it get a gradient from the graph whose edges are ``edges``
+    and whose accumulators are those of the tensors ``leaves`` (ids). ``hidden_modules``: ids of
+    modules whose use of a parameter the graph does not show (they ran under a reentrant
+    checkpoint); a member any of them holds counts as used."""
     if hidden_modules:
         hidden = [any(id(module) in hidden_modules for module, _ in ref.slots) for ref in group.refs]
     else:
         hidden = [False] * len(group.refs)
     if not group.flat:
+        if group.full.grad_fn is None:  # a leaf, as a parameter is
+            return [hidden[0] or id(group.full) in leaves]
         return [hidden[0] or group.gradient_edge() in edges]
     return [seen or any(e in edges for e in member) for seen, member in zip(hidden, group.forward_edges)]
