@@ -45,6 +45,7 @@ def host_seconds(run: Dict[str, Any], key: str = "host_times") -> Optional[float
 def measure(world_size: int, rounds: int, workload, warmup: int, steps: int) -> Dict[str, Any]:
     plan = [(PLAIN, 1), (PEER, world_size)] + [(name, world_size) for name in OURS]
     figures: Dict[str, List[Optional[float]]] = {name: [] for name, _ in plan}
+    ops: Dict[str, List[float]] = {name: [] for name, _ in plan}
     backward: Dict[str, List[Optional[float]]] = {name: [] for name, _ in plan}
     errors: List[str] = []
     for r in range(rounds):
@@ -52,9 +53,11 @@ def measure(world_size: int, rounds: int, workload, warmup: int, steps: int) -> 
             run = run_one(name, ws, workload, warmup, steps, 1800)
             figures[name].append(host_seconds(run))
             backward[name].append(host_seconds(run, "backward_host_times"))
+            if not run["error"] and run["ranks"] and "xla_ops_per_step" in run["ranks"][0]:
+                ops[name].append(run["ranks"][0]["xla_ops_per_step"] / ws)  # the process's, per rank thread
             if run["error"]:
                 errors.append(f"{name} ws{ws} round {r}: {run['error']}")
-    return {"figures": figures, "backward": backward, "errors": errors}
+    return {"figures": figures, "backward": backward, "ops": ops, "errors": errors}
 
 
 def _ratios(a: List[Optional[float]], b: List[Optional[float]]) -> List[float]:
@@ -71,16 +74,20 @@ def _seconds(value: Optional[float]) -> str:
 
 
 def table(figures: Dict[str, List[Optional[float]]], world_size: int,
-          backward: Optional[Dict[str, List[Optional[float]]]] = None) -> List[str]:
+          backward: Optional[Dict[str, List[Optional[float]]]] = None,
+          ops: Optional[Dict[str, List[float]]] = None) -> List[str]:
     lines = ["| contender | devices | host s/step, pooled (each round) | of which backward's thread, pooled "
-             "| / torch_xla XlaFSDP, pooled (each round) |", "|---|---|---|---|---|"]
+             "| / torch_xla XlaFSDP, pooled (each round) | ATen ops traced per rank per step |",
+             "|---|---|---|---|---|---|"]
     for name, values in figures.items():
         ratios = _ratios(values, figures[PEER])
         per_round = ", ".join(_seconds(v) for v in values)
         ratio = f"{statistics.median(ratios):.3f} ({', '.join(f'{x:.3f}' for x in ratios)})" if ratios else "-"
         devices = 1 if name == PLAIN else world_size
         back = _seconds(_median(backward[name])) if backward and name in backward else "-"
-        lines.append(f"| {name} | {devices} | {_seconds(_median(values))} ({per_round}) | {back} | {ratio} |")
+        traced = f"{_median(ops[name]):.0f}" if ops and ops.get(name) else "-"
+        lines.append(f"| {name} | {devices} | {_seconds(_median(values))} ({per_round}) | {back} | {ratio} "
+                     f"| {traced} |")
     return lines
 
 
@@ -106,8 +113,9 @@ def main(argv: Optional[List[str]] = None) -> None:
              f"{args.steps} measured steps per run, {args.rounds} rounds. Host time: a rank thread's CPU time "
              "(`time.thread_time`) from the step's start to its sync, plus autograd's device thread's during "
              "backward (XLA runs backward there); per run the median over steps of the slowest rank's. Ratios "
-             "are per round, pooled as their median.", ""]
-    lines += table(result["figures"], args.world_size, result["backward"])
+             "are per round, pooled as their median. ATen ops traced: the ops torch_xla counted (`xla::*` counters) "
+             "over the measured steps, per rank thread and step (a count: no timing noise).", ""]
+    lines += table(result["figures"], args.world_size, result["backward"], result["ops"])
     if result["errors"]:
         lines += ["", "Errors:"] + [f"- {e}" for e in result["errors"]]
     write_result(args.out, dict(result, workload=args.workload, quick=args.quick, world_size=args.world_size,

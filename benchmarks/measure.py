@@ -203,6 +203,16 @@ def xla_compiles() -> int:
     return int(data[0]) if data else 0
 
 
+def xla_ops_traced() -> int:
+    """ATen ops dispatched to XLA so far in this process (every rank thread's; torch_xla counts each
+    as ``xla::<op>``): the tracing work of a step counted, free of the machine's timing noise."""
+    try:
+        import torch_xla.debug.metrics as met
+    except ImportError:
+        return 0
+    return sum(met.counter_value(name) or 0 for name in met.counter_names() if name.startswith("xla::"))
+
+
 def xla_transfers_to_host() -> int:
     """Device-to-host copies so far in this process (every rank thread's): a collective run as a host
     exchange makes one per rank, one in the compiled step makes none."""

@@ -28,7 +28,7 @@ def train_loop(model, opt, w: Workload, spec: Dict[str, Any], rank: int, device,
     per_rank = per_rank or w.batch
     warmup, steps = spec["warmup"], spec["steps"]
     times, host_times, backward_host_times, losses = [], [], [], []
-    compiles_step2 = transfers_start = 0
+    compiles_step2 = transfers_start = ops_start = 0
     for step in range(warmup + steps):
         if step == 2:  # the target: no new XLA compilation after the second step
             compiles_step2 = measure.xla_compiles()
@@ -38,6 +38,8 @@ def train_loop(model, opt, w: Workload, spec: Dict[str, Any], rank: int, device,
         x, y = batch(w, step, rank, per_rank)
         contenders.new_step()
         barrier()
+        if step == warmup:
+            ops_start = measure.xla_ops_traced()
         t0, h0 = time.perf_counter(), time.thread_time()
         x, y = shard_batch(x.to(device)), shard_batch(y.to(device))
         opt.zero_grad(set_to_none=True)
@@ -54,6 +56,7 @@ def train_loop(model, opt, w: Workload, spec: Dict[str, Any], rank: int, device,
         value = loss.item()
         times.append(time.perf_counter() - t0)
         losses.append(value)
+    barrier()  # every rank's steps traced
     return {
         "rank": rank, "times": times[warmup:], "host_times": host_times[warmup:],
         "backward_host_times": backward_host_times[warmup:], "losses": losses,
@@ -63,6 +66,8 @@ def train_loop(model, opt, w: Workload, spec: Dict[str, Any], rank: int, device,
         "compiles_step2": compiles_step2, "compiles_end": measure.xla_compiles(),
         # every rank thread's device-to-host copies per measured step (XLA): loss.item() makes one per rank
         "host_transfers_per_step": (measure.xla_transfers_to_host() - transfers_start) / steps,
+        # every rank thread's ATen ops traced on XLA per measured step (the process's)
+        "xla_ops_per_step": (measure.xla_ops_traced() - ops_start) / steps,
         "param_bytes": spec["param_bytes"],
     }
 
