@@ -165,10 +165,12 @@ def test_torch_xlas_fsdp_collectives_stay_in_the_compiled_step_as_ours_do(tmp_pa
         assert all(t is not None and 0 < t < h for t, h in zip(rank["backward_host_times"], rank["host_times"]))
     for a, b in zip(theirs, ours):
         assert max(abs(x - y) for x, y in zip(a["losses"], b["losses"])) < 1e-5
-    # the tracing work, counted (no timing noise): each of ours traces fewer ATen ops per step than
-    # torch_xla's XlaFSDP (benchmarks.host_time's column)
+    # the tracing work, counted (no timing noise): each of ours traces under 0.9 of the ATen ops per
+    # step of torch_xla's XlaFSDP (benchmarks.host_time's column; measured here 1320 and 1297 against
+    # 1640; 8aac2df traced 0.99 of torch_xla's on the full shapes)
     for name in ("xla_fsdp_xla_perparam", "xla_fsdp_fully_shard"):
-        assert runs[name][0]["xla_ops_per_step"] < theirs[0]["xla_ops_per_step"], (name, runs[name][0], theirs[0])
+        assert runs[name][0]["xla_ops_per_step"] < 0.9 * theirs[0]["xla_ops_per_step"], (name, runs[name][0],
+                                                                                           theirs[0])
 
 
 def test_peak_memory_is_the_median_over_rounds_and_shown_round_by_round():
