@@ -1,3 +1,4 @@
+import collections
 import fnmatch
 import importlib.util
 import json
@@ -5,6 +6,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 
 import pytest
 
@@ -40,6 +42,10 @@ def pytest_configure(config):
     # controller names the folder, the workers it starts inherit it
     if "XLA_FSDP_SESSION_RUNS" not in os.environ:
         os.environ["XLA_FSDP_SESSION_RUNS"] = _TEMP["session_runs"] = os.path.join(private, "session_runs")
+    # each XLA device process started through ranks.run_multiprocess notes its compile time here
+    if "XLA_FSDP_COMPILE_LOG" not in os.environ:
+        os.environ["XLA_FSDP_COMPILE_LOG"] = _TEMP["compile_log"] = os.path.join(private, "xla_compile_times")
+        os.makedirs(_TEMP["compile_log"])
 
 
 def _own_live_temp_dirs():
@@ -58,11 +64,17 @@ def pytest_sessionfinish(session, exitstatus):
     themselves). Only the session's private folder counts: every process the suite starts writes its
     temp files there, and what other programs on the machine put in the system temp folder is theirs."""
     _relay_to_controller(session)
+    folder = _TEMP.get("compile_log")
+    if folder and os.path.isdir(folder):  # read before the session's folder goes
+        _CLOCK["compile_notes"] = [json.load(open(os.path.join(folder, n))) for n in os.listdir(folder)
+                                   if n.endswith(".json")]
     if "private" not in _TEMP:
         return
     private = _TEMP["private"]
     if "session_runs" in _TEMP:  # the controller (or a plain session): the runs end with it
         os.environ.pop("XLA_FSDP_SESSION_RUNS", None)
+    if "compile_log" in _TEMP:
+        os.environ.pop("XLA_FSDP_COMPILE_LOG", None)
     tempfile.tempdir = None
     if _TEMP["tmpdir"] is None:
         os.environ.pop("TMPDIR", None)
@@ -75,7 +87,16 @@ def pytest_sessionfinish(session, exitstatus):
         print(f"\nthe test session's processes left {len(left)} temp entries: {left[:10]}")
         session.exitstatus = 1
     if exitstatus == 0 and not left:
-        shutil.rmtree(private, ignore_errors=True)
+        live = own & set(os.listdir(private))
+        for name in set(os.listdir(private)) - live:
+            path = os.path.join(private, name)
+            shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)
+        if live:  # multiprocessing removes its own folder as this process exits: the rest after it
+            import multiprocessing.util
+            multiprocessing.util.Finalize(None, shutil.rmtree, args=(private,), kwargs={"ignore_errors": True},
+                                          exitpriority=-200)
+        else:
+            os.rmdir(private)
     else:
         print(f"\ntemp files of this session kept in {private}")
 
@@ -114,9 +135,12 @@ def _needs_xla(item) -> bool:
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(SLOWEST_FILES)}
     items.sort(key=lambda item: rank.get(os.path.basename(str(item.fspath)), len(rank)))  # stable: file order kept
-    if not HAS_TORCH_XLA:
-        for item in items:
-            if _needs_xla(item):
+    for item in items:
+        if _needs_xla(item):
+            # one marker for every case that needs torch_xla, so `-m xla` / `-m "not xla"` select by
+            # environment (make test-xla / make test-newest)
+            item.add_marker(pytest.mark.xla)
+            if not HAS_TORCH_XLA:
                 item.add_marker(NO_XLA)
 
 
@@ -152,7 +176,39 @@ def pytest_testnodedown(node, error):
         _RELAYED["bytes"].extend(figures["bytes"])
 
 
+# What the session spends, printed at its end (make test prints both environments' lines): the next
+# change sees the budget (30 min for make test on 2 cores, both environments) and where it goes.
+_CLOCK = {"start": time.monotonic(), "files": collections.defaultdict(float), "tests": 0}
+
+
+def pytest_runtest_logreport(report):
+    """Seconds per test file (setup, call and teardown; on the controller, its workers' reports)."""
+    _CLOCK["files"][report.nodeid.split("::")[0]] += report.duration
+    if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
+        _CLOCK["tests"] += 1
+
+
+def _report_time(terminalreporter) -> None:
+    if getattr(terminalreporter.config, "workerinput", None) is not None:
+        return  # a pytest-xdist worker: its controller reports
+    wall = time.monotonic() - _CLOCK["start"]
+    env = "xla-env (torch_xla)" if HAS_TORCH_XLA else "newest-env (no torch_xla)"
+    terminalreporter.write_line(f"suite time, {env}: {wall:.0f} s wall for {_CLOCK['tests']} tests, "
+                                f"{sum(_CLOCK['files'].values()):.0f} s in tests; the 25 slowest files:")
+    for path, seconds in sorted(_CLOCK["files"].items(), key=lambda kv: -kv[1])[:25]:
+        terminalreporter.write_line(f"  {seconds:8.1f} s  {path}")
+    notes = _CLOCK.get("compile_notes")
+    if notes:
+        compile_s, wall_s = sum(n["compile_s"] for n in notes), sum(n.get("wall_s", 0.0) for n in notes)
+        cpu_s = sum(n["cpu_s"] for n in notes)
+        terminalreporter.write_line(
+            f"XLA compilation: {sum(n['compiles'] for n in notes)} graphs compiled in {compile_s:.0f} s of the "
+            f"{wall_s:.0f} s that the {len(notes)} device processes started through test/ranks.py ran "
+            f"({compile_s / max(wall_s, 1e-9):.0%}; {cpu_s:.0f} CPU s)")
+
+
 def pytest_terminal_summary(terminalreporter):
+    _report_time(terminalreporter)
     figures = _equivalence_figures() or _RELAYED
     if figures["deviations"]:
         terminalreporter.write_line("largest deviation from unsharded training, per transport:")
@@ -171,10 +227,6 @@ def pytest_terminal_summary(terminalreporter):
 def gloo(tmp_path_factory):
     """A one-rank gloo group in this process, for single-rank API tests (multi-rank cases spawn
     real ranks through ranks.on_gloo / on_xla)."""
-    import torch.distributed as dist
-    if not dist.is_initialized():
-        store = tmp_path_factory.mktemp("gloo") / "store"
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    yield
     import ranks
-    ranks.end_process_group()
+    with ranks.one_rank_group(tmp_path_factory.mktemp("gloo") / "store"):
+        yield

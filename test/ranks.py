@@ -15,7 +15,10 @@ import socket
 import sys
 import tempfile
 import threading
+import time
+import traceback
 from typing import Any, Callable, Dict, Iterator, List, Optional
+from unittest import mock
 
 import torch
 
@@ -92,7 +95,45 @@ def run_multiprocess(fn: Callable[..., Any], *args: Any) -> Dict[int, Any]:
     from torch_xla._internal import pjrt
     with xla_fsdp.patches.scope():
         xla_fsdp.enable_xla_cpu_devices()
-        return pjrt.run_multiprocess(fn, *args)
+        # the device process starts from the fork server, as the test's process would spawn it
+        with mock.patch.object(pjrt, "_run_thread_per_device", AsCalledHere(pjrt._run_thread_per_device)):
+            return pjrt.run_multiprocess(_recording_compile_time, fn, *args,
+                                         start_method=process_context().get_start_method())
+
+
+_STARTED = [time.monotonic()]  # when this process started its rank's work (AsCalledHere)
+#: where each XLA device process the suite starts notes its compilation time (conftest sets it and
+#: prints the sum at the end of the session: how much of the XLA cases' time is compiling)
+COMPILE_LOG = "XLA_FSDP_COMPILE_LOG"
+_COMPILE_LOG_LOCK = threading.Lock()
+
+
+def _recording_compile_time(fn: Callable[..., Any], *args: Any) -> Any:
+    try:
+        return fn(*args)
+    finally:
+        _record_compile_time()
+
+
+def _record_compile_time() -> None:
+    """This process's XLA compilations so far (count, seconds), its CPU seconds and how long it has run, into
+    ``$XLA_FSDP_COMPILE_LOG/<pid>.json``; every rank thread writes, the latest figures stay."""
+    folder = os.environ.get(COMPILE_LOG)
+    if not folder:
+        return
+    import json
+    import resource
+
+    import torch_xla.debug.metrics as met
+    data = met.metric_data("CompileTime")  # (count, total nanoseconds, samples), or None
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    figures = {"compiles": data[0] if data else 0, "compile_s": data[1] / 1e9 if data else 0.0,
+               "cpu_s": usage.ru_utime + usage.ru_stime, "wall_s": time.monotonic() - _STARTED[0]}
+    path = os.path.join(folder, f"{os.getpid()}.json")
+    with _COMPILE_LOG_LOCK:
+        with open(path + ".tmp", "w") as f:
+            json.dump(figures, f)
+        os.replace(path + ".tmp", path)
 
 
 @contextlib.contextmanager
@@ -142,26 +183,38 @@ def _join_torch_group(rank: int, world_size: int, port: int) -> Rank:
     return Rank.of_torch_group()
 
 
+def _remove_torch_distributed_nn_temp_dir() -> None:
+    """The temp folder torch.distributed.nn makes at import (torch 2.9; newer ones do not), which a
+    process leaving by ``os._exit`` does not remove."""
+    instantiator = sys.modules.get("torch.distributed.nn.jit.instantiator")
+    temp_dir = getattr(instantiator, "_TEMP_DIR", None)
+    if temp_dir is not None:
+        temp_dir.cleanup()
+
+
 def _exit_without_teardown() -> None:
     """Leaves the process without Python's teardown: FSDP2 hands gloo its own tensors, and gloo's
     thread may free them as Python exits, aborting the rank after its results are written
     (pytorch/pytorch#190489; xla_fsdp's collectives keep theirs until gloo lets go:
     collectives/torch_dist.py). ``os._exit`` skips the finalizer of the temp folder
     torch.distributed.nn makes at import, so it is removed here."""
-    instantiator = sys.modules.get("torch.distributed.nn.jit.instantiator")
-    temp_dir = getattr(instantiator, "_TEMP_DIR", None)  # torch 2.9 makes it at import; newer ones do not
-    if temp_dir is not None:
-        temp_dir.cleanup()
+    _remove_torch_distributed_nn_temp_dir()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
 
 
 def _gloo_rank(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, out_dir: str,
-               hard_exit: bool) -> None:
+               hard_exit: bool, errors_as_results: bool) -> None:
     me = _join_torch_group(rank, world_size, port)
     try:
-        torch.save(fn(me, *args), os.path.join(out_dir, f"rank{rank}.pt"))
+        try:
+            result = fn(me, *args)
+        except Exception as e:  # noqa: BLE001 - the caller reads every rank's error
+            if not errors_as_results:
+                raise
+            result = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:  # the rank's models gone first (see end_process_group)
         end_process_group()
     if hard_exit:
@@ -169,16 +222,88 @@ def _gloo_rank(rank: int, world_size: int, port: int, fn: Callable[..., Any], ar
 
 
 def on_gloo(fn: Callable[..., Any], world_size: int, *args: Any, hard_exit: bool = False,
-            weights_only: bool = True) -> List[Any]:
-    """``fn(rank, *args)`` on ``world_size`` spawned gloo processes; the results by rank (saved by
-    each rank and read back here, with ``weights_only`` as the caller's results need). ``hard_exit``:
-    each rank leaves with ``os._exit`` after its group is destroyed (FSDP2's tensors, see
-    :func:`_exit_without_teardown`)."""
+            weights_only: bool = True, errors_as_results: bool = False) -> List[Any]:
+    """``fn(rank, *args)`` on ``world_size`` gloo processes started from the fork server
+    (:func:`process_context`); the results by rank (saved by each rank and read back here, with
+    ``weights_only`` as the caller's results need). ``hard_exit``: each rank leaves with ``os._exit``
+    after its group is destroyed (FSDP2's tensors, see :func:`_exit_without_teardown`).
+    ``errors_as_results``: a rank that raises returns its error and traceback as a string (tests of
+    what every rank raises) instead of failing the spawn."""
     import torch.multiprocessing as mp
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_gloo_rank, args=(world_size, free_port(), fn, args, out_dir, hard_exit), nprocs=world_size)
+        mp.start_processes(AsCalledHere(_gloo_rank),
+                           args=(world_size, free_port(), fn, args, out_dir, hard_exit, errors_as_results),
+                           nprocs=world_size, start_method=process_context().get_start_method())
         return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=weights_only)
                 for r in range(world_size)]
+
+
+# ----------------------------------------------------------------------------- the fork server
+#: what every rank process needs, imported once per test process in the fork server instead of in
+#: every rank (a spawned rank spent about 2 s of CPU importing torch and these again, torch_xla 2 s
+#: more: most of a small test's time)
+PRELOAD = ["torch", "torch.distributed", "torch.multiprocessing", "xla_fsdp", "ranks", "training_program",
+           "models", "harness"]
+XLA_PRELOAD = ["torch_xla", "torch_xla.core.xla_model", "torch_xla.runtime", "torch_xla.debug.metrics",
+               "torch_xla._internal.pjrt"]
+_SERVER_DIR = "fork-server"
+
+
+def process_context() -> Any:
+    """The multiprocessing context rank processes start from: a fork server, a clean process that
+    has imported :data:`PRELOAD` (and torch_xla where installed) and run nothing else, which forks
+    each rank. Cheap as a fork, without a fork's hazards: the test's own process has run autograd and
+    holds threads (a device process forked from it fails in autograd's device queues), the server
+    never does. A rank starts as the test's process would have spawned it (:class:`AsCalledHere`)
+    and leaves by ``os._exit`` (multiprocessing's way for forked processes: no ``atexit`` handlers)."""
+    import importlib.util
+    import multiprocessing.forkserver as forkserver
+    context = torch.multiprocessing.get_context("forkserver")
+    if forkserver._forkserver._forkserver_pid is None:  # not started yet: its temp files kept apart
+        has_xla = importlib.util.find_spec("torch_xla") is not None
+        context.set_forkserver_preload(PRELOAD + (XLA_PRELOAD if has_xla else []))
+        saved = os.environ.get("TMPDIR")
+        server_tmp = os.path.join(tempfile.gettempdir(), _SERVER_DIR)
+        os.makedirs(server_tmp, exist_ok=True)
+        os.environ["TMPDIR"] = server_tmp
+        try:
+            forkserver.ensure_running()
+        finally:
+            if saved is None:
+                os.environ.pop("TMPDIR", None)
+            else:
+                os.environ["TMPDIR"] = saved
+    return context
+
+
+class AsCalledHere:
+    """``target`` run in a rank process with this process's environment, working folder and temp
+    folder at the time of the call, as a spawned process would have them (the fork server's are
+    those of its own start); torch_xla's environment defaults are applied again, as its import does."""
+
+    def __init__(self, target: Callable[..., Any]):
+        self.target, self.env, self.cwd = target, dict(os.environ), os.getcwd()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        _STARTED[0] = time.monotonic()
+        os.environ.clear()
+        os.environ.update(self.env)
+        os.chdir(self.cwd)
+        tempfile.tempdir = None  # found again from TMPDIR
+        torch_xla = sys.modules.get("torch_xla")
+        if torch_xla is not None:
+            torch_xla._setup_default_env()
+            torch_xla._setup_xla_flags()
+        return self.target(*args, **kwargs)
+
+
+def start_process(target: Callable[..., Any], *args: Any) -> Any:
+    """One spawned process running ``target(*args)``, started: for tests whose subject is a process's
+    own life (a peer replaced mid-run, a process that joins groups one after another), which
+    :func:`on_gloo`'s fixed set of ranks cannot express."""
+    process = torch.multiprocessing.get_context("spawn").Process(target=target, args=args)
+    process.start()
+    return process
 
 
 def _pool_rank(rank: int, world_size: int, port: int, fn: Callable[..., Any], inbox, outbox) -> None:

@@ -10,6 +10,7 @@ import torch.nn as nn
 
 import harness
 import models
+import ranks
 from ranks import end_process_group
 from xla_fsdp import XlaFullyShardedDataParallel as FSDP, checkpoint_module
 from xla_fsdp.collectives import select_collectives
@@ -423,15 +424,10 @@ def test_a_new_process_group_gets_new_collectives(tmp_path):
     rank 1 is a new process (an in-process restart after a peer was replaced). Its units must use
     the new group: collectives cached from the old one hold its destroyed subgroup, whose
     connections lead to the process that is gone."""
-    import torch.multiprocessing as mp
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_reinit_rank, args=(0, range(2), str(tmp_path), str(tmp_path))),
-             ctx.Process(target=_reinit_rank, args=(1, range(1), str(tmp_path), str(tmp_path)))]
-    for p in procs:
-        p.start()
+    procs = [ranks.start_process(_reinit_rank, 0, range(2), str(tmp_path), str(tmp_path)),
+             ranks.start_process(_reinit_rank, 1, range(1), str(tmp_path), str(tmp_path))]
     procs[1].join(timeout=120)
-    replacement = ctx.Process(target=_reinit_rank, args=(1, range(1, 2), str(tmp_path), str(tmp_path)))
-    replacement.start()
+    replacement = ranks.start_process(_reinit_rank, 1, range(1, 2), str(tmp_path), str(tmp_path))
     for p in (procs[0], replacement):
         p.join(timeout=120)
         if p.is_alive():

@@ -15,7 +15,7 @@ import torch
 
 import harness
 import models
-from ranks import end_process_group, free_port, run_multiprocess, xla_cpu_devices
+from ranks import on_gloo, run_multiprocess, xla_cpu_devices
 from xla_fsdp.checkpoints import CheckpointError
 from xla_fsdp.checkpoints.files import rank_path
 from xla_fsdp.consolidate_sharded_ckpts import main as consolidate_cli
@@ -310,14 +310,8 @@ def _save_then_load(rank, device, folder, damage_rank, damage="flip"):
     return outcome, untouched
 
 
-def _gloo_load_worker(rank, port, folder, damage_rank, out, damage):
-    import torch.distributed as dist
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
-        torch.save(_save_then_load(rank, torch.device("cpu"), folder, damage_rank, damage),
-                   os.path.join(out, f"{rank}.pt"))
-    finally:
-        end_process_group()
+def _gloo_load_worker(me, folder, damage_rank, damage):
+    return _save_then_load(me.rank, me.device, folder, damage_rank, damage)
 
 
 def _xla_load_worker(folder, damage_rank, damage):
@@ -328,9 +322,7 @@ def _xla_load_worker(folder, damage_rank, damage):
 
 def _load_damaged(transport, tmp_path, damage):
     if transport == "torch":
-        import torch.multiprocessing as mp
-        mp.spawn(_gloo_load_worker, args=(free_port(), str(tmp_path), 1, str(tmp_path), damage), nprocs=2)
-        return [torch.load(tmp_path / f"{r}.pt", weights_only=False) for r in range(2)]
+        return on_gloo(_gloo_load_worker, 2, str(tmp_path), 1, damage, weights_only=False)
     with xla_cpu_devices(2):
         by_rank = run_multiprocess(_xla_load_worker, str(tmp_path), 1, damage)
     return [by_rank[r] for r in range(2)]

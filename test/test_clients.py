@@ -161,9 +161,9 @@ def _xla_checkpoint_with_keywords():
     return out.detach().cpu(), x.grad.cpu(), mask.grad.cpu()
 
 
+@pytest.mark.xla
 def test_checkpoint_module_takes_keyword_arguments_on_xla(monkeypatch):
     """torch_xla's checkpoint rejects keywords; keyword tensors must still get their gradients."""
-    pytest.importorskip("torch_xla")
     monkeypatch.setenv("PJRT_DEVICE", "CPU")
     monkeypatch.setenv("CPU_NUM_DEVICES", "1")
     out, x_grad, mask_grad = run_multiprocess(_xla_checkpoint_with_keywords)[0]

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-pytest.importorskip("torch_xla")
+pytestmark = pytest.mark.xla  # every test here needs torch_xla
 
 MODULES = ["torch_xla.distributed.fsdp", "torch_xla.distributed.fsdp.wrap", "torch_xla.distributed.fsdp.utils",
            "torch_xla.distributed.fsdp.state_dict_utils"]

@@ -10,7 +10,7 @@ import pytest
 import fsdp2_runs
 import harness
 import models
-from ranks import end_process_group, free_port, run_multiprocess, xla_cpu_devices
+from ranks import on_gloo, run_multiprocess, xla_cpu_devices
 from training_program import BUILD_LOCK
 from xla_fsdp.convert import main as convert_cli
 
@@ -126,14 +126,9 @@ def test_convert_refuses_bad_input_clearly(tmp_path, capsys):
         convert_cli(["--to", "dcp", "--ckpt_prefix", str(tmp_path / "ck")])  # no --out
 
 
-def _state_dict_api_worker(rank, world_size, port, name, phase, dcp_dir, out_dir):
+def _state_dict_api_worker(me, name, phase, dcp_dir, out_dir):
     """The FSDP2 tutorial's checkpoint code, run on an xla_fsdp model with xla_fsdp's functions."""
-    import torch.distributed as dist
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-    try:
-        _state_dict_api_steps(rank, world_size, name, phase, dcp_dir, out_dir)
-    finally:  # the model gone first: see ranks.end_process_group
-        end_process_group()
+    _state_dict_api_steps(me.rank, me.world_size, name, phase, dcp_dir, out_dir)
 
 
 def _state_dict_api_steps(rank, world_size, name, phase, dcp_dir, out_dir):
@@ -183,10 +178,9 @@ def test_the_fsdp2_tutorials_state_dict_code_runs_on_xla_fsdp_across_world_sizes
     ranks (broadcast_from_rank0=True, the dicts on rank 0 only); the 4-rank run continues as the
     uninterrupted unsharded run does (1e-5)."""
     import torch
-    import torch.multiprocessing as mp
     name, folder = "zero3_nested_adamw", str(tmp_path / "dcp")
-    mp.spawn(_state_dict_api_worker, args=(2, free_port(), name, "save", folder, str(tmp_path)), nprocs=2)
-    mp.spawn(_state_dict_api_worker, args=(4, free_port(), name, "load", folder, str(tmp_path)), nprocs=4)
+    on_gloo(_state_dict_api_worker, 2, name, "save", folder, str(tmp_path))
+    on_gloo(_state_dict_api_worker, 4, name, "load", folder, str(tmp_path))
     ranks = [torch.load(tmp_path / f"load{r}.pt", weights_only=True)["losses"] for r in range(4)]
     resumed = [sum(r[i] for r in ranks) / 4 for i in range(K)]
     reference = harness.train_reference(name, 4, steps=2 * K, per_rank=GLOBAL_BATCH // 4)["losses"][K:]

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 import harness
-from ranks import end_process_group, free_port
+from ranks import on_gloo
 
 LIMIT = 24 * 1024  # bytes: every output below is larger (the inputs are read, not written)
 
@@ -95,66 +95,57 @@ def _step(model, opt):
     opt.zero_grad()
 
 
-def _full_disk_worker(rank, port, folder, out):
+def _full_disk_worker(me, folder):
     """Two ranks; rank 1 runs out of room in each kind of save; rank 0 is told there is no room in
     the check before writing. What each rank saw, and whether the previous checkpoints stayed."""
-    import torch.distributed as dist
-
     import xla_fsdp
     from xla_fsdp.checkpoints import CheckpointError, files, latest_checkpoint, save_training_checkpoint
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    rank = me.rank
     seen = {}
-    try:
-        model = xla_fsdp.XlaFullyShardedDataParallel(_model())
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        _step(model, opt)
-        prefix = os.path.join(folder, "ck")
-        xla_fsdp.save_sharded_checkpoint(model, opt, prefix)  # the previous checkpoint at this prefix
-        save_training_checkpoint(model, opt, os.path.join(folder, "run"), 1)
-        saved = {k: v.clone() for k, v in model.state_dict().items()}
-        _step(model, opt)
-        if rank == 1:
-            _limited()
-        for kind in ("blocking", "async", "training"):
-            try:
-                if kind == "blocking":
-                    xla_fsdp.save_sharded_checkpoint(model, opt, prefix)
-                elif kind == "async":
-                    pending = xla_fsdp.save_sharded_checkpoint(model, opt, prefix, blocking=False)
-                    _step(model, opt)  # training goes on meanwhile
-                    pending.wait()
-                else:
-                    save_training_checkpoint(model, opt, os.path.join(folder, "run"), 2)
-                seen[kind] = "saved"
-            except CheckpointError as e:
-                seen[kind] = str(e)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
-        free_bytes = files.free_bytes
-        if rank == 0:
-            files.free_bytes = lambda directory: 1000
+    model = xla_fsdp.XlaFullyShardedDataParallel(_model())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    _step(model, opt)
+    prefix = os.path.join(folder, "ck")
+    xla_fsdp.save_sharded_checkpoint(model, opt, prefix)  # the previous checkpoint at this prefix
+    save_training_checkpoint(model, opt, os.path.join(folder, "run"), 1)
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    _step(model, opt)
+    if rank == 1:
+        _limited()
+    for kind in ("blocking", "async", "training"):
         try:
-            xla_fsdp.save_sharded_checkpoint(model, opt, prefix)
-            seen["checked"] = "saved"
+            if kind == "blocking":
+                xla_fsdp.save_sharded_checkpoint(model, opt, prefix)
+            elif kind == "async":
+                pending = xla_fsdp.save_sharded_checkpoint(model, opt, prefix, blocking=False)
+                _step(model, opt)  # training goes on meanwhile
+                pending.wait()
+            else:
+                save_training_checkpoint(model, opt, os.path.join(folder, "run"), 2)
+            seen[kind] = "saved"
         except CheckpointError as e:
-            seen["checked"] = str(e)
-        files.free_bytes = free_bytes
-        _step(model, opt)  # training was never stopped
-        seen["latest_step"] = latest_checkpoint(os.path.join(folder, "run")).step
-        xla_fsdp.load_sharded_checkpoint(model, opt, prefix)
-        seen["previous_intact"] = all(torch.equal(v, saved[k]) for k, v in model.state_dict().items())
-        del model, opt
-        torch.save(seen, os.path.join(out, f"{rank}.pt"))
-    finally:
-        end_process_group()
+            seen[kind] = str(e)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    free_bytes = files.free_bytes
+    if rank == 0:
+        files.free_bytes = lambda directory: 1000
+    try:
+        xla_fsdp.save_sharded_checkpoint(model, opt, prefix)
+        seen["checked"] = "saved"
+    except CheckpointError as e:
+        seen["checked"] = str(e)
+    files.free_bytes = free_bytes
+    _step(model, opt)  # training was never stopped
+    seen["latest_step"] = latest_checkpoint(os.path.join(folder, "run")).step
+    xla_fsdp.load_sharded_checkpoint(model, opt, prefix)
+    seen["previous_intact"] = all(torch.equal(v, saved[k]) for k, v in model.state_dict().items())
+    return seen
 
 
 def test_training_saves_on_a_full_disk_fail_on_every_rank_and_keep_the_previous_checkpoint(tmp_path):
-    import torch.multiprocessing as mp
-    folder, out = tmp_path / "ckpts", tmp_path / "out"
+    folder = tmp_path / "ckpts"
     folder.mkdir()
-    out.mkdir()
-    mp.spawn(_full_disk_worker, args=(free_port(), str(folder), str(out)), nprocs=2)
-    zero, one = (torch.load(out / f"{r}.pt", weights_only=True) for r in range(2))
+    zero, one = on_gloo(_full_disk_worker, 2, str(folder))
     for kind in ("blocking", "async", "training"):
         own, peer = one[kind], zero[kind]
         assert own.startswith("the save to ") and "failed on this rank: cannot write '" in own, own

@@ -13,7 +13,7 @@ import torch
 transformers = pytest.importorskip("transformers", reason="test extra: pip install -e .[test]")
 safetensors = pytest.importorskip("safetensors")
 
-from ranks import end_process_group, free_port  # noqa: E402
+from ranks import on_gloo  # noqa: E402
 from xla_fsdp.consolidate_sharded_ckpts import main as consolidate_cli  # noqa: E402
 
 LIMIT = "20KB"
@@ -28,37 +28,29 @@ def _ids():
     return torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
 
 
-def _worker(rank, world_size, port, out_dir, flatten):
-    import torch.distributed as dist
-
+def _worker(me, out_dir, flatten):
     import xla_fsdp
     from xla_fsdp import XlaFullyShardedDataParallel as FSDP
     from xla_fsdp.wrap import transformer_auto_wrap_policy
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-    try:
-        torch.manual_seed(0)
-        model = transformers.GPT2LMHeadModel(_config())
-        block = type(model.transformer.h[0])
-        wrapped = FSDP(model, flatten_parameters=flatten,
-                       auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={block}))
-        opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
-        ids = _ids()
-        wrapped(input_ids=ids, labels=ids).loss.backward()
-        opt.step()
-        with torch.no_grad():
-            logits = wrapped(input_ids=ids).logits
-        xla_fsdp.save_sharded_checkpoint(wrapped, opt, os.path.join(out_dir, "ckpt"))
-        if rank == 0:
-            torch.save(logits, os.path.join(out_dir, "logits.pt"))
-    finally:
-        model = wrapped = opt = None  # noqa: F841 (gone before the group: see ranks.end_process_group)
-        end_process_group()
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(_config())
+    block = type(model.transformer.h[0])
+    wrapped = FSDP(model, flatten_parameters=flatten,
+                   auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={block}))
+    opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
+    ids = _ids()
+    wrapped(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    with torch.no_grad():
+        logits = wrapped(input_ids=ids).logits
+    xla_fsdp.save_sharded_checkpoint(wrapped, opt, os.path.join(out_dir, "ckpt"))
+    if me.rank == 0:
+        torch.save(logits, os.path.join(out_dir, "logits.pt"))
 
 
 @pytest.mark.parametrize("flatten", [False, True])
 def test_consolidated_folder_loads_with_from_pretrained(tmp_path, flatten):
-    import torch.multiprocessing as mp
-    mp.spawn(_worker, args=(2, free_port(), str(tmp_path), flatten), nprocs=2)
+    on_gloo(_worker, 2, str(tmp_path), flatten)
     logits = torch.load(tmp_path / "logits.pt", weights_only=True)
     _config().save_pretrained(tmp_path / "config")
     folder = tmp_path / "hf"

@@ -156,66 +156,54 @@ def test_a_checkpoint_without_training_state_is_a_clear_error(gloo, tmp_path):
         xla_fsdp.latest_checkpoint(ckpt)
 
 
-def _damaged_newest_worker(rank, port, ckpt, out):
+def _damaged_newest_worker(me, ckpt):
     import warnings
 
     import torch
-    import torch.distributed as dist
 
     import xla_fsdp
-    from ranks import end_process_group
     from xla_fsdp.checkpoints import CheckpointError
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    rank = me.rank
     seen = {}
+    model, optimizer, schedule = _model_and_optimizer()
+    for step in (1, 2):
+        _train(model, optimizer, schedule, 1)
+        xla_fsdp.save_training_checkpoint(model, optimizer, ckpt, step, lr_scheduler=schedule, keep=0)
+        if step == 1:
+            expected = [p.detach().clone() for p in model.parameters()]
+    me.barrier()
+    if rank == 1:  # its file of the newest checkpoint is cut short (a copy or a disk that failed)
+        path = os.path.join(ckpt, "step-000000002_rank-00000001-of-00000002.pth")
+        data = open(path, "rb").read()
+        open(path, "wb").write(data[:len(data) // 2])
+    me.barrier()
+    fresh, fresh_opt, fresh_schedule = _model_and_optimizer(seed=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resumed = xla_fsdp.resume_training(fresh, fresh_opt, ckpt, lr_scheduler=fresh_schedule)
+    seen["step"] = resumed.step
+    seen["warnings"] = [str(w.message) for w in caught if "resume skipped" in str(w.message)]
+    seen["restored"] = all(torch.equal(a, b) for a, b in zip(fresh.parameters(), expected))
+    _train(fresh, fresh_opt, fresh_schedule, 1)  # step 2 again: its save keeps the damaged files aside
+    xla_fsdp.save_training_checkpoint(fresh, fresh_opt, ckpt, 2, lr_scheduler=fresh_schedule, keep=1)
+    seen["files"] = sorted(os.listdir(ckpt))
+    for path in os.listdir(ckpt):  # now every checkpoint is damaged
+        if path.startswith("step-") and path.endswith(".pth") and rank == 0:
+            open(os.path.join(ckpt, path), "wb").write(b"not a checkpoint")
+    me.barrier()
     try:
-        model, optimizer, schedule = _model_and_optimizer()
-        for step in (1, 2):
-            _train(model, optimizer, schedule, 1)
-            xla_fsdp.save_training_checkpoint(model, optimizer, ckpt, step, lr_scheduler=schedule, keep=0)
-            if step == 1:
-                expected = [p.detach().clone() for p in model.parameters()]
-        dist.barrier()
-        if rank == 1:  # its file of the newest checkpoint is cut short (a copy or a disk that failed)
-            path = os.path.join(ckpt, "step-000000002_rank-00000001-of-00000002.pth")
-            data = open(path, "rb").read()
-            open(path, "wb").write(data[:len(data) // 2])
-        dist.barrier()
-        fresh, fresh_opt, fresh_schedule = _model_and_optimizer(seed=1)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            resumed = xla_fsdp.resume_training(fresh, fresh_opt, ckpt, lr_scheduler=fresh_schedule)
-        seen["step"] = resumed.step
-        seen["warnings"] = [str(w.message) for w in caught if "resume skipped" in str(w.message)]
-        seen["restored"] = all(torch.equal(a, b) for a, b in zip(fresh.parameters(), expected))
-        _train(fresh, fresh_opt, fresh_schedule, 1)  # step 2 again: its save keeps the damaged files aside
-        xla_fsdp.save_training_checkpoint(fresh, fresh_opt, ckpt, 2, lr_scheduler=fresh_schedule, keep=1)
-        seen["files"] = sorted(os.listdir(ckpt))
-        for path in os.listdir(ckpt):  # now every checkpoint is damaged
-            if path.startswith("step-") and path.endswith(".pth") and rank == 0:
-                open(os.path.join(ckpt, path), "wb").write(b"not a checkpoint")
-        dist.barrier()
-        try:
-            xla_fsdp.resume_training(fresh, fresh_opt, ckpt, lr_scheduler=fresh_schedule)
-        except CheckpointError as e:
-            seen["none_sound"] = str(e)
-        del model, optimizer, fresh, fresh_opt
-        torch.save(seen, os.path.join(out, f"{rank}.pt"))
-    finally:
-        end_process_group()
+        xla_fsdp.resume_training(fresh, fresh_opt, ckpt, lr_scheduler=fresh_schedule)
+    except CheckpointError as e:
+        seen["none_sound"] = str(e)
+    return seen
 
 
 def test_resume_falls_back_from_a_damaged_newest_checkpoint_on_every_rank(tmp_path):
     """Before: resume_training stopped with an error although step 1 was intact, and rank 0's error
     said only that rank 1 failed ("its error is in that rank's output")."""
-    import torch
-    import torch.multiprocessing as mp
-
-    from ranks import free_port
-    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
-    out.mkdir()
-    mp.spawn(_damaged_newest_worker, args=(free_port(), str(ckpt), str(out)), nprocs=2)
-    for rank in range(2):
-        seen = torch.load(out / f"{rank}.pt", weights_only=True)
+    from ranks import on_gloo
+    ckpt = tmp_path / "ckpt"
+    for seen in on_gloo(_damaged_newest_worker, 2, str(ckpt)):
         assert seen["step"] == 1 and seen["restored"], seen
         assert len(seen["warnings"]) == 1, seen["warnings"]
         warning = seen["warnings"][0]

@@ -8,11 +8,12 @@ import time
 import pytest
 import torch
 
-pytest.importorskip("torch_xla")
 # ranks.run_multiprocess enables several XLA:CPU devices, as xla_fsdp.launch does
-from ranks import run_multiprocess  # noqa: E402
+from ranks import run_multiprocess
 from training_program import BUILD_LOCK
-import xla_fsdp  # noqa: E402
+import xla_fsdp
+
+pytestmark = pytest.mark.xla  # every test here needs torch_xla
 
 
 def _user_program(folder):

@@ -6,42 +6,27 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
-import tempfile
 import threading
-import traceback
 from typing import Any, Callable, Dict, List
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from harness import xla_steps
-from ranks import end_process_group, free_port, run_multiprocess, xla_cpu_devices
+from ranks import on_gloo, run_multiprocess, xla_cpu_devices
 from training_program import BUILD_LOCK
 from xla_fsdp import XlaFullyShardedDataParallel as FSDP
 from xla_fsdp.checkpoints import full_state_dict
 
 
-def _rank(rank: int, world_size: int, port: int, fn: Callable[[int, int], Any], out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-    try:
-        result: Any = fn(rank, world_size)
-    except Exception as e:  # noqa: BLE001 - the test reads every rank's error
-        result = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
-    finally:
-        end_process_group()
-    torch.save(result, os.path.join(out_dir, f"{rank}.pt"))
+def _with_rank_and_size(me: Any, fn: Callable[[int, int], Any]) -> Any:
+    return fn(me.rank, me.world_size)
 
 
 def run_ranks(fn: Callable[[int, int], Any], world_size: int) -> List[Any]:
-    """``fn(rank, world_size)`` on gloo ranks; each rank's result, or its error as a string."""
-    import torch.multiprocessing as mp
-    with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_rank, args=(world_size, free_port(), fn, out_dir), nprocs=world_size)
-        return [torch.load(os.path.join(out_dir, f"{r}.pt"), weights_only=False) for r in range(world_size)]
+    """``fn(rank, world_size)`` on gloo ranks (ranks.on_gloo); each rank's result, or its error as a string."""
+    return on_gloo(_with_rank_and_size, world_size, fn, weights_only=False, errors_as_results=True)
 
 
 class Net(nn.Module):

@@ -9,7 +9,7 @@ import models
 from ranks import run_multiprocess
 from training_program import BUILD_LOCK
 
-pytest.importorskip("torch_xla")
+pytestmark = pytest.mark.xla  # every test here needs torch_xla
 
 
 def _bf16_conv_and_embedding():

@@ -30,14 +30,44 @@ def file_seconds(reports: List[str]) -> Dict[str, Dict[str, float]]:
     return out
 
 
+def suite_figures(path: str) -> Dict[str, float]:
+    """A report's wall seconds and test counts, as pytest wrote them (``<testsuite time= tests= ...>``)."""
+    suite = ET.parse(path).getroot()
+    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+    return {k: float(suite.get(k, 0)) for k in ("time", "tests", "failures", "errors", "skipped")}
+
+
+def summary(reports: List[str], top: int = 25) -> None:
+    """make test's closing lines: each environment's wall time and counts, both together, and the
+    slowest files over both."""
+    total = 0.0
+    for path in reports:
+        fig = suite_figures(path)
+        total += fig["time"]
+        print(f"{os.path.basename(path)}: {fig['time']:.0f} s wall, {fig['tests']:.0f} tests "
+              f"({fig['failures']:.0f} failed, {fig['errors']:.0f} errors, {fig['skipped']:.0f} skipped)")
+    print(f"make test: {total:.0f} s wall ({total / 60:.1f} min; the budget is 30 min on 2 cores)")
+    combined: Dict[str, float] = collections.defaultdict(float)
+    for totals in file_seconds(reports).values():
+        for file, seconds in totals.items():
+            combined[file] += seconds
+    print(f"the {top} slowest files (seconds in tests, both environments):")
+    for file, seconds in sorted(combined.items(), key=lambda kv: -kv[1])[:top]:
+        print(f"  {seconds:8.1f}  {file}")
+
+
 def main(argv: List[str] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("reports", nargs="*", help="JUnit XML files (default: .test-times/*.xml)")
     parser.add_argument("--top", type=int, default=16, help="how many files the SLOWEST_FILES line names")
+    parser.add_argument("--summary", action="store_true", help="wall time per environment and the 25 slowest files")
     args = parser.parse_args(argv)
-    reports = args.reports or sorted(glob.glob(os.path.join(ROOT, ".test-times", "*.xml")))
+    reports = args.reports or sorted(glob.glob(os.path.join(ROOT, ".test-times", "*-env.xml")))
     if not reports:
         parser.error("no reports: run make test first (it writes .test-times/*.xml), or name them")
+    if args.summary:
+        summary(reports)
+        return 0
     combined: Dict[str, float] = collections.defaultdict(float)
     for name, totals in file_seconds(reports).items():
         print(f"{name}: {sum(totals.values()):.0f} s in tests")
