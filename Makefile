@@ -1,7 +1,9 @@
 # Two entry points for a fresh clone: `make demo` (the main example) and `make test` (the suite).
-# The suite runs in two environments: torch 2.9 with torch_xla (.venv, `make test-xla`) and the newest
-# torch these machines install, without torch_xla (.venv-newest, `make test-newest`: tests that need
-# torch_xla are skipped there with the reason).
+# The suite runs each case once, in the environment where it means something: what needs torch_xla
+# (marked `xla`) in torch 2.9 with torch_xla (.venv, `make test-xla`), everything else in the newest
+# torch these machines install, without torch_xla (.venv-newest, `make test-newest`). The xla
+# environment also runs the fast loop's cases (`fast`: each layer once), so torch 2.9, the oldest
+# torch supported, is checked layer by layer without torch_xla's paths too.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -17,7 +19,7 @@ PYTEST_ARGS := -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --du
 STAMP := $(VENV)/.installed-stamp
 NEWEST_STAMP := $(NEWEST_VENV)/.installed-stamp
 
-.PHONY: demo test test-fast test-xla test-newest install clean
+.PHONY: demo test test-fast test-changed test-xla test-newest install clean
 
 $(STAMP): setup.py test/constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,19 +38,32 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PY) examples/train_resnet_fsdp_auto_wrap.py
 
+# Each environment prints its wall time and slowest files; the last lines sum both (tools/test_times.py).
 test: test-xla test-newest
+	@$(PY) tools/test_times.py --summary
 
 # The fast loop, for a change in progress (about a minute here): each layer once, marked `fast`
 # (docs/testing.md lists what it covers). Not a substitute for make test before a commit lands.
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m fast test
 
+# The test files a change touches (uncommitted and untracked files against HEAD, or BASE=rev), in the
+# environment where each case runs: tools/changed_tests.py says how files are picked.
+BASE ?= HEAD
+test-changed: $(STAMP) $(NEWEST_STAMP)
+	@files="$$($(PY) tools/changed_tests.py --base $(BASE))"; \
+	if [ -z "$$files" ]; then echo "no test file touched by the change against $(BASE)"; exit 0; fi; \
+	echo "$$files"; \
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m xla $$files; a=$$?; \
+	$(PY_NEWEST) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not xla" $$files; b=$$?; \
+	for rc in $$a $$b; do [ $$rc -eq 0 ] || [ $$rc -eq 5 ] || exit $$rc; done
+
 test-xla: $(STAMP)
-	$(PY) -m pytest $(PYTEST_ARGS) --junitxml=.test-times/xla-env.xml
+	$(PY) -m pytest $(PYTEST_ARGS) -m "xla or fast" --junitxml=.test-times/xla-env.xml
 
 # also needs .venv: test_cross_version.py trains legs of one run in both environments
 test-newest: $(NEWEST_STAMP) $(STAMP)
-	$(PY_NEWEST) -m pytest $(PYTEST_ARGS) --junitxml=.test-times/newest-env.xml
+	$(PY_NEWEST) -m pytest $(PYTEST_ARGS) -m "not xla" --junitxml=.test-times/newest-env.xml
 
 clean:
 	rm -rf $(VENV) $(NEWEST_VENV) *.egg-info .test-times
