@@ -100,6 +100,9 @@ PROGRAMS: Dict[str, Dict[str, Any]] = {
     # XLA only: upstream FSDP2 on CPU draws each rank's shard from the same generator state, so its
     # init is not the unsharded model's (test_fsdp2::test_meta_init_draws_full_tensors_on_xla)
     "meta_init": dict(micro=1, opt="adamw", meta=True, xla_only=True),
+    # a list of modules in one call, as torchtitan shards [norm, lm_head]: FSDP2 gathers them as one
+    # group, xla_fsdp on XLA as one unit each
+    "module_list": dict(micro=1, opt="adamw", module_list=True),
 }
 
 
@@ -146,6 +149,9 @@ class Fsdp2Program:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message="reshard_after_forward=1")  # FSDP2's, and ours alike
                 fully_shard(block, reshard_after_forward=reshard, ignored_params=ignored, **kw)
+        if cfg.get("module_list"):
+            pair = [model.embed, model.head]
+            assert fully_shard(pair, **kw) is pair and all(isinstance(m, FSDPModule) for m in pair)
         fully_shard(model, **kw)
         if cfg.get("meta"):
             model.to_empty(device=device)

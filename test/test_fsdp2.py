@@ -291,13 +291,14 @@ def _errors() -> dict:
     def attempt(key, call):
         try:
             call()
-        except (NotImplementedError, ValueError) as e:
+        except (NotImplementedError, ValueError, TypeError) as e:
             got[key] = str(e)
 
     attempt("int", lambda: fully_shard(nn.Linear(4, 4), reshard_after_forward=2))
     attempt("ignored", lambda: fully_shard(nn.Linear(4, 4), ignored_params={nn.Parameter(torch.zeros(2))}))
     attempt("placement", lambda: fully_shard(nn.Linear(4, 4), shard_placement_fn=lambda p: Shard(1)))
-    attempt("list", lambda: fully_shard([nn.Linear(4, 4), nn.Linear(4, 4)]))
+    shared = nn.Linear(4, 4)
+    attempt("list", lambda: fully_shard([nn.Sequential(shared), nn.Sequential(shared)]))
     attempt("reduce", lambda: fully_shard(nn.Linear(4, 4), mp_policy=MixedPrecisionPolicy(
         param_dtype=torch.float32, reduce_dtype=torch.bfloat16)))
     twice = fully_shard(nn.Linear(4, 4))
@@ -325,6 +326,8 @@ def _errors() -> dict:
     fully_shard(counted).apply(lambda m: seen.append(type(m).__name__.replace("FSDP", "")))
     got["apply"] = (expected, seen)
     got["device"] = str(torch_xla.device())
+    # a keyword of newer PyTorch: what the installed PyTorch's own function says of it
+    attempt("dp_mesh_dims", lambda: fully_shard(nn.Linear(2, 2), dp_mesh_dims=object()))
     return got
 
 
@@ -335,7 +338,7 @@ def test_what_xla_cannot_honour_is_a_clear_error():
     assert "must be a factor of the world size 1, not 2" in got["int"]
     assert "ignored_params must hold parameters of the module" in got["ignored"]
     assert "Shard(0)" in got["placement"]
-    assert "each module" in got["list"]
+    assert "shares parameter '0.weight'" in got["list"] and "common parent" in got["list"], got["list"]
     assert "reduce_dtype" in got["reduce"]
     assert "already sharded" in got["twice"]
     assert "set_modules_to_forward_prefetch" in got["prefetch"]
@@ -345,3 +348,53 @@ def test_what_xla_cannot_honour_is_a_clear_error():
     assert got["buffer_dtype"] == "torch.float32"
     assert got["looped"] == ["FSDPBlock"] * 3
     assert got["apply"][1] == got["apply"][0]
+    import inspect
+
+    from torch.distributed.fsdp import fully_shard as upstream
+    if "dp_mesh_dims" in inspect.signature(upstream).parameters:
+        assert "dp_mesh_dims (a full SPMD mesh whose parameters are DTensors) is not supported" in got["dp_mesh_dims"]
+    else:
+        assert "unexpected keyword argument 'dp_mesh_dims'" in got["dp_mesh_dims"], got["dp_mesh_dims"]
+
+
+def _bound_as_pytorchs_and_given_newer_keywords(me) -> Dict[str, Any]:
+    """A client's one-line adapter binds torch.distributed.fsdp.fully_shard to xla_fsdp's (in this
+    rank process only), then shards as FSDP2 programs do; and a keyword of newer PyTorch reaches it."""
+    import torch.distributed.fsdp as fsdp_api
+    from torch.distributed.tensor import DTensor
+
+    import xla_fsdp
+    import xla_fsdp.fsdp2 as ours
+    fsdp_api.fully_shard = xla_fsdp.fully_shard
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    fsdp_api.fully_shard(model[0])
+    fsdp_api.fully_shard(model)
+    loss = model(torch.ones(3, 4)).square().sum()
+    loss.backward()
+    seen = {}
+    real = ours._upstream_fully_shard
+    ours._upstream_fully_shard = lambda module, **kw: seen.update(kw) or module
+    try:
+        xla_fsdp.fully_shard(nn.Linear(2, 2), dp_mesh_dims="the client's dims")
+    finally:
+        ours._upstream_fully_shard = real
+    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    return {"dtensor": all(isinstance(p, DTensor) for p in model.parameters()), "loss": loss.item(),
+            "grads": grads, "passed": seen.get("dp_mesh_dims")}
+
+
+def test_bound_in_place_of_pytorchs_fully_shard_it_is_pytorchs_and_takes_newer_keywords():
+    """torchtitan's adapter binds torch.distributed.fsdp.fully_shard to xla_fsdp's: that recursed
+    forever (xla_fsdp looked PyTorch's up by that name at call time); torchtitan passes dp_mesh_dims
+    (PyTorch 2.13+), which was refused as an unexpected keyword."""
+    from ranks import on_gloo
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    loss = plain(torch.ones(3, 4)).square().sum()
+    loss.backward()
+    for got in on_gloo(_bound_as_pytorchs_and_given_newer_keywords, 2, hard_exit=True, weights_only=False):
+        assert got["dtensor"] and got["passed"] == "the client's dims"
+        assert abs(got["loss"] - loss.item()) <= 1e-6
+        for name, p in plain.named_parameters():
+            torch.testing.assert_close(got["grads"][name], p.grad, rtol=0, atol=1e-6)

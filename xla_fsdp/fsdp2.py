@@ -25,6 +25,9 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Union
 import torch
 import torch.nn as nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+# PyTorch's own function, from the module that defines it: a program (or a client's one-line adapter)
+# that binds ``torch.distributed.fsdp.fully_shard`` to ours must not make ours call itself
+from torch.distributed.fsdp._fully_shard._fully_shard import fully_shard as _upstream_fully_shard
 
 from .collectives import resolve_transport
 from .fully_sharded_data_parallel import XlaFullyShardedDataParallel
@@ -148,19 +151,33 @@ def fully_shard(module: Union[nn.Module, List[nn.Module]], *, mesh: Optional[Any
                 shard_placement_fn: Optional[Callable[[nn.Parameter], Any]] = None,
                 mp_policy: MixedPrecisionPolicy = _DEFAULT_MP,
                 offload_policy: OffloadPolicy = _NO_OFFLOAD,
-                ignored_params: Optional[set] = None) -> nn.Module:
-    """PyTorch's ``torch.distributed.fsdp.fully_shard``: same signature and meaning.
+                ignored_params: Optional[set] = None, dp_mesh_dims: Optional[Any] = None) -> nn.Module:
+    """PyTorch's ``torch.distributed.fsdp.fully_shard``: same signature and meaning (``dp_mesh_dims``
+    as PyTorch 2.13 and newer take it; with an older PyTorch, passing one is the TypeError PyTorch's
+    own function would raise).
 
     Torch transport: PyTorch's own function. XLA: the module's parameters not owned by an inner
     ``fully_shard`` are sharded on dim 0; the module is converted in place and returned."""
+    newer = {} if dp_mesh_dims is None else {"dp_mesh_dims": dp_mesh_dims}
     if resolve_transport(None) == "torch":
-        from torch.distributed.fsdp import fully_shard as upstream
-        return upstream(module, mesh=mesh, reshard_after_forward=reshard_after_forward,
-                        shard_placement_fn=shard_placement_fn, mp_policy=mp_policy,
-                        offload_policy=offload_policy, ignored_params=ignored_params)
+        return _upstream_fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward,
+                                     shard_placement_fn=shard_placement_fn, mp_policy=mp_policy,
+                                     offload_policy=offload_policy, ignored_params=ignored_params, **newer)
+    if newer:
+        _check_upstream_takes(newer)
+        raise NotImplementedError(
+            "xla_fsdp.fully_shard on XLA: dp_mesh_dims (a full SPMD mesh whose parameters are DTensors) is not "
+            "supported; pass mesh=None (every XLA device) or a 1-D mesh, and leave dp_mesh_dims unset")
     if not isinstance(module, nn.Module):
-        raise NotImplementedError("xla_fsdp.fully_shard on XLA takes one module; call it on each module "
-                                  "(a list of modules sharing one group is not supported)")
+        # FSDP2 gathers a list's parameters as one group; here each module is a unit of its own, which
+        # trains alike (one gather per module instead of one for the list) and returns the list as FSDP2 does
+        modules = list(module)
+        _check_list(modules)
+        for m in modules:
+            fully_shard(m, mesh=mesh, reshard_after_forward=reshard_after_forward,
+                        shard_placement_fn=shard_placement_fn, mp_policy=mp_policy, offload_policy=offload_policy,
+                        ignored_params=ignored_params)
+        return module
     if is_unit(module):
         raise ValueError(f"xla_fsdp.fully_shard: {type(module).__name__} is already sharded; call "
                          "fully_shard once per module")
@@ -179,6 +196,37 @@ def fully_shard(module: Union[nn.Module, List[nn.Module]], *, mesh: Optional[Any
     if post_forward_size is not None:
         unit.freeing = dataclasses.replace(unit.freeing, pieces_within=unit.comms.within_groups_of(post_forward_size))
     return module
+
+
+def _check_list(modules: List[Any]) -> None:
+    """A list of modules shards as one unit per module: each must be a module, none inside another,
+    no parameter in two of them (one unit per parameter)."""
+    owner: Dict[int, str] = {}
+    for i, m in enumerate(modules):
+        if not isinstance(m, nn.Module):
+            raise TypeError(f"xla_fsdp.fully_shard takes a module or a list of modules, not {type(m).__name__} "
+                            f"(item {i} of the list)")
+        label = f"{type(m).__name__} (item {i})"
+        for other in modules[:i]:
+            if any(sub is other for sub in m.modules()) or any(sub is m for sub in other.modules()):
+                raise ValueError(f"xla_fsdp.fully_shard: the list's modules {label} and "
+                                 f"{type(other).__name__} contain one another; list disjoint modules")
+        for name, p in m.named_parameters(remove_duplicate=False):
+            if id(p) in owner and owner[id(p)] != label:
+                raise NotImplementedError(
+                    f"xla_fsdp.fully_shard on XLA shards each module of a list as its own unit, and {label} shares "
+                    f"parameter '{name}' with {owner[id(p)]}: call fully_shard on their common parent instead")
+            owner[id(p)] = label
+
+
+def _check_upstream_takes(keywords: Dict[str, Any]) -> None:
+    """The TypeError PyTorch's ``fully_shard`` raises for a keyword the installed PyTorch lacks."""
+    import inspect
+    known = inspect.signature(_upstream_fully_shard).parameters
+    for name in keywords:
+        if name not in known:
+            raise TypeError(f"fully_shard() got an unexpected keyword argument '{name}' (the installed PyTorch, "
+                            f"{torch.__version__}, does not take it)")
 
 
 def _storage_only(module: nn.Module) -> None:
