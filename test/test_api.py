@@ -539,3 +539,28 @@ def test_the_keywords_agree_in_signature_options_and_docstring():
     documented = [name for entry in entries for name in re.split(r"\s*(?:,|/)\s*", entry)]
     debug = {n for n in params if n.startswith("_debug")}  # the debug keywords are refused or ignored
     assert sorted(documented) == sorted(set(params) - {"self"} - debug), set(documented) ^ (set(params) - debug)
+
+
+def test_construction_time_settings_are_read_only_and_step_time_ones_take_effect(gloo):
+    """Issue 66 item 5. Before: ``m.compute_dtype = torch.bfloat16`` made ``m.settings`` say bf16 while
+    the gather groups stayed fp32, and the next forward failed ("mat1 and mat2 must have the same
+    dtype"); ``m.shard_param_on_dim_0 = True`` reported True while every group stayed flat."""
+    torch.manual_seed(0)
+    model = FSDP(nn.Linear(4, 2))
+    fixed = [("compute_dtype", torch.bfloat16), ("shard_param_on_dim_0", True), ("buffer_dtype", torch.float16),
+             ("param_storage_dtype", torch.bfloat16), ("cpu_offload", True), ("sharding_strategy", "NO_SHARD"),
+             ("sharding_groups", [[0]]), ("prefetch", False), ("reduce_scatter_bucket_size_mb", 1),
+             ("coalesce_all_gather_ops", True)]
+    for name, value in fixed:
+        before = getattr(model, name)
+        with pytest.raises(AttributeError, match=rf"{name} is fixed when the unit is built .* pass {name}="):
+            setattr(model, name, value)
+        assert getattr(model, name) == before, name
+    assert model(torch.ones(3, 4)).dtype == torch.float32  # still trains as built
+    # a step-time setting takes full effect at the next step: the output is cast as it now says
+    model.output_dtype = torch.bfloat16
+    assert model.settings.output_dtype == torch.bfloat16 and model(torch.ones(3, 4)).dtype == torch.bfloat16
+    # torch_xla's attributes its users set at step time keep working
+    model.fp32_reduce_scatter = True
+    model.gradient_predivide_factor = 1.0
+    assert model.settings.fp32_reduce_scatter and model.settings.gradient_predivide_factor == 1.0

@@ -43,7 +43,13 @@ def on_tpu(comms: Any) -> bool:
 
 class Setting:
     """A unit attribute torch_xla has (``compute_dtype``, ``fp32_reduce_scatter``, ...): read from the
-    unit's frozen settings; setting it replaces them (so the next step does what it shows)."""
+    unit's frozen settings. A step-time setting (read at every step) can be set: that replaces the
+    settings, so the next step does what it shows. A construction-time one (``fixed=True``: the
+    shards, groups and buffers were made for it) is read-only after construction: an assignment
+    that would only change what the attribute says is an error naming the keyword to pass instead."""
+
+    def __init__(self, fixed: bool = False):
+        self.fixed = fixed
 
     def __set_name__(self, owner: type, name: str) -> None:
         self.name = name
@@ -54,6 +60,11 @@ class Setting:
         return getattr(unit._runtime.settings, self.name)
 
     def __set__(self, unit: Any, value: Any) -> None:
+        if self.fixed:
+            raise AttributeError(
+                f"xla_fsdp: {self.name} is fixed when the unit is built (its shards, gather groups and buffers are "
+                f"made for it), so setting it afterwards would change only what it reports: pass "
+                f"{self.name}={value!r} to {type(unit).__name__}(...) instead")
         unit._runtime.replace_settings(**{self.name: value})
 
 
