@@ -198,3 +198,14 @@ def test_the_example_says_what_it_did_instead_of_nan(workdir):
     again = merged()
     assert "nothing to train: the run is at step 4, and it ends at step 4 (--num_steps): it is finished" in again
     assert "=nan" not in again and "final_loss" not in summary(again) and "tokens/s" not in summary(again)
+
+
+@pytest.mark.xla
+def test_a_programs_own_exit_on_xla_devices_prints_its_one_line(workdir):
+    """Issue 66 item 15. Before: SystemExit inside xla_fsdp.launch (here the example's own check of
+    --data_files) printed a 15-line traceback per rank before the intended line."""
+    cwd, env = workdir
+    done = subprocess.run([sys.executable, "examples/train_lm_fsdp.py", "--data_files", "nope/*.txt", "--out_dir",
+                           os.path.join(cwd, "nope")], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines() == ["error: --data_files nope/*.txt matches no file"], done.stderr[-3000:]

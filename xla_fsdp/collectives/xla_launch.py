@@ -99,10 +99,12 @@ def _reporting_failures(fn: Callable[[], Any]) -> Callable[[], Any]:
             from .xla_user import is_threaded_cpu
             if is_threaded_cpu():
                 rank = xr.global_ordinal()
-                detail = (f"{type(error).__name__}: {error}\n" if getattr(error, "user_facing", False)
-                          else traceback.format_exc())
-                sys.stderr.write(f"xla_fsdp: rank {rank} failed; stopping the other ranks:\n{detail}")
-                sys.stderr.flush()
+                if not isinstance(error, SystemExit):  # the program's own exit: its message is printed once,
+                    # by the launching process, as Python prints it (no traceback per rank)
+                    detail = (f"{type(error).__name__}: {error}\n" if getattr(error, "user_facing", False)
+                              else traceback.format_exc())
+                    sys.stderr.write(f"xla_fsdp: rank {rank} failed; stopping the other ranks:\n{detail}")
+                    sys.stderr.flush()
                 report_rank_failure(rank, error)
             raise
 
