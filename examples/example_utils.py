@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+from xla_fsdp.cli.parser import ArgumentParser  # noqa: E402  (--ckpt-prefix read as --ckpt_prefix)
 
 ON_TPU = os.environ.get("PJRT_DEVICE", "").upper() == "TPU"
 
@@ -63,7 +64,7 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
         return text
 
 
-class ExampleParser(argparse.ArgumentParser):
+class ExampleParser(ArgumentParser):
     """An example's flags: defaults shown in --help; a bad flag is one line, exit 2, before anything
     starts (no rank is launched, no folder created)."""
 

@@ -222,3 +222,21 @@ def test_the_commands_answer_help_with_their_own_usage():
         assert proc.returncode == 0 and proc.stdout.startswith(says), (module, proc.stdout[:300], proc.stderr[-300:])
     proc = subprocess.run([sys.executable, "-m", "xla_fsdp.compat", "-x"], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 2 and "'-x' is not a script" in proc.stderr, proc.stderr
+
+
+def test_dashed_options_mean_the_underscored_ones(tmp_path):
+    """Issue 66 item 17. Before: ``--ckpt-prefix`` was reported as a missing ``--ckpt_prefix``. The
+    commands and the examples read a dashed option as its underscored spelling; values and whatever
+    follows ``--`` stay as typed."""
+    from xla_fsdp.cli.consolidate import main as consolidate
+    from xla_fsdp.cli.parser import ArgumentParser
+    parser = ArgumentParser(prog="p")
+    parser.add_argument("--ckpt_prefix")
+    parser.add_argument("--world_size", type=int)
+    parser.add_argument("rest", nargs="*")
+    args = parser.parse_args(["--ckpt-prefix", "a-b", "--world-size=2", "--", "--not-an-option"])
+    assert (args.ckpt_prefix, args.world_size, args.rest) == ("a-b", 2, ["--not-an-option"])
+    assert consolidate(["--ckpt-prefix", str(tmp_path / "none")]) == 2  # reached the files, found none
+    proc = subprocess.run([sys.executable, "examples/train_lm_fsdp.py", "--num-steps", "0"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert "argument --num_steps" in proc.stderr and "--num-steps" not in proc.stderr, proc.stderr

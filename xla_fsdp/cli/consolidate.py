@@ -19,10 +19,11 @@ from ..checkpoints.consolidate import default_save_path, write_consolidated
 from ..checkpoints.reader import ShardedCheckpoint
 from ..checkpoints.files import DEFAULT_SUFFIX, run_cli_action
 from ..checkpoints.hf_export import INDEX_NAME, write_hf_safetensors
+from .parser import ArgumentParser
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m xla_fsdp.consolidate_sharded_ckpts", description=__doc__,
+    parser = ArgumentParser(prog="python -m xla_fsdp.consolidate_sharded_ckpts", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ckpt_prefix", required=True, help="prefix of the rank files")
     parser.add_argument("--ckpt_suffix", default=DEFAULT_SUFFIX,

@@ -18,10 +18,11 @@ from typing import List, Optional
 
 from ..checkpoints.dcp_format import export_dcp, import_dcp
 from ..checkpoints.files import DEFAULT_SUFFIX, run_cli_action
+from .parser import ArgumentParser
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m xla_fsdp.convert", description=__doc__,
+    parser = ArgumentParser(prog="python -m xla_fsdp.convert", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     direction = parser.add_mutually_exclusive_group(required=True)
     direction.add_argument("--to", choices=["dcp"], help="write the rank files at --ckpt_prefix as this format")

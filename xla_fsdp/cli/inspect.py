@@ -14,6 +14,7 @@ import sys
 
 from ..checkpoints import CheckpointError, ShardedCheckpoint
 from ..checkpoints.files import DEFAULT_SUFFIX
+from .parser import ArgumentParser
 
 
 def _mib(n: int) -> str:
@@ -21,7 +22,7 @@ def _mib(n: int) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m xla_fsdp.inspect", description=__doc__,
+    p = ArgumentParser(prog="python -m xla_fsdp.inspect", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt_prefix", required=True)
     p.add_argument("--ckpt_suffix", default=DEFAULT_SUFFIX)

@@ -10,10 +10,11 @@ from typing import List, Optional
 
 from ..checkpoints.files import DEFAULT_SUFFIX, run_cli_action
 from ..checkpoints.resizing import resize_checkpoint
+from .parser import ArgumentParser
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m xla_fsdp.resize", description=__doc__,
+    parser = ArgumentParser(prog="python -m xla_fsdp.resize", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ckpt_prefix", required=True)
     parser.add_argument("--world_size", type=int, required=True, help="number of ranks to write for")
