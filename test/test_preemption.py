@@ -220,6 +220,42 @@ def test_resume_falls_back_from_a_damaged_newest_checkpoint_on_every_rank(tmp_pa
             seen["none_sound"]
 
 
+def _read_only_folder_worker(me, ckpt):
+    """Every rank resumes from a folder whose lock cannot be written (a read-only mount: os.open
+    raises EROFS, as it would for a user; this suite runs as root, whom permissions do not stop)."""
+    import errno
+
+    import xla_fsdp
+    from xla_fsdp.checkpoints import CheckpointError, folder_lock
+    model, optimizer, schedule = _model_and_optimizer()
+    real_open = os.open
+
+    def read_only(path, flags, *args):
+        if str(path).endswith(folder_lock.LOCK_NAME) and flags & os.O_CREAT:
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), path)
+        return real_open(path, flags, *args)
+    os.open = read_only
+    try:
+        xla_fsdp.resume_training(model, optimizer, ckpt, lr_scheduler=schedule)
+        return "resumed"
+    except CheckpointError as e:
+        return f"CheckpointError: {e}"
+    finally:
+        os.open = real_open
+
+
+def test_resume_from_a_read_only_folder_is_one_clear_error_on_every_rank(tmp_path):
+    """Issue 66 item 13. Before: rank 0 raised a raw OSError ([Errno 30] ... .xla_fsdp-run.lock) and
+    rank 1 only gloo's "Connection closed by peer"."""
+    from ranks import on_gloo
+    ckpt = str(tmp_path / "ckpt")
+    said = on_gloo(_read_only_folder_worker, 2, ckpt)
+    assert said[0] == said[1], said
+    assert said[0].startswith(f"CheckpointError: cannot claim the checkpoint folder '{ckpt}' for this run: "
+                              "Read-only file system"), said[0]
+    assert "copy it into one" in said[0]
+
+
 _SECOND_RUN = """
 import os, sys, time, torch, torch.distributed as dist
 sys.path.insert(0, {here!r})

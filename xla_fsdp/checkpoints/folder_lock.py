@@ -119,7 +119,15 @@ def claim(model, ckpt_dir: str) -> None:
     if real in _CLAIMED:
         return
     first = model.rank == 0 and model.comms.replica_rank == 0
-    refusals = messages_over_ranks(model, try_claim(ckpt_dir) if first else None)
+    refusal = None
+    if first:
+        try:
+            refusal = try_claim(ckpt_dir)
+        except OSError as e:  # a read-only or missing folder: every rank says so, none waits for this one
+            refusal = (f"cannot claim the checkpoint folder '{ckpt_dir}' for this run: {e.strerror or e} "
+                       f"('{e.filename or ckpt_dir}'): training checkpoints need a folder this run can write; "
+                       "to start from a read-only checkpoint, copy it into one")
+    refusals = messages_over_ranks(model, refusal)
     refusal = next((r for r in refusals if r is not None), None)
     if refusal is not None:
         raise CheckpointError(refusal)
