@@ -21,6 +21,8 @@ from xla_fsdp.checkpoints.files import rank_path
 from xla_fsdp.consolidate_sharded_ckpts import main as consolidate_cli
 from xla_fsdp.resize import main as resize_cli
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 INSPECT = ["-m", "xla_fsdp.inspect"]
 
@@ -626,3 +628,48 @@ def test_modules_that_cannot_be_sharded_are_named_with_the_fix(gloo):
         FSDP(nn.Sequential(nn.Embedding(10, 4, max_norm=1.0), nn.Linear(4, 2)))  # issue 54 item 3
     frozen = nn.Embedding(10, 4, sparse=True).requires_grad_(False)  # no gradient: nothing sparse to reduce
     FSDP(nn.Sequential(frozen, nn.Linear(4, 2)))
+
+
+_TERMINATED_RESIZE = """
+import os, signal, sys
+from xla_fsdp.checkpoints import files
+from xla_fsdp.resize import main
+real, calls = files.save_with_crc_outside_gil, []
+def write(obj, path):  # the second rank file: half written when SIGTERM arrives
+    calls.append(path)
+    if len(calls) == 2:
+        with open(path, "wb") as f:
+            f.write(b"half")
+        os.kill(os.getpid(), signal.SIGTERM)
+    return real(obj, path)
+files.save_with_crc_outside_gil = write
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_resize_stopped_or_refused_leaves_no_temporary_file_and_says_why(ckpts, tmp_path):
+    """Issue 66 item 16. Before: python -m xla_fsdp.resize killed by SIGTERM left *.tmp files a rerun
+    did not clean, and a folder where a rank file goes, or a parent it cannot write, gave a raw
+    [Errno 21] / [Errno 30]."""
+    _copy(ckpts, tmp_path)
+    before = _digests(tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    argv = ["--ckpt_prefix", str(tmp_path / "ours"), "--world_size", "3", "--out_prefix", str(out / "r")]
+    proc = subprocess.run([sys.executable, "-c", _TERMINATED_RESIZE, *argv], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
+    assert proc.returncode == 143, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [
+        "error: stopped by SIGTERM; removed 0 unfinished temporary file(s); files already finished are whole and "
+        "the inputs are untouched: run the command again"], proc.stderr[-2000:]
+    assert os.listdir(out) == [] and _digests(tmp_path) == before  # the set is all or nothing
+    assert resize_cli(argv) == 0 and len(os.listdir(out)) == 3  # the rerun writes the set
+    for f in os.listdir(out):
+        os.remove(out / f)
+    os.mkdir(rank_path(str(out / "r"), 1, 3))  # a folder where a rank file goes
+    proc = subprocess.run([sys.executable, "-m", "xla_fsdp.resize", *argv], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
+    assert lines[0].startswith(f"error: the output '{rank_path(str(out / 'r'), 1, 3)}' is a folder"), lines
+    assert sorted(os.listdir(out)) == [os.path.basename(rank_path(str(out / "r"), 1, 3))]

@@ -502,13 +502,52 @@ def verify_checksums(path: str, state: Mapping[str, torch.Tensor], checksums: Op
                                   "this file from a backup or use an earlier checkpoint")
 
 
+class _Terminated(Exception):
+    """SIGTERM, raised where the command is, so that its unfinished files are removed on the way out."""
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise _Terminated()
+
+
 def run_cli_action(action: Callable[[], str]) -> int:
     """Run a CLI's work: print its summary and return 0, or print the error and return 2.
-    Checkpoint problems are reported as one line naming the file, never as a traceback."""
+    Checkpoint problems are reported as one line naming the file, never as a traceback. Stopped by
+    Ctrl-C or SIGTERM, it removes the temporary files of its unfinished writes (finished files were
+    renamed into place whole; the inputs are never written) and says so in one line (exit 130 / 143)."""
+    import signal
+    import threading
+    own_signal = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _raise_terminated) if own_signal else None
     try:
         summary = action()
-    except (CheckpointError, OSError, ValueError) as e:
+    except (CheckpointError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:
+        print(f"error: {os_error_line(e)}", file=sys.stderr)
+        return 2
+    except (KeyboardInterrupt, _Terminated) as e:
+        removed = remove_unfinished_writes()
+        name = "SIGTERM" if isinstance(e, _Terminated) else "Ctrl-C (SIGINT)"
+        print(f"error: stopped by {name}; removed {len(removed)} unfinished temporary file(s); files already "
+              "finished are whole and the inputs are untouched: run the command again", file=sys.stderr)
+        return 143 if isinstance(e, _Terminated) else 130
+    finally:
+        if own_signal:
+            signal.signal(signal.SIGTERM, previous)
     print(summary)
     return 0
+
+
+def os_error_line(e: OSError) -> str:
+    """An operating system's refusal as what it means for the command, and what to do."""
+    where = e.filename if e.filename is not None else ""
+    if isinstance(e, IsADirectoryError):
+        return f"'{where}' is a folder where a file is to be written: move it away or choose another output prefix"
+    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return (f"cannot write or read '{where}': {e.strerror}: choose an output in a folder this user can write "
+                "(the inputs are untouched)")
+    if e.errno == errno.ENOSPC:
+        return f"no space left on the device of '{where}': free some, or choose an output on another device"
+    return f"{e.strerror or e}: '{where}'" if where else str(e)
