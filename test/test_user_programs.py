@@ -630,13 +630,14 @@ def _train_with_ema_teacher(student: nn.Module, teacher: nn.Module, batches: Lis
     return losses
 
 
-def _ema_sharded(rank: int, world_size: int, flat: bool, zero2: bool) -> Dict[str, Any]:
+def _ema_sharded(rank: int, world_size: int, flat: bool, zero2: bool, frozen: bool) -> Dict[str, Any]:
     kw = {"flatten_parameters": flat, "sharding_strategy": "SHARD_GRAD_OP" if zero2 else "FULL_SHARD"}
 
     def wrap(net: nn.Module) -> nn.Module:
         net[2] = FSDP(net[2], **kw)
         return FSDP(net, **kw)
-    student, teacher = wrap(_ema_net()), wrap(_ema_net())
+    # DINO / BYOL freeze the teacher before wrapping it as the student is wrapped
+    student, teacher = wrap(_ema_net()), wrap(_ema_net().requires_grad_(not frozen))
     try:
         import copy
         copy.deepcopy(student)
@@ -647,15 +648,17 @@ def _ema_sharded(rank: int, world_size: int, flat: bool, zero2: bool) -> Dict[st
             "teacher": full_state_dict(teacher, rank0_only=False), "refused": refused}
 
 
-@pytest.mark.parametrize("flat,zero2", [(True, True), (False, False)])
-def test_an_ema_teacher_as_a_second_root(flat, zero2):
+@pytest.mark.parametrize("flat,zero2,frozen", [(True, True, False), (False, False, False), (True, True, True),
+                                               (False, False, True)])
+def test_an_ema_teacher_as_a_second_root(flat, zero2, frozen):
     """Issue 54 item 7 on 2 gloo ranks: an EMA teacher wrapped as a second root the same way as its
     student (flat ZeRO-2, per-parameter ZeRO-3) trains as unsharded (losses and the teacher's
     weights, 1e-5). Deep-copying the wrapped student (DINO's ``teacher = deepcopy(student)``) is
     refused with the way to do it (before: ``_FlattenFlag.__new__() missing 1 required positional
-    argument``)."""
+    argument``). Issue 66 item 6: the teacher frozen before wrapping (flat ZeRO-2: "The size of
+    tensor a (23) must match ..." before, its frozen shard held matrices and vectors together)."""
     world_size = 2
-    results = run_ranks(functools.partial(_ema_sharded, flat=flat, zero2=zero2), world_size)
+    results = run_ranks(functools.partial(_ema_sharded, flat=flat, zero2=zero2, frozen=frozen), world_size)
     batches = [torch.cat([_clamp_batches(r, world_size)[s] for r in range(world_size)]) for s in range(3)]
     teacher = _ema_net()
     want = _train_with_ema_teacher(_ema_net(), teacher, batches)

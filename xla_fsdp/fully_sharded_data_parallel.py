@@ -55,9 +55,9 @@ class XlaFullyShardedDataParallel(ShardedUnit):
         reshard_after_forward: free full parameters after forward and re-gather them in backward
             (ZeRO-3, least memory). ``False`` keeps them until after backward (ZeRO-2, one
             all-gather less per step).
-        flatten_parameters: put this unit's trainable parameters into one flat shard (and frozen
-            ones into a second), so each unit gathers one flat shard (two with frozen parameters)
-            and reduce-scatters one, whatever its number of parameters.
+        flatten_parameters: put this unit's parameters into a few flat shards whatever their number:
+            matrices apart from vectors, each ``flatten_group_fn`` key apart, trainable apart from
+            frozen (split the same way, so a frozen copy's shards pair with the trainable model's).
         execute_sharding_on_init: run the sharding graph right away on XLA (avoids one huge
             first graph); ignored by eager transports.
         optimization_barrier_in_forward / optimization_barrier_in_backward: on XLA, keep the

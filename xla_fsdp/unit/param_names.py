@@ -22,27 +22,34 @@ def hashable(value: Any) -> Any:
 def flat_parts(
     refs: list, flatten_group_fn: Optional[Callable[[str, nn.Parameter], Any]]
 ) -> Tuple[List[list], List[str]]:
-    """Trainable parameters split by ``flatten_group_fn`` (one flat shard per key, so optimizer
-    groups can be formed by name), frozen ones in a shard of their own.
+    """Parameters split by ``flatten_group_fn`` (one flat shard per key, so optimizer groups can be
+    formed by name), trainable ones first, frozen ones in shards of their own split the same way.
     Names as torch_xla: ``flat_param_0`` (trainable), ``flat_param_1`` (frozen), then 2, 3...
 
     Vectors (norm scales, biases) never share a flat shard with matrices: on XLA the fused
     normalization that backward recomputes reads its scale straight from the gathered buffer, which
     kept a unit's whole gathered weights alive until its backward; and the usual "no weight decay on
-    vectors" rule then needs no ``flatten_group_fn``."""
+    vectors" rule then needs no ``flatten_group_fn``. Frozen parameters are split by the same rule,
+    so a frozen copy of a model (an EMA teacher, ``requires_grad_(False)`` before wrapping) has shards
+    that pair one to one with the trainable model's in ``zip(student.parameters(), teacher.parameters())``."""
     keyed: Dict[Any, list] = {}
+    frozen_keyed: Dict[Any, list] = {}
     for r in refs:
-        if r.param.requires_grad:
-            key = flatten_group_fn(r.fqn, r.param) if flatten_group_fn else None
-            keyed.setdefault((r.param.dim() > 1, hashable(key)), []).append(r)
+        key = flatten_group_fn(r.fqn, r.param) if flatten_group_fn else None
+        into = keyed if r.param.requires_grad else frozen_keyed
+        into.setdefault((r.param.dim() > 1, hashable(key)), []).append(r)
     parts, names = [], []
     for index, part in enumerate(keyed.values()):
         parts.append(part)
         names.append(f"flat_param_{0 if index == 0 else index + 1}")
-    frozen = [r for r in refs if not r.param.requires_grad]
-    if frozen:
-        parts.append(frozen)
-        names.append("flat_param_1")
+    next_index = max(len(keyed) + 1, 2)
+    for index, part in enumerate(frozen_keyed.values()):
+        parts.append(part)
+        if index == 0:
+            names.append("flat_param_1")
+        else:
+            names.append(f"flat_param_{next_index}")
+            next_index += 1
     return parts, names
 
 
