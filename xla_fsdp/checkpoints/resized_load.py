@@ -47,6 +47,14 @@ class NameIndex:
                 for alias in [name] + list(entry.get("aliases", {}).get(name, [])):
                     self.where[alias] = (key, offset, numel)
 
+    def locate_loaded(self, entry: Mapping[str, Any], name: str, numel: int) -> Tuple[str, int]:
+        """Where the value a model's parameter ``name`` (an entry member, tied to the entry's aliases of
+        it) gets comes from: as ``load_state_dict`` loads a plain model, the last of its names in module
+        order that the checkpoint holds wins (a checkpoint saved with the tie undone holds each)."""
+        names = [name] + list(entry.get("aliases", {}).get(name, []))
+        held = [n for n in names if n in self.where]
+        return self.locate(held[-1] if held else name, numel)
+
     def locate(self, name: str, numel: int) -> Tuple[str, int]:
         if name not in self.where:
             raise CheckpointError(f"the checkpoint has no parameter '{name}' (it holds e.g. "
@@ -82,7 +90,7 @@ def assemble_shard(entry: Mapping[str, Any], rank: int, index: NameIndex, source
         start, end = max(lo, offset), min(hi, offset + numel)
         if start >= end:
             continue
-        key, source_offset = index.locate(name, numel)
+        key, source_offset = index.locate_loaded(entry, name, numel)
         source_chunk = chunk_numel(source_layout[key])
         position = start - lo
         for source_rank, a, b in _pieces(source_offset + start - offset, source_offset + end - offset, source_chunk):
@@ -146,7 +154,7 @@ class ResizedLoad:
         for key in model.state_dict():
             if key in layout:
                 for name, _, numel in entry_members(layout[key]):
-                    self.index.locate(name, numel)  # raises if the checkpoint lacks it or its size differs
+                    self.index.locate_loaded(layout[key], name, numel)  # raises: not held, or another size
                 shards[key] = self._filler(layout[key], rank, self._model_chunk)
             elif clean_name(key) in buffers:
                 buffer_values[key] = self._ckpts[0]["model"][buffers[clean_name(key)]].clone()
@@ -168,7 +176,7 @@ class ResizedLoad:
         state: Dict[int, Dict[str, Any]] = {}
         for i, key in enumerate(model_keys):
             entry = layout[key]
-            sources = {self.index.locate(name, numel)[0] for name, _, numel in entry_members(entry)}
+            sources = {self.index.locate_loaded(entry, name, numel)[0] for name, _, numel in entry_members(entry)}
             with_state = [k for k in sources if saved0["state"].get(source_index[k])]
             if not with_state:
                 continue
