@@ -63,8 +63,17 @@ def _run(folder, code: str, **env: str) -> dict:
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=ROOT,
                           env=dict(os.environ, PYTHONPATH=ROOT, **env))
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    assert proc.returncode == 0 and lines, _failure(proc.stderr)
     return json.loads(lines[-1][len("RESULT "):])
+
+
+def _failure(stderr: str) -> str:
+    """What a failed run said: a process that died by a signal first (faulthandler's header and the
+    stacks of the thread that crashed and its peers, which PYTHONFAULTHANDLER prints ahead of a long
+    list of extension modules), then the end."""
+    fatal = stderr.find("Fatal Python error")
+    head = stderr[fatal:fatal + 6000] + "\n...\n" if fatal >= 0 else ""
+    return head + stderr[-2000:]
 
 
 @pytest.mark.fast
