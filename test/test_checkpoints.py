@@ -464,3 +464,102 @@ def test_the_clis_print_no_warning(sources, tmp_path):
                               env=dict(env, PYTHONPATH=ROOT))
         assert proc.returncode == 0, (cmd, proc.stderr[-2000:])
         assert "warn" not in proc.stderr.lower(), (cmd, proc.stderr[-2000:])
+
+
+def _layers(big: bool, offset: float) -> torch.nn.Sequential:
+    """``0``, ``2`` (and ``4`` when big): Linear layers with values set without a generator (XLA's
+    rank threads share it), ``offset`` telling the two models' values apart."""
+    layers = [torch.nn.Linear(6, 6), torch.nn.ReLU(), torch.nn.Linear(6, 6)]
+    if big:
+        layers += [torch.nn.ReLU(), torch.nn.Linear(6, 6)]
+    model = torch.nn.Sequential(*layers)
+    with torch.no_grad():
+        for i, p in enumerate(model.parameters()):
+            p.copy_(torch.linspace(-1, 1, p.numel()).reshape(p.shape) * (i + 1) / 7 + offset)
+    return model
+
+
+def _another_model_facts(me, folder, flatten):
+    """Checkpoints of one model loaded into another (the small one lacks ``4.weight`` / ``4.bias``),
+    strict and not, by ``load_sharded_checkpoint`` and ``resume_training``."""
+    import xla_fsdp
+    from xla_fsdp.checkpoints import full_state_dict
+    from xla_fsdp.checkpoints.files import ModelMismatchError
+
+    def wrap(big, offset):
+        model = xla_fsdp.XlaFullyShardedDataParallel(_layers(big, offset).to(me.device), flatten_parameters=flatten)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+        model(torch.ones(2, 6).to(me.device)).sum().backward()
+        opt.step()
+        me.sync()
+        return model, opt
+
+    def full(model):
+        return full_state_dict(model, rank0_only=False)
+
+    def refused(call):
+        try:
+            call()
+        except ModelMismatchError as e:
+            return str(e)
+        return "loaded"
+
+    facts = {}
+    big, big_opt = wrap(True, 10.0)
+    xla_fsdp.save_training_checkpoint(big, big_opt, os.path.join(folder, "big"), step=1)
+    small, small_opt = wrap(False, 0.0)
+    xla_fsdp.save_sharded_checkpoint(small, small_opt, os.path.join(folder, "small"))
+    big_prefix = os.path.join(folder, "big", "step-000000001")
+    small_before = full(small)
+    before_files = sorted(os.listdir(os.path.join(folder, "big")))
+    facts["resume_strict"] = refused(lambda: xla_fsdp.resume_training(small, small_opt, os.path.join(folder, "big")))
+    facts["load_strict"] = refused(lambda: xla_fsdp.load_sharded_checkpoint(small, small_opt, big_prefix))
+    facts["untouched"] = all(torch.equal(v, small_before[k]) for k, v in full(small).items())
+    facts["files_kept"] = sorted(os.listdir(os.path.join(folder, "big"))) == before_files
+    resumed = xla_fsdp.resume_training(small, small_opt, os.path.join(folder, "big"), strict=False)
+    facts["resume_loose"] = (resumed.step, resumed.missing_keys, resumed.unexpected_keys)
+    big_values = full(big)
+    facts["loaded_shared"] = all(torch.equal(v, big_values[k]) for k, v in full(small).items())
+    # the other way: the small model's checkpoint into the big one
+    big_before = full(big)
+    facts["into_big_strict"] = refused(lambda: xla_fsdp.load_sharded_checkpoint(big, None, os.path.join(folder, "small")))
+    loaded = xla_fsdp.load_sharded_checkpoint(big, None, os.path.join(folder, "small"), strict=False)
+    facts["into_big_loose"] = (loaded.missing_keys, loaded.unexpected_keys)
+    after = full(big)
+    facts["missing_kept"] = all(torch.equal(after[k], big_before[k]) for k in ("4.weight", "4.bias"))
+    facts["shared_loaded"] = all(torch.equal(after[k], small_before[k]) for k in small_before)
+    facts["into_big_with_optimizer"] = refused(
+        lambda: xla_fsdp.load_sharded_checkpoint(big, big_opt, os.path.join(folder, "small"), strict=False))
+    return facts
+
+
+@pytest.mark.parametrize("transport", ["torch", "xla"])
+def test_a_checkpoint_of_another_model_is_refused_naming_both_sides(transport, tmp_path):
+    """Issue 66 item 3. Before: a checkpoint holding ``4.weight`` / ``4.bias`` loaded into a model
+    without them (``load_sharded_checkpoint`` and ``resume_training``) and nobody was told. Now strict
+    as ``load_state_dict``: one ``ModelMismatchError`` on every rank naming the names, nothing loaded
+    and no checkpoint set aside as damaged; ``strict=False`` loads the names both have and returns the
+    rest (the model's missing ones keep their values). 2 ranks, per-parameter and flattened."""
+    from ranks import on_gloo, on_xla
+    for flatten in (False, True):
+        folder = tmp_path / f"flat{int(flatten)}"
+        folder.mkdir()
+        if transport == "torch":
+            results = on_gloo(_another_model_facts, 2, str(folder), flatten)
+        else:
+            results = on_xla(_another_model_facts, 2, str(folder), flatten)
+        for facts in results:
+            for key in ("resume_strict", "load_strict"):
+                assert "was saved from another model" in facts[key], facts[key]
+                assert "it holds '4.weight', '4.bias' that the model has not (2 unexpected)" in facts[key], facts[key]
+                assert "pass strict=False" in facts[key], facts[key]
+            assert facts["untouched"] and facts["files_kept"], facts
+            assert facts["resume_loose"] == (1, [], ["4.weight", "4.bias"]), facts
+            assert facts["loaded_shared"], facts
+            assert "the model's '4.weight', '4.bias' are not in it (2 missing)" in facts["into_big_strict"], facts
+            assert facts["into_big_loose"] == (["4.weight", "4.bias"], []), facts
+            assert facts["missing_kept"] and facts["shared_loaded"], facts
+            if flatten:  # one flat entry holds 0, 2 and 4: its optimizer state cannot be split
+                assert "holds only some parameters" in facts["into_big_with_optimizer"], facts
+            else:  # 4.weight / 4.bias start afresh
+                assert facts["into_big_with_optimizer"] == "loaded", facts

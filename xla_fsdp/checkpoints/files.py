@@ -40,6 +40,11 @@ class CheckpointError(RuntimeError):
     user_facing = True  # its message says all: reported in one line, without a traceback
 
 
+class ModelMismatchError(CheckpointError):
+    """A sound checkpoint that does not fit the model: names or sizes differ (another model or config).
+    Resuming stops at it rather than falling back to an older checkpoint, which would not fit either."""
+
+
 class DiskFullError(CheckpointError):
     """A write did not fit: the disk is full, a quota or the file size limit is reached."""
 

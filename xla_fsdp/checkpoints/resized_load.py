@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
 from ..shard_names import clean_name, readable_key
 from .reader import MISSING_OPTIMIZER_KEYS, REOPEN_BYTES, ShardedCheckpoint
-from .files import CheckpointError, verify_archive
+from .files import CheckpointError, ModelMismatchError, verify_archive
 
 Member = Tuple[str, int, int]  # (original name, offset in the entry's flat buffer, numel)
 
@@ -57,11 +57,11 @@ class NameIndex:
 
     def locate(self, name: str, numel: int) -> Tuple[str, int]:
         if name not in self.where:
-            raise CheckpointError(f"the checkpoint has no parameter '{name}' (it holds e.g. "
+            raise ModelMismatchError(f"the checkpoint has no parameter '{name}' (it holds e.g. "
                                   f"{sorted(self.where)[:3]}): it was saved from another model")
         key, offset, saved_numel = self.where[name]
         if saved_numel != numel:
-            raise CheckpointError(f"parameter '{name}' has {saved_numel} elements in the checkpoint and {numel} "
+            raise ModelMismatchError(f"parameter '{name}' has {saved_numel} elements in the checkpoint and {numel} "
                                   "in the model: it was saved from another model")
         return key, offset
 
@@ -76,19 +76,21 @@ def _pieces(start: int, end: int, chunk: int) -> Iterator[Tuple[int, int, int]]:
 
 
 def assemble_shard(entry: Mapping[str, Any], rank: int, index: NameIndex, source_layout: Mapping[str, Any],
-                   read_chunk, dtype: torch.dtype, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                   read_chunk, dtype: torch.dtype, out: Optional[torch.Tensor] = None,
+                   skip: Sequence[str] = ()) -> torch.Tensor:
     """This rank's flat shard of a model entry, filled from the checkpoint's chunks (into ``out``,
-    a flat tensor of the shard's size, when given). ``read_chunk(key, source_rank)`` returns that
-    rank's flat (1-D) tensor for ``key``."""
+    a flat tensor of the shard's size, when given: the members named in ``skip`` keep its values).
+    ``read_chunk(key, source_rank)`` returns that rank's flat (1-D) tensor for ``key``."""
     size = chunk_numel(entry)
+    members = entry_members(entry)
     if out is None:
         out = torch.zeros(size, dtype=dtype)
-    else:
-        out.zero_()  # the padding
+    else:  # the padding
+        out[min(size, max(0, sum(numel for _, _, numel in members) - rank * size)):].zero_()
     lo, hi = rank * size, (rank + 1) * size
-    for name, offset, numel in entry_members(entry):
+    for name, offset, numel in members:
         start, end = max(lo, offset), min(hi, offset + numel)
-        if start >= end:
+        if start >= end or name in skip:
             continue
         key, source_offset = index.locate_loaded(entry, name, numel)
         source_chunk = chunk_numel(source_layout[key])
@@ -139,33 +141,52 @@ class ResizedLoad:
     def _model_chunk(self, key: str, source_rank: int) -> torch.Tensor:
         return self._ckpts[source_rank]["model"][key].reshape(-1)
 
-    def _filler(self, entry, rank: int, read_chunk):
+    def _filler(self, entry, rank: int, read_chunk, skip: Sequence[str] = ()):
         def fill(out: torch.Tensor) -> None:
-            assemble_shard(entry, rank, self.index, self.source.layout, read_chunk, out.dtype, out=out)
+            assemble_shard(entry, rank, self.index, self.source.layout, read_chunk, out.dtype, out=out, skip=skip)
             self._account(out.numel() * out.element_size())
         return fill
 
-    def plan(self, model, optimizer, rank: int, model_keys: Optional[List[str]]) -> Dict[str, Any]:
+    def plan(self, model, optimizer, rank: int, model_keys: Optional[List[str]], strict: bool = True
+             ) -> Dict[str, Any]:
         """Check that the checkpoint fits the model (names, sizes, buffers, optimizer groups) and
-        return what ``apply`` will fill, reading no tensor data yet but the (small) buffers."""
+        return what ``apply`` will fill, reading no tensor data yet but the (small) buffers. As
+        ``load_state_dict``: with ``strict``, names only one side has are refused; without, the
+        model's names the checkpoint lacks keep their values, and both lists are in the plan."""
         layout = model.get_shard_metadata()["layout"]
         buffers = {clean_name(k): k for k in self.source.buffer_keys}
-        shards, buffer_values = {}, {}
+        shards, buffer_values, missing, used = {}, {}, [], set()
+        absent_in: Dict[str, List[str]] = {}
         for key in model.state_dict():
             if key in layout:
-                for name, _, numel in entry_members(layout[key]):
-                    self.index.locate_loaded(layout[key], name, numel)  # raises: not held, or another size
-                shards[key] = self._filler(layout[key], rank, self._model_chunk)
+                entry = layout[key]
+                absent = []
+                for name, _, numel in entry_members(entry):
+                    names = [name] + list(entry.get("aliases", {}).get(name, []))
+                    used.update(names)
+                    if any(n in self.index.where for n in names):
+                        self.index.locate_loaded(entry, name, numel)  # raises: another size
+                    else:
+                        absent.append(name)
+                missing += absent
+                absent_in[key] = absent
+                if len(absent) < len(entry["names"]):
+                    shards[key] = (self._filler(entry, rank, self._model_chunk, absent), bool(absent))
             elif clean_name(key) in buffers:
+                used.add(clean_name(key))
                 buffer_values[key] = self._ckpts[0]["model"][buffers[clean_name(key)]].clone()
             elif "_fsdp_shard" not in key:
-                raise CheckpointError(f"the checkpoint '{self.source.prefix}' has no buffer '{readable_key(key)}'")
-        plan = {"shards": shards, "buffers": buffer_values}
+                missing.append(readable_key(key))
+        unexpected = [n for n in list(self.index.where) + list(buffers) if n not in used]
+        if strict and (missing or unexpected):
+            raise ModelMismatchError(mismatch_line(self.source.prefix, missing, unexpected))
+        plan = {"shards": shards, "buffers": buffer_values, "missing": missing, "unexpected": unexpected}
         if optimizer is not None:
-            plan["optimizer"] = self._plan_optimizer(optimizer, layout, rank, model_keys)
+            plan["optimizer"] = self._plan_optimizer(optimizer, layout, rank, model_keys, absent_in)
         return plan
 
-    def _plan_optimizer(self, optimizer, layout, rank: int, model_keys: List[str]) -> Dict[str, Any]:
+    def _plan_optimizer(self, optimizer, layout, rank: int, model_keys: List[str],
+                        absent_in: Mapping[str, List[str]]) -> Dict[str, Any]:
         source_keys = self.source.optimizer_param_keys
         if source_keys is None:
             raise CheckpointError(MISSING_OPTIMIZER_KEYS)
@@ -176,6 +197,13 @@ class ResizedLoad:
         state: Dict[int, Dict[str, Any]] = {}
         for i, key in enumerate(model_keys):
             entry = layout[key]
+            absent = absent_in.get(key, [])
+            if absent and len(absent) < len(entry["names"]):
+                raise ModelMismatchError(
+                    f"strict=False: the checkpoint holds only some parameters of '{readable_key(key)}' (not {absent[:3]}), "
+                    "so its optimizer state cannot be loaded; load without the optimizer (optimizer=None)")
+            if absent:  # none of its parameters is in the checkpoint: its state starts afresh
+                continue
             sources = {self.index.locate_loaded(entry, name, numel)[0] for name, _, numel in entry_members(entry)}
             with_state = [k for k in sources if saved0["state"].get(source_index[k])]
             if not with_state:
@@ -206,12 +234,13 @@ class ResizedLoad:
         through a host copy of one tensor at a time."""
         current = model.state_dict()
         with torch.no_grad():
-            for key, fill in plan["shards"].items():
+            for key, (fill, keeps_some) in plan["shards"].items():
                 target = current[key]
                 if target.device.type == "cpu" and target.is_contiguous():
                     fill(target.view(-1))  # the detached shard shares the parameter's storage and version
                 else:
-                    staged = torch.empty(target.numel(), dtype=target.dtype)
+                    staged = (target.detach().cpu().reshape(-1).clone() if keeps_some
+                              else torch.empty(target.numel(), dtype=target.dtype))
                     fill(staged)
                     target.copy_(staged.view(target.shape))
         if plan["buffers"]:
@@ -262,6 +291,18 @@ class ResizedLoad:
     def close(self) -> None:
         self._ckpts = None
         self.source.release()
+
+
+def mismatch_line(prefix: str, missing: Sequence[str], unexpected: Sequence[str]) -> str:
+    """One line for a checkpoint whose names differ from the model's, as ``load_state_dict`` words it."""
+    parts = ([f"the model's {_few(missing)} are not in it ({len(missing)} missing)"] if missing else []) + (
+        [f"it holds {_few(unexpected)} that the model has not ({len(unexpected)} unexpected)"] if unexpected else [])
+    return (f"the checkpoint '{prefix}' was saved from another model: {'; '.join(parts)}; build the model as it was "
+            "saved (its config, --model), or pass strict=False to load the names both have")
+
+
+def _few(names: Sequence[str]) -> str:
+    return ", ".join(f"'{n}'" for n in names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
 
 
 def needs_resizing(ckpt_prefix: str, model, own_metadata: Optional[Mapping[str, Any]]) -> bool:

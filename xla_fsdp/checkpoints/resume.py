@@ -17,14 +17,14 @@ import random
 import re
 import warnings
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional
 
 import torch
 
-from .files import CheckpointError, atomic_write, load_rank_file, rank_path
+from .files import CheckpointError, ModelMismatchError, atomic_write, load_rank_file, rank_path
 from .folder_lock import claim
-from .sharded import load_sharded_checkpoint, save_sharded_checkpoint, values_over_ranks
+from .sharded import LoadedCheckpoint, load_sharded_checkpoint, save_sharded_checkpoint, values_over_ranks
 from ..unit.base import takes_root_unit
 
 _MARKER = re.compile(r"step-(\d{9})\.complete")
@@ -46,6 +46,8 @@ class ResumedState:
     extra: Any                   # the caller's own ``extra``
     saved_world_size: int
     prefix: str
+    missing_keys: List[str] = field(default_factory=list)     # strict=False: the model's names not loaded
+    unexpected_keys: List[str] = field(default_factory=list)  # strict=False: the checkpoint's names not used
 
 
 def step_prefix(ckpt_dir: str, step: int) -> str:
@@ -111,16 +113,19 @@ def _set_rng_state(state: Mapping[str, Any], device: torch.device, host_generato
         torch.get_device_module(device).set_rng_state(state[device.type], device)
 
 
-def _load_newest_sound(model, optimizer, ckpt_dir: str):
+def _load_newest_sound(model, optimizer, ckpt_dir: str, strict: bool):
     """Load the newest complete checkpoint that passes its checks. A damaged one (a flipped byte, a
     truncated or missing rank file) is skipped with a warning on every rank naming the file and the
     reason, and kept for inspection as ``damaged-step-N`` (so a later save at its step does not write
     over it); the ranks agree on every failure, so all fall back together and none has loaded a
-    thing from the damaged one."""
+    thing from the damaged one. A sound checkpoint of another model stops the resume: an older one
+    would not fit either, and none is set aside."""
     skipped = []
     for candidate in reversed(complete_checkpoints(ckpt_dir)):
         try:
-            extra = load_sharded_checkpoint(model, optimizer, candidate.prefix) or {}
+            loaded = load_sharded_checkpoint(model, optimizer, candidate.prefix, strict=strict)
+        except ModelMismatchError:
+            raise
         except CheckpointError as e:
             skipped.append((candidate, str(e)))
             continue
@@ -129,7 +134,7 @@ def _load_newest_sound(model, optimizer, ckpt_dir: str):
             warnings.warn(f"xla_fsdp: resume skipped the checkpoint '{damaged.prefix}' (step {damaged.step}): "
                           f"{reason}; resuming from step {candidate.step} instead; the damaged files are kept "
                           f"as '{kept}_rank-*' for inspection", stacklevel=3)
-        return candidate, extra
+        return candidate, (LoadedCheckpoint(loaded, [], []) if strict else loaded)
     raise CheckpointError(f"no checkpoint in '{ckpt_dir}' can be loaded: " + "; ".join(
         f"'{c.prefix}': {reason}" for c, reason in skipped))
 
@@ -215,14 +220,15 @@ def _warn_if_restarts_share_the_store(model) -> None:
 
 @takes_root_unit
 def resume_training(model, optimizer: Optional[torch.optim.Optimizer], ckpt_dir: str, *,
-                    lr_scheduler=None) -> Optional[ResumedState]:
+                    lr_scheduler=None, strict: bool = True) -> Optional[ResumedState]:
     """Load the newest complete checkpoint of ``ckpt_dir`` (written at any world size) into the
     model, optimizer and scheduler and restore the RNG state; None when there is none yet. Call on
     every rank, after wrapping and building the optimizer (and scheduler).
 
     At the saved world size each rank gets its own RNG state back. At another, per-rank streams
     cannot carry over one to one: each rank's generators are seeded from the saved step and its
-    rank instead (still deterministic)."""
+    rank instead (still deterministic). ``strict`` as in ``load_sharded_checkpoint``: with
+    ``strict=False`` the names not loaded are in the result's ``missing_keys`` / ``unexpected_keys``."""
     _warn_if_restarts_share_the_store(model)
     claim(model, ckpt_dir)  # one live run per folder
     latest = latest_checkpoint(ckpt_dir)
@@ -232,8 +238,8 @@ def resume_training(model, optimizer: Optional[torch.optim.Optimizer], ckpt_dir:
                               f"{[s - 1 for s in seen]}); put it on storage every node shares")
     if latest is None:
         return None
-    latest, extra = _load_newest_sound(model, optimizer, ckpt_dir)
-    training = extra.get("training_state")
+    latest, loaded = _load_newest_sound(model, optimizer, ckpt_dir, strict)
+    training = (loaded.extra or {}).get("training_state")
     if training is None:
         raise CheckpointError(f"'{latest.prefix}' holds no training state; write it with save_training_checkpoint")
     if lr_scheduler is not None:
@@ -258,4 +264,4 @@ def resume_training(model, optimizer: Optional[torch.optim.Optimizer], ckpt_dir:
             with torch.accelerator.device_index(device.index):
                 torch.get_device_module(device).manual_seed(seed)
     return ResumedState(training["step"], training["data_state"], training["user"], training["world_size"],
-                        latest.prefix)
+                        latest.prefix, loaded.missing_keys, loaded.unexpected_keys)

@@ -6,7 +6,7 @@ import os
 import threading
 import warnings
 import weakref
-from typing import Any, Dict, List, Mapping, Optional, Union
+from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Union
 
 import torch
 
@@ -250,8 +250,18 @@ def _check_matches_model(path: str, saved: Mapping[str, Any], current: Mapping[s
                                   f"({info['mode']})")
 
 
+class LoadedCheckpoint(NamedTuple):
+    """What ``load_sharded_checkpoint(..., strict=False)`` returns: the saved ``extra`` and, as
+    ``load_state_dict``'s result, the model's names the checkpoint lacks (they kept their values)
+    and the checkpoint's names the model lacks (not loaded)."""
+    extra: Optional[dict]
+    missing_keys: List[str]
+    unexpected_keys: List[str]
+
+
 @takes_root_unit
-def load_sharded_checkpoint(model, optimizer: Optional[torch.optim.Optimizer], ckpt_prefix: str) -> Optional[dict]:
+def load_sharded_checkpoint(model, optimizer: Optional[torch.optim.Optimizer], ckpt_prefix: str, *,
+                            strict: bool = True) -> Union[Optional[dict], LoadedCheckpoint]:
     """Load a sharded checkpoint into ``model`` (and ``optimizer``), after checking it; returns ``extra``.
 
     Call on every rank. A checkpoint of this world size and wrapping is read file for file; one of
@@ -259,7 +269,12 @@ def load_sharded_checkpoint(model, optimizer: Optional[torch.optim.Optimizer], c
     rank reading only the slices its shards need (see ``resized_load``). Each rank reads and
     checks first; then the ranks agree, and if any rank failed, every rank raises (naming the
     files) before any loads a thing, rather than one rank failing while the others train on from
-    the checkpoint or wait for it."""
+    the checkpoint or wait for it.
+
+    Strict as ``load_state_dict``: a parameter or buffer that only the model or only the checkpoint
+    has is a ``ModelMismatchError`` naming them. ``strict=False`` loads the names both have, the
+    rest of the model keeps its values, and a ``LoadedCheckpoint(extra, missing_keys,
+    unexpected_keys)`` is returned instead of ``extra``."""
     previous = _PENDING.pop(model, None)
     if previous is not None:
         previous.wait()
@@ -269,7 +284,7 @@ def load_sharded_checkpoint(model, optimizer: Optional[torch.optim.Optimizer], c
         if own is not None and not needs_resizing(ckpt_prefix, model, own):
             ckpt = _read_checked(model, optimizer, rank_path(ckpt_prefix, model.rank, model.world_size), ckpt_prefix)
         elif own is not None or not _has_files_of_world_size(ckpt_prefix, model.world_size):
-            resized = _read_resized(model, optimizer, ckpt_prefix)
+            resized = _read_resized(model, optimizer, ckpt_prefix, strict)
         else:  # this world size's set lacks this rank's file
             ckpt = _read_checked(model, optimizer, rank_path(ckpt_prefix, model.rank, model.world_size), ckpt_prefix)
     except CheckpointError as e:
@@ -281,7 +296,7 @@ def load_sharded_checkpoint(model, optimizer: Optional[torch.optim.Optimizer], c
             resized[0].close()
         if error is not None:
             others = [r for r in failed if r != _flat_rank(model)]
-            raise CheckpointError(f"{error}" + (f" (ranks {others} failed too)" if others else "")) from error
+            raise type(error)(f"{error}" + (f" (ranks {others} failed too)" if others else "")) from error
         first = failed[0]
         also = f"; ranks {failed} failed" if len(failed) > 1 else ""
         raise CheckpointError(f"the checkpoint '{ckpt_prefix}' cannot be loaded: rank {first} failed: {errors[first]}"
@@ -292,13 +307,15 @@ def load_sharded_checkpoint(model, optimizer: Optional[torch.optim.Optimizer], c
         source, plan = resized
         try:
             source.apply(plan, model, optimizer)
-            return source.extra()
+            extra, missing, unexpected = source.extra(), plan["missing"], plan["unexpected"]
         finally:
             source.close()
-    model.load_state_dict(ckpt["model"])
-    if optimizer is not None:
-        optimizer.load_state_dict(ckpt["optimizer"])
-    return ckpt.get("extra")
+    else:
+        model.load_state_dict(ckpt["model"])
+        if optimizer is not None:
+            optimizer.load_state_dict(ckpt["optimizer"])
+        extra, missing, unexpected = ckpt.get("extra"), [], []
+    return extra if strict else LoadedCheckpoint(extra, missing, unexpected)
 
 
 def _check_one_save(model, ckpt_prefix: str, run_id: Optional[str]) -> None:
@@ -331,14 +348,14 @@ def _own_metadata(model, ckpt_prefix: str) -> Optional[Dict[str, Any]]:
     return load_rank_file(path, mmap=True)["shard_metadata"]
 
 
-def _read_resized(model, optimizer, ckpt_prefix: str):
+def _read_resized(model, optimizer, ckpt_prefix: str, strict: bool = True):
     """Check a checkpoint of another world size or wrapping against the model (changes nothing);
     returns the open source and what it will fill."""
     source = ResizedLoad(ckpt_prefix)
     try:
         source.verify_share(_flat_rank(model), model.world_size * model.comms.num_replicas)
         keys = optimizer_param_keys(model, optimizer) if optimizer is not None else None
-        return source, source.plan(model, optimizer, model.rank, keys)
+        return source, source.plan(model, optimizer, model.rank, keys, strict)
     except BaseException:
         source.close()
         raise
