@@ -484,26 +484,40 @@ class _WithNorm(nn.Module):
         return self.out(self.LayerNorm(self.fc(x)))
 
 
-def _recipe_groups(model: nn.Module, recipe: str) -> List[Dict[str, Any]]:
+def _recipe_groups(model: nn.Module, recipe: str, drop_empty: bool = False) -> List[Dict[str, Any]]:
     if recipe == "by_name":  # transformers' rule
         skip = ["bias", "LayerNorm.weight"]
         no_decay = [p for n, p in model.named_parameters() if any(s in n for s in skip)]
     else:  # nanoGPT / timm
         no_decay = [p for p in model.parameters() if p.dim() < 2]
     decay = [p for p in model.parameters() if all(p is not q for q in no_decay)]
-    return [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]] if drop_empty else groups
 
 
-@pytest.mark.parametrize("recipe,flat", [("by_name", False), ("by_name", True), ("by_dim", False)])
-def test_no_decay_recipes_applied_to_shards_are_refused_at_the_first_step(gloo, recipe, flat):
+@pytest.mark.parametrize("drop_empty", [False, True])
+@pytest.mark.parametrize("recipe,flat", [("by_name", False), ("by_name", True), ("by_dim", False), ("by_dim", True)])
+def test_no_decay_recipes_applied_to_shards_are_refused_at_the_first_step(gloo, recipe, flat, drop_empty):
     """Issue 54 item 2. Before: by name, LayerNorm weights (names the unit made) got weight decay, and
     flattened nothing was excluded; by dimension (every shard 1-D) no weight was decayed: weights off
-    by 6e-4 .. 1.5e-3 after a few steps, silently. The supported way gives the unsharded groups."""
+    by 6e-4 .. 1.5e-3 after a few steps, silently. The supported way gives the unsharded groups.
+    Issue 66 item 1: the recipe that drops its empty group (one group left: by name flattened, by
+    dimension in both layouts) trained silently wrong; refused too, and a program that decays every
+    parameter alike (the optimizer's own weight_decay, one group) is not."""
     torch.manual_seed(0)
     model = FSDP(_WithNorm(), flatten_parameters=flat)
-    opt = torch.optim.AdamW(_recipe_groups(model, recipe), lr=1e-2)
+    groups = _recipe_groups(model, recipe, drop_empty)
+    opt = torch.optim.AdamW(groups, lr=1e-2)
     model(torch.randn(4, 6)).sum().backward()
-    with pytest.raises(RuntimeError, match=r"split weight decay by .* applied to the shards.*optimizer_param_groups"):
+    words = "split weight decay by .* applied to the shards" if len(groups) > 1 else \
+        (r"set one weight decay \(0(\.1)?\) on every shard, which is what the no-decay recipe by .* gives every shard but "
+         r"not every original parameter .* pass weight_decay=0(\.1)? to the optimizer")
+    with pytest.raises(RuntimeError, match=words + ".*optimizer_param_groups"):
+        opt.step()
+    for every_alike in ({"weight_decay": 0.1}, {}):  # decaying every parameter alike is not refused
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, **every_alike)
+        opt.step()
+        opt = torch.optim.AdamW([{"params": list(model.parameters())}], lr=1e-2, **every_alike)
         opt.step()
     rule = (lambda n: "bias" in n or "LayerNorm.weight" in n) if recipe == "by_name" else \
         (lambda n: "bias" in n or "LayerNorm" in n)  # the 1-D parameters, by name

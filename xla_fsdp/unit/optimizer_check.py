@@ -54,13 +54,30 @@ def _no_decay_by_trainer(group: Any) -> List[bool]:
             for ref in group.refs]
 
 
+def _set_by_program(group: dict, defaults: dict, key: str) -> bool:
+    """Whether the program put ``key`` in this parameter group itself, rather than the optimizer
+    filling it from its defaults. ``add_param_group`` appends the defaults a group lacks after the
+    program's own keys, in the defaults' order: a key followed by one of the program's keys, or by a
+    default that comes before it, was the program's."""
+    if key not in defaults or group.get(key) != defaults[key]:
+        return True
+    order = list(defaults)
+    keys = list(group)
+    return any(k not in defaults or order.index(k) < order.index(key) for k in keys[keys.index(key) + 1:])
+
+
 def _refuse_recipes_applied_to_shards(optimizer: torch.optim.Optimizer) -> None:
     """Parameter groups that split weight decay the way a no-decay recipe splits the shards, where the
     same recipe splits the original parameters otherwise: the program applied its recipe to the
     shards' names or dims (1-D blocks, names the unit made), so the optimizer would decay the wrong
-    parameters, silently. Refused at the first step with the supported way."""
+    parameters, silently. Also the recipe that drops its empty group (``[g for g in groups if
+    g["params"]]``): one weight decay left, which the program set on its groups itself (not the
+    optimizer's default), and which the recipe gives every shard but not every original parameter.
+    Refused at the first step with the supported way."""
+    holding = [g for g in optimizer.param_groups if any(hasattr(p, "_xla_fsdp_group") for p in g["params"])]
     decays = {float(g.get("weight_decay", 0.0) or 0.0) for g in optimizer.param_groups}
-    if len(decays) < 2:
+    if len(decays) < 2 and not (holding and "weight_decay" in optimizer.defaults and all(
+            _set_by_program(g, optimizer.defaults, "weight_decay") for g in holding)):
         return
     shards = [(p, g) for g in optimizer.param_groups for p in g["params"] if hasattr(p, "_xla_fsdp_group")]
     if not shards:
@@ -82,9 +99,17 @@ def _refuse_recipes_applied_to_shards(optimizer: torch.optim.Optimizer) -> None:
             wanted = on_originals(group)
             if len(set(wanted)) > 1 or wanted[0] != on_shard(p):
                 name = next(n for n, w in zip(group.names, wanted) if w != on_shard(p))
+                if len(decays) > 1:
+                    what = (f"groups split weight decay {rule} applied to the shards, which gives another split than "
+                            "on the original parameters")
+                else:
+                    value = next(iter(decays))
+                    what = (f"groups set one weight decay ({value:g}) on every shard, which is what the no-decay recipe "
+                            f"{rule} gives every shard but not every original parameter (a recipe that drops its "
+                            f"empty group); to {'decay every parameter alike' if value else 'decay none'}, pass "
+                            f"weight_decay={value:g} to the optimizer, not in its groups")
                 raise RuntimeError(
-                    f"xla_fsdp: this {type(optimizer).__name__}'s groups split weight decay {rule} applied to the "
-                    f"shards, which gives another split than on the original parameters (e.g. '{name}' would get "
+                    f"xla_fsdp: this {type(optimizer).__name__}'s {what} (e.g. '{name}' would get "
                     f"{'no ' if on_shard(p) else ''}weight decay, unlike unsharded training): shards are 1-D blocks "
                     "named by the unit. Build the groups from the original names with "
                     "model.optimizer_param_groups(lambda name: {'weight_decay': 0.0} if <your rule on name> else {})"
