@@ -939,3 +939,40 @@ def test_a_checkpoint_saved_untied_loads_into_a_tied_model_as_pytorch_loads_it(t
         for name, value in plain.state_dict().items():
             assert torch.equal(r["state"][name], value), name
         torch.testing.assert_close(r["out"], want_out, rtol=0, atol=1e-6)
+
+
+def _moved_then_wrapped(me) -> Dict[str, Any]:
+    """A tied LM wrapped after ``.to(xla_device)`` and wrapped on the CPU: the warnings, and whether
+    the head is still the embedding after a step."""
+    import warnings
+    out: Dict[str, Any] = {}
+    for where in ("moved", "cpu"):
+        model = _tiny_lm(True, 0)
+        if where == "moved":
+            model = model.to(me.device)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            wrapped = FSDP(model)
+        out[where] = [str(w.message) for w in caught if "xla_fsdp" in str(w.message)]
+        opt = torch.optim.SGD(wrapped.parameters(), lr=0.5)
+        wrapped(torch.arange(8).reshape(2, 4).to(me.device)).sum().backward()
+        opt.step()
+        me.sync()
+        state = full_state_dict(wrapped, rank0_only=False)
+        out[f"{where}_tied"] = torch.equal(state["head.weight"], state["wte.weight"])
+    return out
+
+
+@pytest.mark.xla
+def test_a_tied_model_moved_to_xla_before_wrapping_is_said_to_be_untied():
+    """Issue 66 item 4. Before: ``FSDP(model.to(xla_device))`` of a GPT whose head is its embedding
+    trained two matrices without a word (torch_xla's ``.to`` gives each module a new tensor; only a
+    Hugging Face config's tie was checked). Now the wrapper names both and gives the fix; wrapped on
+    the CPU the tie is kept through a step."""
+    from ranks import on_xla
+    (out,) = on_xla(_moved_then_wrapped, 1)
+    assert len(out["moved"]) == 1, out
+    assert "'head.weight' and 'wte.weight' hold the same values but are two parameters" in out["moved"][0], out
+    assert "Wrap the model on the CPU" in out["moved"][0] and "model.head.weight = model.wte.weight" in out["moved"][0]
+    assert out["moved_tied"] is False  # what the warning is about
+    assert out["cpu"] == [] and out["cpu_tied"] is True, out

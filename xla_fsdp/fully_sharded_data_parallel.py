@@ -179,7 +179,8 @@ class XlaFullyShardedDataParallel(ShardedUnit):
         resolve_torch_group_keywords(keywords)
         nn.Module.__init__(self)  # not super(): under fully_shard the module's own class follows in the MRO
         construction.validate_module(module)
-        construction.warn_untied_embeddings(module)
+        if not construction.warn_untied_embeddings(module):
+            construction.warn_embeddings_untied_by_a_move(module)
         options = options_from_keywords(keywords)
         self._options = options
         transport = resolve_transport(options.transport)

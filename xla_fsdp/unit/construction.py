@@ -26,21 +26,22 @@ def validate_module(module: nn.Module) -> None:
             "its elements, or the module that calls them, instead.")
 
 
-def warn_untied_embeddings(module: nn.Module) -> None:
+def warn_untied_embeddings(module: nn.Module) -> bool:
     """A Hugging Face model whose config ties the output embedding to the input embedding, but whose
     two weights are separate parameters: ``model.to(xla_device)`` gives each module a new parameter
     (torch cannot keep a shared one across that move), and the wrapped model would then train two
-    matrices where the model before the move had one. Said once, at wrap time, with the fix."""
+    matrices where the model before the move had one. Said once, at wrap time, with the fix;
+    returns whether it was said."""
     config = getattr(module, "config", None)
     if getattr(config, "tie_word_embeddings", False) is not True:
-        return
+        return False
     try:
         inputs, outputs = module.get_input_embeddings(), module.get_output_embeddings()
     except (AttributeError, NotImplementedError):
-        return
+        return False
     weight_in, weight_out = getattr(inputs, "weight", None), getattr(outputs, "weight", None)
     if not isinstance(weight_in, nn.Parameter) or not isinstance(weight_out, nn.Parameter) or weight_in is weight_out:
-        return
+        return False
     names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
     name_out = names.get(id(weight_out), "the output embedding")
     name_in = names.get(id(weight_in), "the input embedding")
@@ -49,6 +50,38 @@ def warn_untied_embeddings(module: nn.Module) -> None:
         "(model.to(xla_device) gives each module its own new parameter): they would train as two matrices. "
         "Call model.tie_weights() after moving it, or wrap the model on the CPU (xla_fsdp moves it and keeps "
         "the tie).", stacklevel=3)
+    return True
+
+
+def warn_embeddings_untied_by_a_move(module: nn.Module) -> None:
+    """Any model (not only a Hugging Face one, which says it ties in its config): an embedding's
+    weight and another embedding or linear weight of its shape that hold the same values but are two
+    parameters, on an XLA device. ``model.to(xla_device)`` unties a tied pair that way (a new tensor
+    per module), and a separate pair never starts equal unless it was copied. Said once, at wrap
+    time, naming both, with the fix; a few equality checks on the device (one per such pair)."""
+    params = dict(module.named_parameters())
+    embeddings = [(f"{n}.weight" if n else "weight", m.weight) for n, m in module.named_modules()
+                  if isinstance(m, nn.Embedding) and isinstance(m.weight, nn.Parameter)]
+    if not embeddings or embeddings[0][1].device.type != "xla":
+        return
+    weights = {id(m.weight) for m in module.modules()
+               if isinstance(m, (nn.Linear, nn.Embedding)) and isinstance(getattr(m, "weight", None), nn.Parameter)}
+    names = {id(p): n for n, p in params.items()}
+    for name, weight in embeddings:
+        if names.get(id(weight)) != name:  # shared with an earlier module: one parameter, tied
+            continue
+        for other_name, other in params.items():
+            if (other_name == name or id(other) not in weights or other.shape != weight.shape
+                    or other.dtype != weight.dtype or other.device != weight.device):
+                continue
+            if names[id(other)] != other_name or not torch.equal(other.detach(), weight.detach()):
+                continue
+            warnings.warn(
+                f"xla_fsdp: '{other_name}' and '{name}' hold the same values but are two parameters: if the model "
+                "ties them, model.to(xla_device) untied them (it gives each module a new tensor), and they would "
+                "train as two matrices. Wrap the model on the CPU (xla_fsdp moves it to the device and keeps the "
+                f"tie), or tie them again after moving it (model.{other_name} = model.{name}).", stacklevel=3)
+            return
 
 
 def owned_modules(root: nn.Module):
