@@ -563,3 +563,48 @@ def test_a_checkpoint_of_another_model_is_refused_naming_both_sides(transport, t
                 assert "holds only some parameters" in facts["into_big_with_optimizer"], facts
             else:  # 4.weight / 4.bias start afresh
                 assert facts["into_big_with_optimizer"] == "loaded", facts
+
+
+def _save_on_rank_0_only(me, folder, other):
+    """Rank 0 saves; rank 1 does not (``other``: it waits in a barrier, or leaves)."""
+    import warnings
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    import xla_fsdp
+    import xla_fsdp.collectives.torch_dist as torch_dist
+    from xla_fsdp.checkpoints import CheckpointError
+
+    dist.distributed_c10d._get_default_store().set_timeout(timedelta(seconds=4))  # the job's timeout
+    torch_dist.LATE_WARNING_S = 1.0
+    model = xla_fsdp.XlaFullyShardedDataParallel(torch.nn.Linear(4, 4))
+    if me.rank == 0:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                xla_fsdp.save_sharded_checkpoint(model, None, os.path.join(folder, "ck"))
+                outcome = "saved"
+            except CheckpointError as e:
+                outcome = str(e)
+        return outcome, [str(w.message) for w in caught if "xla_fsdp" in str(w.message)], os.listdir(folder)
+    if other == "barrier":
+        try:
+            dist.barrier()
+        except RuntimeError as e:  # rank 0 left: gloo's error, after rank 0's
+            return f"barrier: {type(e).__name__}"
+    return other
+
+
+@pytest.mark.parametrize("other", ["barrier", "left"])
+def test_a_save_on_rank_0_only_is_named_not_aborted(other, tmp_path):
+    """Issue 66 item 14. Before: ``save_sharded_checkpoint`` under ``if rank == 0:`` aborted rank 0
+    on gloo's collective mismatch (``EnforceNotMet``, exit -6) when rank 1 waited in a barrier, or
+    failed with "Connection reset" when it had left. Now rank 0 warns while it waits and then raises one
+    error naming the rank and the fix, and no file is written."""
+    from ranks import on_gloo
+    (outcome, warned, files), peer = on_gloo(_save_on_rank_0_only, 2, str(tmp_path), other, errors_as_results=True)
+    assert "save_sharded_checkpoint is called on every rank" in outcome, outcome
+    assert "ranks [1] did not call it within the job's timeout (4 s)" in outcome and "`if rank == 0:`" in outcome
+    assert len(warned) == 1 and "rank 0 has waited 1 s in save_sharded_checkpoint for ranks [1]" in warned[0], warned
+    assert files == [], files
+    assert peer == ("barrier: RuntimeError" if other == "barrier" else "left"), peer

@@ -24,7 +24,8 @@ import torch
 
 from .files import CheckpointError, ModelMismatchError, atomic_write, load_rank_file, rank_path
 from .folder_lock import claim
-from .sharded import LoadedCheckpoint, load_sharded_checkpoint, save_sharded_checkpoint, values_over_ranks
+from .sharded import (LoadedCheckpoint, every_rank_calls, load_sharded_checkpoint, save_sharded_checkpoint,
+                      values_over_ranks)
 from ..unit.base import takes_root_unit
 
 _MARKER = re.compile(r"step-(\d{9})\.complete")
@@ -168,6 +169,7 @@ def save_training_checkpoint(model, optimizer: Optional[torch.optim.Optimizer], 
     mark it complete once every rank's file is written; keep the newest ``keep`` complete ones
     (``keep=0`` keeps all). Call on every rank; ``ckpt_dir`` must be one folder every rank (every
     node) sees."""
+    every_rank_calls(model, "save_training_checkpoint")
     claim(model, ckpt_dir)  # one live run per folder
     prefix = step_prefix(ckpt_dir, step)
     training = {"step": int(step), "world_size": model.world_size * model.comms.num_replicas,
@@ -229,6 +231,7 @@ def resume_training(model, optimizer: Optional[torch.optim.Optimizer], ckpt_dir:
     cannot carry over one to one: each rank's generators are seeded from the saved step and its
     rank instead (still deterministic). ``strict`` as in ``load_sharded_checkpoint``: with
     ``strict=False`` the names not loaded are in the result's ``missing_keys`` / ``unexpected_keys``."""
+    every_rank_calls(model, "resume_training")
     _warn_if_restarts_share_the_store(model)
     claim(model, ckpt_dir)  # one live run per folder
     latest = latest_checkpoint(ckpt_dir)

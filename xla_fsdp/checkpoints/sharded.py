@@ -45,6 +45,17 @@ def _optimizer_checksums(osd: Mapping[str, Any]) -> Dict[str, int]:
             for name, v in st.items() if isinstance(v, torch.Tensor)}
 
 
+def every_rank_calls(model, call: str) -> None:
+    """Meet the job's other ranks at ``call`` before its first collective: a rank that never comes
+    (a save under ``if rank == 0:``) is named in one error, where the first collective would abort
+    the process on gloo's mismatch or wait on a peer that is gone."""
+    late, timeout = model.comms.meet(call)
+    if late:
+        raise CheckpointError(f"{call} is called on every rank (each writes or reads its own shards), but ranks {late} "
+                              f"did not call it within the job's timeout ({timeout:.0f} s): a call under "
+                              "`if rank == 0:` is the usual cause; call it on every rank")
+
+
 def _agree_on_run_id(model) -> str:
     """A random id chosen by rank 0 and shared with all ranks, so files of one save match."""
     comms = model.comms
@@ -86,6 +97,7 @@ def save_sharded_checkpoint(model, optimizer: Optional[torch.optim.Optimizer], c
     training goes on, and ``wait()`` (called by the next save or load at the latest) returns once
     every rank's file is in place. A failed write raises on every rank, at the return or at ``wait()``.
     """
+    every_rank_calls(model, "save_sharded_checkpoint")
     previous = _PENDING.pop(model, None)
     if previous is not None:
         previous.wait()  # one save at a time: the next waits for the previous
@@ -275,6 +287,7 @@ def load_sharded_checkpoint(model, optimizer: Optional[torch.optim.Optimizer], c
     has is a ``ModelMismatchError`` naming them. ``strict=False`` loads the names both have, the
     rest of the model keeps its values, and a ``LoadedCheckpoint(extra, missing_keys,
     unexpected_keys)`` is returned instead of ``extra``."""
+    every_rank_calls(model, "load_sharded_checkpoint")
     previous = _PENDING.pop(model, None)
     if previous is not None:
         previous.wait()

@@ -148,6 +148,14 @@ class Collectives(abc.ABC):
         result = list(values)
         return lambda: result
 
+    def meet(self, call: str) -> Tuple[List[int], float]:
+        """Wait until every rank of the job reached ``call`` (a function each rank calls, such as a
+        save), outside any collective, warning once while one is late. Returns the ranks that did not
+        come within the job's timeout (then the caller raises, naming them) and that timeout. A rank
+        that never comes (a call under ``if rank == 0:``) is named this way before the caller's first
+        collective, which would abort or hang on the mismatch. Default: one rank, always there."""
+        return [], 0.0
+
     #: whether the ranks are threads of one process, drawing from one CPU random generator (XLA:CPU,
     #: one-process TPU hosts): their models agree only if they take rank 0's (``sync_module_states``)
     ranks_share_a_process: bool = False

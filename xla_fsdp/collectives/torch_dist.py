@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
@@ -121,6 +122,12 @@ def _done() -> None:
     return None
 
 
+#: how many times this process arrived at each call (``TorchDistCollectives.meet``)
+_ARRIVALS: dict = {}
+#: how long a rank waits in ``meet`` before it warns that another is late
+LATE_WARNING_S = 20.0
+
+
 class TorchDistCollectives(Collectives):
     """Eager collectives; full parameters are freed by shrinking their storage to zero bytes so
     every view autograd saved sees the data again once it is re-gathered into the same storage."""
@@ -207,6 +214,34 @@ class TorchDistCollectives(Collectives):
         work = dist.all_reduce(handed[0], async_op=True)  # every rank of the job trains this model
         wait = _Waiter(work, counts, handed)
         return lambda: wait().tolist()
+
+    def meet(self, call: str) -> Tuple[List[int], float]:
+        """Through the job's store (the one ``init_process_group`` made), not a collective: a rank
+        that never comes leaves the others' gloo/NCCL sequence untouched. The job's timeout is the
+        store's (``init_process_group(timeout=...)``)."""
+        world = dist.get_world_size()
+        if world == 1:
+            return super().meet(call)
+        store = dist.distributed_c10d._get_default_store()
+        _ARRIVALS[call] = _ARRIVALS.get(call, 0) + 1  # the job's ranks make the same calls in the same order
+        prefix = f"xla_fsdp/arrived/{call}/{_ARRIVALS[call]}/"
+        store.set(prefix + str(dist.get_rank()), b"1")
+        keys = [prefix + str(r) for r in range(world)]
+        timeout = store.timeout.total_seconds()
+        start, pause, warned = time.monotonic(), 0.001, False
+        while not store.check(keys):
+            waited = time.monotonic() - start
+            late = [r for r, key in enumerate(keys) if not store.check([key])]
+            if waited >= timeout:
+                return late, timeout
+            if not warned and waited >= LATE_WARNING_S:
+                warnings.warn(f"xla_fsdp: rank {dist.get_rank()} has waited {waited:.0f} s in {call} for ranks {late}: "
+                              f"every rank calls {call} (one under `if rank == 0:` is never met; this rank gives "
+                              f"up after the job's timeout, {timeout:.0f} s)", stacklevel=4)
+                warned = True
+            time.sleep(pause)
+            pause = min(2 * pause, 0.05)
+        return [], timeout
 
     def new_full(self, shape: Tuple[int, ...], padded_numel: int, dtype: torch.dtype) -> torch.Tensor:
         numel = math.prod(shape)
