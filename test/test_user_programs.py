@@ -516,8 +516,9 @@ def test_no_decay_recipes_applied_to_shards_are_refused_at_the_first_step(gloo, 
         opt.step()
     for every_alike in ({"weight_decay": 0.1}, {}):  # decaying every parameter alike is not refused
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, **every_alike)
+        torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)  # adds initial_lr to the groups
         opt.step()
-        opt = torch.optim.AdamW([{"params": list(model.parameters())}], lr=1e-2, **every_alike)
+        opt = torch.optim.AdamW([{"params": list(model.parameters()), "name": "all"}], lr=1e-2, **every_alike)
         opt.step()
     rule = (lambda n: "bias" in n or "LayerNorm.weight" in n) if recipe == "by_name" else \
         (lambda n: "bias" in n or "LayerNorm" in n)  # the 1-D parameters, by name

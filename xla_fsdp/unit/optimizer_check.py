@@ -57,13 +57,14 @@ def _no_decay_by_trainer(group: Any) -> List[bool]:
 def _set_by_program(group: dict, defaults: dict, key: str) -> bool:
     """Whether the program put ``key`` in this parameter group itself, rather than the optimizer
     filling it from its defaults. ``add_param_group`` appends the defaults a group lacks after the
-    program's own keys, in the defaults' order: a key followed by one of the program's keys, or by a
-    default that comes before it, was the program's."""
+    program's own keys, in the defaults' order: a key followed by a default that comes before it in
+    that order was the program's. (Keys that are not defaults say nothing: an LR scheduler adds
+    ``initial_lr`` after construction.)"""
     if key not in defaults or group.get(key) != defaults[key]:
         return True
     order = list(defaults)
     keys = list(group)
-    return any(k not in defaults or order.index(k) < order.index(key) for k in keys[keys.index(key) + 1:])
+    return any(k in defaults and order.index(k) < order.index(key) for k in keys[keys.index(key) + 1:])
 
 
 def _refuse_recipes_applied_to_shards(optimizer: torch.optim.Optimizer) -> None:
