@@ -398,3 +398,43 @@ def test_bound_in_place_of_pytorchs_fully_shard_it_is_pytorchs_and_takes_newer_k
         assert abs(got["loss"] - loss.item()) <= 1e-6
         for name, p in plain.named_parameters():
             torch.testing.assert_close(got["grads"][name], p.grad, rtol=0, atol=1e-6)
+
+
+def _meta_init_cut_warnings(me) -> Dict[str, List[str]]:
+    """fully_shard on the meta device, to_empty, an init that draws on the device, then the first
+    forward: the warnings, with and without the program's own cut right after the init."""
+    import warnings
+
+    import torch_xla
+
+    from xla_fsdp import fully_shard
+    out = {}
+    for case in ("synced_after_init", "not_synced"):  # once per process: the warning that is said
+        with torch.device("meta"):
+            model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        fully_shard(model)
+        model.to_empty(device=me.device)
+        for layer in model:
+            layer.reset_parameters()  # draws on the device
+        if case == "synced_after_init":
+            torch_xla.sync()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model(torch.ones(2, 4, device=me.device)).sum().backward()
+            me.sync()
+        out[case] = [str(w.message) for w in caught if "xla_fsdp" in str(w.message)]
+    return out
+
+
+@pytest.mark.xla
+def test_the_cut_after_a_meta_init_says_so_not_land_gradients():
+    """Issue 66 item 17. Before: the Llama FSDP2 example on XLA warned on every run that random numbers
+    differ "with host-offloaded gradients (land_gradients) and host reads inside a step", which it
+    has neither of: the cut was the one before the first forward, after the meta-device init drew.
+    Now the warning names that cut and the fix; with the program's own sync after its init, none."""
+    (out,) = on_xla(_meta_init_cut_warnings, 1)
+    assert out["synced_after_init"] == [], out
+    assert len(out["not_synced"]) == 1, out
+    message = out["not_synced"][0]
+    assert "the cut before the first forward that runs the meta-device init" in message, message
+    assert "call torch_xla.sync() right after the init" in message and "land_gradients" not in message, message

@@ -466,7 +466,10 @@ class _FullyShardUnit(XlaFullyShardedDataParallel):
             units, self._late_init_units = self._late_init_units, []
             for unit in units:
                 unit.take_deferred_values()
-            self.comms.sync()  # on XLA: the init and its cut run now, apart from the step
+            # on XLA: the init and its cut run now, apart from the step
+            self.comms.sync(why="Here: the cut before the first forward that runs the meta-device init (to_empty "
+                                "and the program's init, which drew them); call torch_xla.sync() right after the "
+                                "init, and the unwrapped program cuts there too")
         return super().forward(*args, **kwargs)
 
 

@@ -202,7 +202,8 @@ class Collectives(abc.ABC):
         """Whether a step marker ran since :meth:`step_mark` made ``mark``."""
         return True
 
-    def sync(self, keep_rng: bool = True) -> None:
+    def sync(self, keep_rng: bool = True, why: Optional[str] = None) -> None:
         """Run pending device work (no-op for eager transports). ``keep_rng``: a cut the package makes
         for itself leaves the device's random state as the program would have it without the cut;
-        False where the cut stands for the program's own step marker (``sync_on_finalization``)."""
+        False where the cut stands for the program's own step marker (``sync_on_finalization``).
+        ``why``: the cause and the way around it, for the warning when draws came before the cut."""

@@ -407,7 +407,7 @@ class XlaCollectives(Collectives):
             return False
         return True
 
-    def sync(self, keep_rng: bool = True) -> None:
+    def sync(self, keep_rng: bool = True, why: Optional[str] = None) -> None:
         if not keep_rng:
             sync(reset_scope=False)
             return
@@ -417,7 +417,7 @@ class XlaCollectives(Collectives):
         after = xm.get_rng_state(self.device)
         xm.set_rng_state(before, self.device)
         if _seed_before_step(after) != before:
-            _warn_draws_before_cut()
+            _warn_draws_before_cut(why)
 
 
 # torch_xla advances a device's seed at every graph cut: seed' = 1012031 + seed * 7012063 (mod 2**64),
@@ -432,19 +432,20 @@ def _seed_before_step(seed: int) -> int:
     return ((seed - _SEED_ADD) * _SEED_MUL_INVERSE) % _SEED_MOD
 
 
-def _warn_draws_before_cut() -> None:
+def _warn_draws_before_cut(why: Optional[str] = None) -> None:
     """Random numbers were drawn on the device before a cut xla_fsdp made: the rest of the step draws
     as the program would, but the seed of the program's next cut cannot be the one it would have
-    been (torch_xla sets seed and running seed together)."""
+    been (torch_xla sets seed and running seed together). ``why``: the cut's cause and the way to
+    avoid it, where the caller knows them."""
     if _WARNED_DRAWS.is_set():
         return
     _WARNED_DRAWS.set()
     import warnings
-    warnings.warn("xla_fsdp had to run the graph (a sync) after random numbers were drawn on the device in this "
-                  "step (dropout, torch.rand): from the next step on, the random numbers differ from the same "
-                  "program unwrapped (torch_xla advances its seed at every graph cut). This happens with "
-                  "host-offloaded gradients (land_gradients) and host reads inside a step; see docs/usage.md, "
-                  "'Exactness rules'", stacklevel=3)
+    cause = why or ("This happens with host-offloaded gradients (land_gradients) and host reads inside a step")
+    warnings.warn("xla_fsdp had to run the graph (a sync) after random numbers were drawn on the device since the "
+                  "last one (dropout, torch.rand, an init): from here on the random numbers differ from the same "
+                  f"program unwrapped (torch_xla advances its seed at every graph cut). {cause}; see docs/usage.md, "
+                  "'Exactness rules'", stacklevel=4)
 
 
 # --- gradient collectives outside torch_xla's collective token --------------------------------------
