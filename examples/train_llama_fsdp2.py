@@ -18,12 +18,14 @@ start alike. Two imports differ from the upstream program, marked below.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import shutil
+import warnings
 from dataclasses import dataclass, asdict
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -210,6 +212,17 @@ def checkpoint_folders(ckpt_dir: str) -> List[Tuple[int, str]]:
     return sorted(found)
 
 
+@contextlib.contextmanager
+def _quiet_dcp() -> Iterator[None]:
+    """DCP's own warnings that say nothing about this program: "torch.distributed is disabled ...
+    assuming ... a single process" comes even with ``no_dist=True`` (one writer, as asked), and its
+    file writer calls the deprecated ``tensor.storage()`` (torch 2.9)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
+        yield
+
+
 def save(ctx, model, opt, scheduler, step: int, folder: str) -> None:
     """The full state on rank 0's host, written by rank 0 into a new folder renamed into place."""
     model_sd, optim_sd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -217,7 +230,8 @@ def save(ctx, model, opt, scheduler, step: int, folder: str) -> None:
         partial = folder + ".partial"
         shutil.rmtree(partial, ignore_errors=True)
         extra = {"step": torch.tensor(step), "scheduler": json.dumps(scheduler.state_dict())}
-        dcp.save({"model": model_sd, "optim": optim_sd, **extra}, checkpoint_id=partial, no_dist=True)
+        with _quiet_dcp():
+            dcp.save({"model": model_sd, "optim": optim_sd, **extra}, checkpoint_id=partial, no_dist=True)
         os.replace(partial, folder)
 
 
@@ -240,7 +254,8 @@ def save_weights(ctx, model, folder: str) -> None:
     if ctx.is_master:
         partial = folder + ".partial"
         shutil.rmtree(partial, ignore_errors=True)
-        dcp.save({"model": model_sd}, checkpoint_id=partial, no_dist=True)
+        with _quiet_dcp():
+            dcp.save({"model": model_sd}, checkpoint_id=partial, no_dist=True)
         os.replace(partial, folder)
 
 

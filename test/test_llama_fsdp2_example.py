@@ -56,6 +56,8 @@ def _run(out_dir: str, transport: str, world_size: int, *extra: str) -> dict:
     done = subprocess.run(_argv(transport, world_size, out_dir) + ["--out_dir", out_dir, *COMMON, *extra], env=_env(),
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    for misleading in ("torch.distributed is disabled", "land_gradients", "TypedStorage is deprecated"):
+        assert misleading not in done.stderr, done.stderr[-3000:]  # issue 66 item 17
     with open(os.path.join(out_dir, "metrics.json")) as f:
         return json.load(f)
 

@@ -445,7 +445,7 @@ def _warn_draws_before_cut(why: Optional[str] = None) -> None:
     warnings.warn("xla_fsdp had to run the graph (a sync) after random numbers were drawn on the device since the "
                   "last one (dropout, torch.rand, an init): from here on the random numbers differ from the same "
                   f"program unwrapped (torch_xla advances its seed at every graph cut). {cause}; see docs/usage.md, "
-                  "'Exactness rules'", stacklevel=4)
+                  "'Exactness rules'", stacklevel=3)
 
 
 # --- gradient collectives outside torch_xla's collective token --------------------------------------
