@@ -18,6 +18,7 @@ import functools
 import glob
 import math
 import os
+import re
 import sys
 import threading
 import time
@@ -318,7 +319,13 @@ def eval_consolidated(args) -> None:
     cfg = MODEL_SIZES[args.model_size]
     _, eval_data = split_data(args, cfg)
     model = GPT(cfg)
-    state = torch.load(args.eval_consolidated, weights_only=True, map_location="cpu")["model"]
+    loaded = torch.load(args.eval_consolidated, weights_only=True, map_location="cpu")
+    if isinstance(loaded, dict) and "shard_metadata" in loaded:  # one rank's file of a sharded checkpoint
+        prefix = re.sub(r"_rank-\d{8}-of-\d{8}\.pth$", "", args.eval_consolidated)
+        raise SystemExit(f"error: '{args.eval_consolidated}' is one rank's file of a sharded checkpoint, not a "
+                         "consolidated one; consolidate it first: python -m xla_fsdp.consolidate_sharded_ckpts "
+                         f"--ckpt_prefix {prefix} --save_path model.pth, then --eval_consolidated model.pth")
+    state = loaded["model"]
     missing, unexpected = model.load_state_dict(state, strict=False)
     if set(missing) - {"head.weight"} or unexpected:  # the tied head may be stored once, as tok.weight
         raise SystemExit(f"error: '{args.eval_consolidated}' does not fit --model_size {args.model_size} "

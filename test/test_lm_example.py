@@ -36,7 +36,7 @@ def summary(text):
 
 def command(line, port):
     """(argv, environment variables) of a README line."""
-    args = shlex.split(line.split("#")[0].replace("127.0.0.1:29400", f"127.0.0.1:{port}"))
+    args = shlex.split(line.split("#")[0].replace("127.0.0.1:$port", f"127.0.0.1:{port}"))
     args = [a for a in args if a != "&"]
     env = {}
     while "=" in args[0]:
@@ -103,8 +103,14 @@ def uninterrupted(workdir):
 def test_readme_block_is_two_nodes_then_consolidate_and_score():
     lines = readme_lines()
     assert [line.split()[0] for line in lines] == [
-        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", "wait", "python", "python"]
-    assert "--nnodes 2 --nproc_per_node 2 --rdzv_backend c10d" in lines[0]
+        "port=$(python", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", "wait", "python",
+        "python"]
+    assert "--nnodes 2 --nproc_per_node 2 --rdzv_backend c10d --rdzv_endpoint 127.0.0.1:$port" in lines[1]
+    # the first line picks a free port (issue 66 item 17: 29400 was written in, busy if another job has it)
+    path = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")  # the venv's python, as activated
+    picked = subprocess.run(["bash", "-c", lines[0] + "\necho $port"], capture_output=True, text=True, check=True,
+                            env=dict(os.environ, PATH=path))
+    assert 0 < int(picked.stdout.split()[-1]) < 65536, picked
 
 
 def test_two_nodes_train_save_and_the_consolidated_model_scores_the_same(workdir, uninterrupted):
@@ -115,11 +121,20 @@ def test_two_nodes_train_save_and_the_consolidated_model_scores_the_same(workdir
     names = sorted(os.listdir(ckpt))
     assert names == [f"step-{s:09d}{tail}" for s in (40, 60) for tail in
                      [".complete"] + [f"_rank-{r:08d}-of-00000004.pth" for r in range(4)]]  # keeps 2
-    consolidate, score = readme_lines()[3:]
+    consolidate, score = readme_lines()[4:]
     run(command(consolidate, 0)[0], cwd, env)
     scored = summary(run(command(score, 0)[0], cwd, env))
     assert abs(float(scored["eval_loss"]) - float(uninterrupted["eval_loss"])) <= TOL
     assert scored["params"] == uninterrupted["params"]
+    # a rank file given instead (issue 66 item 17: it listed the shards' internal names as "missing")
+    rank_file = os.path.join(ckpt, "step-000000060_rank-00000000-of-00000004.pth")
+    argv = command(score, 0)[0][:-1] + [rank_file]
+    done = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"error: '{rank_file}' is one rank's file of a sharded checkpoint, not a consolidated one; consolidate it "
+        f"first: python -m xla_fsdp.consolidate_sharded_ckpts --ckpt_prefix {ckpt}/step-000000060 --save_path "
+        "model.pth, then --eval_consolidated model.pth"), done.stderr[-3000:]
 
 
 def test_a_job_that_lost_its_last_checkpoint_resumes_to_the_same_loss(workdir, uninterrupted):

@@ -38,3 +38,31 @@ def install_shared_safe_globals() -> None:
     why = "torch.serialization.safe_globals blocks safe across XLA:CPU rank threads"
     patches.replace(unpickler._safe_globals, "__enter__", enter, why)
     patches.replace(unpickler._safe_globals, "__exit__", exit_, why)
+
+
+#: one rank thread at a time makes the first calls of torch_xla's host fallbacks
+_FALLBACK_LOCK = threading.Lock()
+
+
+def count_host_fallbacks_first(fn):
+    """``fn`` (a rank thread's body), after this thread's first calls of torch_xla's common host
+    fallbacks (``.item()``, ``torch.equal``, ``nonzero`` / boolean indexing), one thread at a time.
+
+    torch_xla 2.9 counts every operation it runs on the host in a ``std::unordered_map`` that it
+    fills at each operation's first call, unguarded (``xla_fallback`` in aten_cpu_fallback.cpp). Two
+    rank threads making the first ``.item()`` of the process at once corrupted it: a segfault in
+    ``_Hashtable::_M_find_before_node`` under ``_local_scalar_dense``, 1 run in about 50 of a
+    2-device program that ends each rank with ``xm.all_reduce(...).item()``. Made here first, under
+    a lock, each counter exists before the program runs, and its later calls only read the map.
+    The tensors are host data on the device: no graph is compiled or run, the random state is left."""
+    def run(*args, **kwargs):
+        import torch
+        import torch_xla
+        with _FALLBACK_LOCK:
+            x = torch.ones(1).to(torch_xla.device())
+            x.item()
+            torch.equal(x, x)
+            torch.nonzero(x)
+        return fn(*args, **kwargs)
+
+    return run

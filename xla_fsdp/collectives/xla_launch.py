@@ -25,6 +25,7 @@ from typing import Any, Callable, Tuple
 from .. import patches
 from .._exit_cleanup import remove_unfinished_writes
 from .host_exchange import report_rank_failure
+from .thread_safety import count_host_fallbacks_first
 
 ENV_DEFAULTS_CPU = {
     # Executions blocked in a rendezvous occupy pool threads: size the pools above the device count
@@ -117,7 +118,7 @@ def run_thread_per_device_stoppable(local_rank, local_world_size, fn, initialize
 
     enable_xla_cpu_devices()  # a device process started afresh: the parent's changes are not in it
     original = patches.original(pjrt, "_run_thread_per_device")
-    fn = _reporting_failures(fn)
+    fn = _reporting_failures(count_host_fallbacks_first(fn))
     if threading.current_thread() is not threading.main_thread():
         return original(local_rank, local_world_size, fn, initializer_fn)
     previous = signal.signal(signal.SIGINT, _stop_now)
