@@ -372,3 +372,32 @@ def test_a_freed_full_parameter_holds_no_memory(monkeypatch):
     assert shards == 32 and param_mib == pytest.approx(256, rel=0.01)
     # ws 1: the shards replace the originals one for one, so wrapping adds no parameter-sized memory
     assert grew_mib < 0.4 * param_mib, f"wrapping a {param_mib:.0f} MiB model grew memory by {grew_mib:.0f} MiB"
+
+
+_FIRST_ITEM_BARRIER = threading.Barrier(8)
+
+
+def _first_item_at_once():
+    """Whether torch_xla's host-fallback counters existed when the program began, then the process's
+    first ``.item()`` / ``torch.equal`` / ``nonzero`` of every rank at the same moment."""
+    import torch_xla
+    import torch_xla.debug.metrics as met
+    counted = [met.counter_value(f"aten::{op}") is not None for op in ("_local_scalar_dense", "equal", "nonzero")]
+    x = torch.ones(1).to(torch_xla.device())
+    _FIRST_ITEM_BARRIER.wait(60)
+    x.item()
+    torch.equal(x, x)
+    torch.nonzero(x)
+    return counted
+
+
+def test_rank_threads_making_their_first_item_at_once_do_not_crash():
+    """torch_xla 2.9 creates the counter of each host-fallback operation at its first call, in a
+    ``std::unordered_map`` without a lock: two rank threads making the process's first ``.item()`` at
+    once segfaulted in ``_Hashtable::_M_find_before_node`` under ``_local_scalar_dense`` (the rare
+    crash of test_patches' 2-device launch; 8 threads released by a barrier, plain torch_xla.launch:
+    a crash in STRESS_FIGURE). Every rank thread the launcher starts now finds the counters made."""
+    from ranks import xla_cpu_devices
+    with xla_cpu_devices(8):
+        results = run_multiprocess(_first_item_at_once)
+    assert [results[r] for r in range(8)] == [[True, True, True]] * 8, results

@@ -7,12 +7,13 @@ reopen window, not the model size (with ``--optimizer``, the whole optimizer sta
 from __future__ import annotations
 
 import math
+import time
 from collections import OrderedDict
 from typing import Dict, Tuple
 
 import torch
 
-from .files import FileSet, prepare_output, refuse_overwriting_inputs, stored_bytes
+from .files import CheckpointError, FileSet, find_rank_files, prepare_output, refuse_overwriting_inputs, stored_bytes
 from .reader import ShardedCheckpoint
 from .stream_save import PthStreamWriter, SafetensorsStreamWriter
 
@@ -61,6 +62,31 @@ def write_consolidated(ckpt: ShardedCheckpoint, save_path: str, fmt: str = "pth"
     return save_path
 
 
+#: how long a rank thread waits for the rank files its peers are still writing
+PEER_FILES_WAIT_S = 300.0
+
+
+def _wait_for_peer_files(ckpt_prefix: str, ckpt_suffix: str) -> None:
+    """Called from a rank thread (several XLA:CPU devices in one process), wait while the set of
+    rank files lacks some: the peers write them (``xm.save`` writes each whole, under a temporary
+    name first). torch_xla's MNIST FSDP test consolidates on rank 0 right after rank 0's own
+    ``xm.save``, which in torch_xla 2.9 meets no peer after writing, so the set was often not
+    complete yet (3 runs in 3 at 4 devices). Elsewhere (a process of its own, the CLIs) a missing
+    file is reported at once."""
+    from ..collectives.xla_launch import in_rank_thread
+    if not in_rank_thread():
+        return
+    deadline = time.monotonic() + PEER_FILES_WAIT_S
+    while time.monotonic() < deadline:
+        try:
+            find_rank_files(ckpt_prefix, ckpt_suffix)
+            return
+        except CheckpointError as e:
+            if "is missing rank files" not in str(e):
+                return  # reported as it is by the load
+        time.sleep(0.05)
+
+
 def consolidate_sharded_model_checkpoints(ckpt_prefix: str, ckpt_suffix: str = "*.pth", save_path: str = "",
                                           save_model: bool = True) -> Tuple[Dict[str, torch.Tensor], str]:
     """torch_xla's signature and return value: ``(full_state_dict, actual_save_path)``.
@@ -70,6 +96,7 @@ def consolidate_sharded_model_checkpoints(ckpt_prefix: str, ckpt_suffix: str = "
     streamed to ``save_path`` (default ``ckpt_prefix + '_consolidated.pth'``) as ``{'model': ...}``
     and returned memory-mapped from it.
     """
+    _wait_for_peer_files(ckpt_prefix, ckpt_suffix)
     ckpt = ShardedCheckpoint(ckpt_prefix, ckpt_suffix)
     if not save_model:
         full = OrderedDict(ckpt.iter_model())

@@ -89,9 +89,19 @@ def launch(fn: Callable[..., Any], args: Tuple = (), start_method: str = "spawn"
         torch_xla.launch(fn, args, start_method=start_method, debug_single_process=debug_single_process)
 
 
+_RANK_THREAD = threading.local()
+
+
+def in_rank_thread() -> bool:
+    """Whether this thread runs a rank of a device process started by :func:`launch` (or by
+    ``torch_xla.launch`` once :func:`enable_xla_cpu_devices` ran)."""
+    return getattr(_RANK_THREAD, "running", False)
+
+
 def _reporting_failures(fn: Callable[[], Any]) -> Callable[[], Any]:
     """``fn`` (one rank thread's body), printing a failure at once and releasing the rank's peers."""
     def run() -> Any:
+        _RANK_THREAD.running = True
         try:
             return fn()
         except BaseException as error:

@@ -10,7 +10,9 @@ where the rank threads exchange host copies instead of meeting in a device rende
   reduce type, scale, groups; also behind ``xm.collective_broadcast`` and the ``xla``
   torch.distributed backend) run this rank's pending device work, then gather every group member's
   values on the host and reduce them there in rank order (every rank gets the same bits);
-- ``xm.rendezvous`` exchanges its payloads on the host (behind ``xm.mesh_reduce`` and ``xm.save``).
+- ``xm.rendezvous`` exchanges its payloads on the host (behind ``xm.mesh_reduce``);
+- ``xm.save`` writes each file under a temporary name and renames it, so a peer thread reading the
+  folder never sees a partial file.
 
 Why the host: XLA:CPU aborts a device rendezvous whose peers are 10 s late, and a rank can be that late
 for reasons the program cannot see (a peer compiling a different graph under the compile lock, more
@@ -205,6 +207,26 @@ def rendezvous(tag: str, payload: bytes = b"", replicas: List[int] = []) -> List
     return [p for _, p in rows]
 
 
+def save(data: Any, file_or_path: Any, master_only: bool = True, global_master: bool = False) -> None:
+    """torch_xla's ``xm.save``, written atomically where rank threads share a process: under a
+    temporary name, then renamed, so a peer reading the folder (torch_xla's MNIST FSDP test
+    consolidates on rank 0 right after its own save) sees each rank file whole or not at all. Who
+    writes, and that no rank waits for another, is torch_xla's (2.9 meets no peer after the write)."""
+    original = _original("save")
+    if not is_threaded_cpu() or not isinstance(file_or_path, (str, os.PathLike)):
+        return original(data, file_or_path, master_only, global_master)
+    import threading
+    path = os.fspath(file_or_path)
+    partial = f"{path}.xla_fsdp-partial-{os.getpid()}-{threading.get_ident()}"
+    try:
+        original(data, partial, master_only, global_master)
+        if os.path.exists(partial):  # this rank wrote (master_only: the master alone)
+            os.replace(partial, path)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+
+
 def install_user_collectives() -> bool:
     """Patch torch_xla's user-level collectives (see the module docstring); idempotent. Returns
     whether they are installed (not when ``XLA_FSDP_PATCH_TORCH_XLA=0``)."""
@@ -216,4 +238,7 @@ def install_user_collectives() -> bool:
         patches.replace(xm, name, functools.wraps(getattr(xm, name))(patched),
                         "torch_xla's user collectives across XLA:CPU rank threads (host exchanges)")
         _ORIGINALS[name] = patches.original(xm, name)
+    patches.replace(xm, "save", functools.wraps(xm.save)(save),
+                    "xm.save's rank files written whole or not at all, for peers that read them (XLA:CPU rank threads)")
+    _ORIGINALS["save"] = patches.original(xm, "save")
     return True
