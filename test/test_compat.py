@@ -147,7 +147,8 @@ def _mp_fn(index, prefix):
         consolidate_sharded_model_checkpoints(ckpt_prefix=prefix, ckpt_suffix="_rank-*-of-*.pth")
     xm.rendezvous("ckpt_consolidation")
     full = torch.load(f"{prefix}_consolidated.pth")["model"]
-    print("RESULT", xr.global_ordinal(), sorted(full), flush=True)
+    sys.stdout.write(f"RESULT {xr.global_ordinal()} {sorted(full)}\\n")  # one write: whole lines from the threads
+    sys.stdout.flush()
 
 if __name__ == "__main__":
     torch_xla.launch(_mp_fn, args=(sys.argv[1],))
