@@ -522,7 +522,8 @@ def _another_model_facts(me, folder, flatten):
     facts["loaded_shared"] = all(torch.equal(v, big_values[k]) for k, v in full(small).items())
     # the other way: the small model's checkpoint into the big one
     big_before = full(big)
-    facts["into_big_strict"] = refused(lambda: xla_fsdp.load_sharded_checkpoint(big, None, os.path.join(folder, "small")))
+    small_prefix = os.path.join(folder, "small")
+    facts["into_big_strict"] = refused(lambda: xla_fsdp.load_sharded_checkpoint(big, None, small_prefix))
     loaded = xla_fsdp.load_sharded_checkpoint(big, None, os.path.join(folder, "small"), strict=False)
     facts["into_big_loose"] = (loaded.missing_keys, loaded.unexpected_keys)
     after = full(big)

@@ -103,8 +103,8 @@ def uninterrupted(workdir):
 def test_readme_block_is_two_nodes_then_consolidate_and_score():
     lines = readme_lines()
     assert [line.split()[0] for line in lines] == [
-        "port=$(python", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", "wait", "python",
-        "python"]
+        "port=$(python", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", "wait",
+        "python", "python"]
     assert "--nnodes 2 --nproc_per_node 2 --rdzv_backend c10d --rdzv_endpoint 127.0.0.1:$port" in lines[1]
     # the first line picks a free port (issue 66 item 17: 29400 was written in, busy if another job has it)
     path = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")  # the venv's python, as activated

@@ -510,8 +510,8 @@ def test_no_decay_recipes_applied_to_shards_are_refused_at_the_first_step(gloo, 
     opt = torch.optim.AdamW(groups, lr=1e-2)
     model(torch.randn(4, 6)).sum().backward()
     words = "split weight decay by .* applied to the shards" if len(groups) > 1 else \
-        (r"set one weight decay \(0(\.1)?\) on every shard, which is what the no-decay recipe by .* gives every shard but "
-         r"not every original parameter .* pass weight_decay=0(\.1)? to the optimizer")
+        (r"set one weight decay \(0(\.1)?\) on every shard, which is what the no-decay recipe by .* gives every "
+         r"shard but not every original parameter .* pass weight_decay=0(\.1)? to the optimizer")
     with pytest.raises(RuntimeError, match=words + ".*optimizer_param_groups"):
         opt.step()
     for every_alike in ({"weight_decay": 0.1}, {}):  # decaying every parameter alike is not refused

@@ -200,7 +200,8 @@ class ResizedLoad:
             absent = absent_in.get(key, [])
             if absent and len(absent) < len(entry["names"]):
                 raise ModelMismatchError(
-                    f"strict=False: the checkpoint holds only some parameters of '{readable_key(key)}' (not {absent[:3]}), "
+                    f"strict=False: the checkpoint holds only some parameters of '{readable_key(key)}' "
+                    f"(not {absent[:3]}), "
                     "so its optimizer state cannot be loaded; load without the optimizer (optimizer=None)")
             if absent:  # none of its parameters is in the checkpoint: its state starts afresh
                 continue

@@ -105,9 +105,9 @@ def _refuse_recipes_applied_to_shards(optimizer: torch.optim.Optimizer) -> None:
                             "on the original parameters")
                 else:
                     value = next(iter(decays))
-                    what = (f"groups set one weight decay ({value:g}) on every shard, which is what the no-decay recipe "
-                            f"{rule} gives every shard but not every original parameter (a recipe that drops its "
-                            f"empty group); to {'decay every parameter alike' if value else 'decay none'}, pass "
+                    what = (f"groups set one weight decay ({value:g}) on every shard, which is what the no-decay "
+                            f"recipe {rule} gives every shard but not every original parameter (a recipe that drops "
+                            f"its empty group); to {'decay every parameter alike' if value else 'decay none'}, pass "
                             f"weight_decay={value:g} to the optimizer, not in its groups")
                 raise RuntimeError(
                     f"xla_fsdp: this {type(optimizer).__name__}'s {what} (e.g. '{name}' would get "
