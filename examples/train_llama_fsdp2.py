@@ -240,7 +240,8 @@ def load(model, opt, scheduler, folder: str) -> int:
     full = StateDictOptions(full_state_dict=True)
     model_sd, optim_sd = get_state_dict(model, opt, options=full)  # the templates DCP fills
     state = {"model": model_sd, "optim": optim_sd, "step": torch.tensor(0), "scheduler": ""}
-    dcp.load(state, checkpoint_id=folder, no_dist=True)
+    with _quiet_dcp():
+        dcp.load(state, checkpoint_id=folder, no_dist=True)
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"], options=full)
     scheduler.load_state_dict(json.loads(state["scheduler"]))
     return int(state["step"])
@@ -263,7 +264,8 @@ def load_weights(model, folder: str) -> None:
     """The model's values from a checkpoint folder (a seed checkpoint): optimizer and step stay."""
     full = StateDictOptions(full_state_dict=True)
     state = {"model": get_model_state_dict(model, options=full)}
-    dcp.load(state, checkpoint_id=folder, no_dist=True)
+    with _quiet_dcp():
+        dcp.load(state, checkpoint_id=folder, no_dist=True)
     set_model_state_dict(model, state["model"], options=full)
 
 

@@ -112,7 +112,7 @@ def test_enabling_xla_cpu_devices_is_listed_and_undone(tmp_path):
     """, PJRT_DEVICE="CPU")
     assert result["enabled"]
     listed = [target for target, _ in result["listed"]]
-    assert len(listed) == len(set(listed)) == 20 and all(reason for _, reason in result["listed"])
+    assert len(listed) == len(set(listed)) == 21 and all(reason for _, reason in result["listed"])
     assert set(result["during"]) == set(listed)
     assert result["after"] == [] and result["installed_after"] == 0
 

@@ -34,7 +34,8 @@ def full_state_dict(model, rank0_only: bool = True) -> Optional[Dict[str, torch.
         shard = params[key].detach()
         shard = shard.reshape((-1,) + tuple(shard.shape[1:])).to(comms.device)  # host-offloaded: to the device
         gathered[key] = model.gather_over_ranks(shard)
-        comms.sync()  # one control channel: one collective per executed graph
+        comms.sync(why="Here: gathering a full state dict; a torch_xla.sync() of the program's right after the "
+                       "draws (an init, a step) keeps them as unwrapped")  # one collective per executed graph
     if rank0_only and model.rank != 0:
         return None
     out: Dict[str, torch.Tensor] = OrderedDict()

@@ -441,7 +441,9 @@ def _warn_draws_before_cut(why: Optional[str] = None) -> None:
         return
     _WARNED_DRAWS.set()
     import warnings
-    cause = why or ("This happens with host-offloaded gradients (land_gradients) and host reads inside a step")
+    cause = why or ("It is one xla_fsdp makes for itself where values must reach the host between the program's "
+                    "own cuts (a state dict or checkpoint, host-offloaded gradients); a torch_xla.sync() of the "
+                    "program's right after the draws keeps the draws as unwrapped")
     warnings.warn("xla_fsdp had to run the graph (a sync) after random numbers were drawn on the device since the "
                   "last one (dropout, torch.rand, an init): from here on the random numbers differ from the same "
                   f"program unwrapped (torch_xla advances its seed at every graph cut). {cause}; see docs/usage.md, "
