@@ -520,6 +520,11 @@ def test_no_decay_recipes_applied_to_shards_are_refused_at_the_first_step(gloo, 
         opt.step()
         opt = torch.optim.AdamW([{"params": list(model.parameters()), "name": "all"}], lr=1e-2, **every_alike)
         opt.step()
+    # the HF Trainer's two groups at its default weight_decay=0: one weight decay, set on the groups, decaying none
+    params = list(model.parameters())
+    opt = torch.optim.AdamW([{"params": params[:1], "weight_decay": 0.0}, {"params": params[1:], "weight_decay": 0.0}],
+                            lr=1e-2)
+    opt.step()
     rule = (lambda n: "bias" in n or "LayerNorm.weight" in n) if recipe == "by_name" else \
         (lambda n: "bias" in n or "LayerNorm" in n)  # the 1-D parameters, by name
     torch.manual_seed(0)

@@ -72,14 +72,14 @@ def _refuse_recipes_applied_to_shards(optimizer: torch.optim.Optimizer) -> None:
     same recipe splits the original parameters otherwise: the program applied its recipe to the
     shards' names or dims (1-D blocks, names the unit made), so the optimizer would decay the wrong
     parameters, silently. Also the recipe that drops its empty group (``[g for g in groups if
-    g["params"]]``): one weight decay left, which the program set on its groups itself (not the
-    optimizer's default), and which the recipe gives every shard but not every original parameter.
+    g["params"]]``): one group left, whose weight decay the program set itself (not the optimizer's
+    default), and which the recipe gives every shard but not every original parameter.
     Refused at the first step with the supported way."""
     holding = [g for g in optimizer.param_groups if any(hasattr(p, "_xla_fsdp_group") for p in g["params"])]
     decays = {float(g.get("weight_decay", 0.0) or 0.0) for g in optimizer.param_groups}
-    if len(decays) < 2 and not (holding and "weight_decay" in optimizer.defaults and all(
-            _set_by_program(g, optimizer.defaults, "weight_decay") for g in holding)):
-        return
+    if len(decays) < 2 and not (len(optimizer.param_groups) == 1 and holding and "weight_decay" in optimizer.defaults
+                                and _set_by_program(holding[0], optimizer.defaults, "weight_decay")):
+        return  # several groups of one weight decay (the HF Trainer's two at weight_decay=0) decay alike: as asked
     shards = [(p, g) for g in optimizer.param_groups for p in g["params"] if hasattr(p, "_xla_fsdp_group")]
     if not shards:
         return
