@@ -29,8 +29,8 @@ SNAPSHOT = textwrap.dedent("""
         import torch_xla.distributed, torch_xla.experimental
         from torch_xla.distributed.xla_backend import ProcessGroupXla
         TARGETS += [(torch_xla, "sync"), (xm, "mark_step"), (xm, "all_gather"), (xm, "reduce_scatter"),
-                    (xm, "all_reduce"), (xm, "rendezvous"), (xm, "_fetch_gradients"), (pjrt, "run_multiprocess"),
-                    (pjrt, "_run_thread_per_device"), (pjrt._SpawnFn, "__call__"),
+                    (xm, "all_reduce"), (xm, "rendezvous"), (xm, "save"), (xm, "_fetch_gradients"),
+                    (pjrt, "run_multiprocess"), (pjrt, "_run_thread_per_device"), (pjrt._SpawnFn, "__call__"),
                     (torch_xla.distributed, "fsdp"), (torch_xla.experimental, "spmd_fully_sharded_data_parallel"),
                     (ProcessGroupXla, "broadcast")]
     except ImportError:
