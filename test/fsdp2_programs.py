@@ -445,7 +445,8 @@ def run_meta_init_facts(world_size: int) -> List[Dict[str, Any]]:
 def meta_init_draws(me: Rank) -> Dict[str, Any]:
     """FSDP2's meta-init order with the program's own seeded random init (``model.apply``), beside the
     same program unsharded: on the XLA device with ``xm.set_rng_state`` before ``fully_shard``, and with
-    ``CPUOffloadPolicy`` and ``to_empty(device="cpu")`` from the CPU generator. The full state dicts
+    ``CPUOffloadPolicy`` and ``to_empty(device="cpu")`` from the CPU generator, there also with the
+    program's ``reset_parameters`` called directly, as FSDP2's tutorial does. The full state dicts
     after the first forward, and the device seed ``fully_shard`` left."""
     import torch_xla.core.xla_model as xm
     from xla_fsdp.checkpoints.full_state import full_state_dict
@@ -484,6 +485,34 @@ def meta_init_draws(me: Rank) -> Dict[str, Any]:
         model.apply(init)
     model(torch.ones(2, 8, device=device))
     out["cpu_got"] = full_state_dict(model, rank0_only=False)
+
+    class Net(nn.Module):  # the program's reset_parameters, called directly (item 7 of issue 66)
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4)
+
+        def reset_parameters(self) -> None:
+            self.a.reset_parameters()
+            self.b.reset_parameters()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(torch.tanh(self.a(x)))
+
+    with torch.device("meta"):
+        model = Net()
+    fully_shard(model.a, offload_policy=CPUOffloadPolicy())
+    fully_shard(model, offload_policy=CPUOffloadPolicy())
+    model.to_empty(device="cpu")
+    with BUILD_LOCK:
+        torch.manual_seed(6)
+        plain = Net()
+        torch.manual_seed(6)
+        plain.reset_parameters()
+        out["direct_want"] = {k: v.clone() for k, v in plain.state_dict().items()}
+        torch.manual_seed(6)
+        model.reset_parameters()
+    model(torch.ones(2, 8, device=device))
+    out["direct_got"] = full_state_dict(model, rank0_only=False)
     xla_fsdp.sync()
     return out
 

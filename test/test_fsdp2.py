@@ -73,10 +73,11 @@ def test_meta_init_draws_what_the_unsharded_program_draws(world_size):
     """Issue 55 item 4: the program's seeded init after fully_shard on the meta device and to_empty
     gives the unsharded program's values exactly: on the device with xm.set_rng_state (fully_shard's
     syncs leave the seed), and with CPUOffloadPolicy and to_empty(device="cpu") from the CPU generator
-    (before: drawn on the XLA device, off by up to 4.8)."""
+    (before: drawn on the XLA device, off by up to 4.8); the latter also with the program's
+    reset_parameters called directly instead of through model.apply (issue 66 item 7)."""
     for rank, r in enumerate(on_xla(programs.meta_init_draws, world_size)):
         assert r["seed_after_fully_shard"] == 101, rank
-        for where in ("xla", "cpu"):
+        for where in ("xla", "cpu", "direct"):
             for k, want in r[f"{where}_want"].items():
                 assert torch.equal(r[f"{where}_got"][k], want), (rank, where, k)
 
