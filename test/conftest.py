@@ -14,10 +14,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-# XLA:CPU runs in tests are mostly compiling small graphs: LLVM at -O1 instead of -O3 compiles them
+# XLA:CPU runs in tests are mostly compiling small graphs: LLVM at -O0 instead of -O3 compiles them
 # faster (docs/testing.md has the figures). It changes machine-code generation only, not the graphs
 # xla_fsdp builds or their HLO passes; an XLA_FLAGS of your own takes precedence.
-os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=1")
+os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")
 # Every process the suite starts (ranks, launchers, example scripts) prints its Python threads' stacks
 # if it dies by a signal (SIGABRT, SIGSEGV): a rare abort at exit (issue 42) is then diagnosable from
 # the one run where it happens.

@@ -171,7 +171,9 @@ CONFIGS: Dict[str, Dict[str, Any]] = {  # noqa: E501
     "wd_groups_flat_lm_adamw": dict(
         model="lm",
         opt="adamw_groups",
-        tol=1e-6,
+        # a forgotten no-decay group moves a norm weight by 2.5e-3 here (5 steps, lr 1e-3, wd 0.5); XLA:CPU's
+        # compiled rounding (LLVM -O0, the suite's) ends 1.1e-6 from eager at 2 devices, gloo 0
+        tol=2e-6,
         wrap=lambda m: FSDP(
             m, flatten_parameters=True, auto_wrap_policy=BLOCK_POLICY, flatten_group_fn=lambda name, p: no_decay(name)
         ),
@@ -260,7 +262,7 @@ def make_optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
             named = list(model.named_parameters())
             groups = [dict(options(n), params=[p]) for n, p in named]
         # eps 1e-6, lr 1e-3: with eps 1e-8 and lr 2e-3 AdamW blows XLA:CPU-vs-eager rounding up to 2.8e-6
-        # on one tensor, above the 1e-6 this config is held to (gloo: 6e-8 either way).
+        # on one tensor, above the 2e-6 this config is held to (gloo: 6e-8 either way).
         return torch.optim.AdamW(groups, lr=1e-3, weight_decay=0.5, eps=1e-6)
     return torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.01)
 
