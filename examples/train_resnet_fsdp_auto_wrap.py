@@ -116,13 +116,17 @@ def train(ctx, args):
             samples_s=f"{(step + 1) * args.batch_size * ctx.world_size / max(time.perf_counter() - start, 1e-9):.1f}",
         )
     elapsed = time.perf_counter() - start
+    # XLA:CPU devices are threads of one process sharing the compile counter: each rank reads it before
+    # any rank starts the checkpoint's graphs (a rank ahead of the others would otherwise be counted)
+    compiled = compilations(ctx)
+    ctx.mean(0.0)
     steps = total - warm
     b = state_bytes(model, opt)
     ctx.log(f"SUMMARY example=resnet model={args.model} transport={ctx.transport} world_size={ctx.world_size} "
             f"steps/s={steps / elapsed:.3f} samples/s={steps * args.batch_size * ctx.world_size / elapsed:.1f} "
             f"param_bytes={b['param_bytes']} grad_bytes={b['grad_bytes']} optimizer_bytes={b['optimizer_bytes']} "
-            f"peak_rss_mib={peak_rss_mib():.0f} compilations={compilations(ctx)} "
-            f"new_compilations_after_warmup={compilations(ctx) - compiles_after_warmup} final_loss={loss.item():.4f}")
+            f"peak_rss_mib={peak_rss_mib():.0f} compilations={compiled} "
+            f"new_compilations_after_warmup={compiled - compiles_after_warmup} final_loss={loss.item():.4f}")
     if args.ckpt_prefix:
         os.makedirs(os.path.dirname(os.path.abspath(args.ckpt_prefix)), exist_ok=True)
         xla_fsdp.save_sharded_checkpoint(model, opt, args.ckpt_prefix)
