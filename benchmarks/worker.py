@@ -57,13 +57,15 @@ def train_loop(model, opt, w: Workload, spec: Dict[str, Any], rank: int, device,
         times.append(time.perf_counter() - t0)
         losses.append(value)
     barrier()  # every rank's steps traced
+    compiles_end = measure.xla_compiles()
+    barrier()  # XLA:CPU device threads share the counter: every rank reads it before any goes on
     return {
         "rank": rank, "times": times[warmup:], "host_times": host_times[warmup:],
         "backward_host_times": backward_host_times[warmup:], "losses": losses,
         "state_bytes": measure.state_bytes(model, opt),
         "peak_rss_mib": measure.peak_rss_mib(), "collective_bytes_per_step": measure.collective_bytes(device) / steps,
         "all_gathers_per_step": measure.all_gather_calls(device) / steps,
-        "compiles_step2": compiles_step2, "compiles_end": measure.xla_compiles(),
+        "compiles_step2": compiles_step2, "compiles_end": compiles_end,
         # every rank thread's device-to-host copies per measured step (XLA): loss.item() makes one per rank
         "host_transfers_per_step": (measure.xla_transfers_to_host() - transfers_start) / steps,
         # every rank thread's ATen ops traced on XLA per measured step (the process's)

@@ -439,7 +439,7 @@ def host_residency(root: FSDP, opt: torch.optim.Optimizer, barrier: Callable[[],
     """Where a host-offloading model's state is between steps: the device types of its parameters,
     their gradients and the optimizer state, how many parameters have a gradient, how many groups
     still hold gathered parameters or device copies of shards, and (XLA) the number of graphs
-    compiled so far, read once every rank has ended the step."""
+    compiled so far, read once every rank has ended the step and before any rank goes on."""
     params = list(root.parameters())
     state = [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
     units = [u for u in root.modules() if isinstance(u, FSDP)]
@@ -449,6 +449,9 @@ def host_residency(root: FSDP, opt: torch.optim.Optimizer, barrier: Callable[[],
     if root.comms.name == "xla":
         import torch_xla.debug.metrics as met
         compiles = (met.metric_data("CompileTime") or [0])[0]
+    # XLA:CPU device threads share the counter: no rank goes on (after the last step, to graphs of its
+    # own) before every rank has read it
+    barrier()
     return {
         "params": sorted({p.device.type for p in params}), "dtypes": sorted({str(p.dtype) for p in params}),
         "grads": sorted({p.grad.device.type for p in params if p.grad is not None}),
