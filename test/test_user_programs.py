@@ -535,6 +535,44 @@ def test_no_decay_recipes_applied_to_shards_are_refused_at_the_first_step(gloo, 
     opt.step()  # the supported way passes
 
 
+class _WithLn(nn.Module):
+    """GPT-2's naming: a LayerNorm module called ``ln`` (no 'norm' in its name)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.ln, self.out = nn.Linear(6, 8), nn.LayerNorm(8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.out(self.ln(self.fc(x)))
+
+
+@pytest.mark.parametrize("layout", ["param", "dim0"])
+def test_groups_built_from_original_names_are_not_refused_where_a_recipe_on_shards_splits_alike(gloo, layout):
+    """Groups from model.optimizer_param_groups are by original name, whatever rule made them. Before:
+    GPT-2 per-parameter with the rule 'no decay on biases' (ln_*.weight decayed, as the program asked)
+    was refused at the first step as the HF Trainer's recipe applied to the shards, which splits the
+    shards the same way. The step equals the unsharded model's with the same groups."""
+    rule = lambda name: name.endswith("bias")  # noqa: E731
+    torch.manual_seed(0)
+    plain = _WithLn()
+    torch.manual_seed(0)
+    model = FSDP(_WithLn(), shard_param_on_dim_0=layout == "dim0")
+    groups = model.optimizer_param_groups(lambda name: {"weight_decay": 0.0} if rule(name) else {})
+    opt = torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.5)
+    plain_opt = torch.optim.AdamW([{"params": [p for n, p in plain.named_parameters() if not rule(n)]},
+                                   {"params": [p for n, p in plain.named_parameters() if rule(n)],
+                                    "weight_decay": 0.0}], lr=1e-2, weight_decay=0.5)
+    x = torch.randn(4, 6)
+    for m, o in ((model, opt), (plain, plain_opt)):
+        for _ in range(2):
+            m(x).square().mean().backward()
+            o.step()
+            o.zero_grad()
+    full = full_state_dict(model, rank0_only=False)
+    for name, want in plain.state_dict().items():
+        torch.testing.assert_close(full[name], want, atol=1e-6, rtol=0, msg=name)
+
+
 class _InnerCheckpointed(nn.Module):
     """A block that checkpoints part of itself with a reentrant checkpoint of the user's own
     (``fc1`` alone, or its whole MLP), inside ``checkpoint_module``'s checkpoint of the block."""

@@ -10,6 +10,10 @@ from typing import Any, List, Optional, Tuple
 
 import torch
 
+#: set on every shard of a model whose groups the program built from original names (optimizer_param_groups,
+#: shard_names_of): its groups are not taken for a no-decay recipe applied to shards, whatever split they make
+GROUPED_BY_ORIGINAL_NAME = "_xla_fsdp_grouped_by_original_name"
+
 #: optimizers whose update of a parameter depends on its shape or on its values as a whole, not element by element
 _SHAPE_DEPENDENT = ("Adafactor", "LBFGS", "Lamb", "LAMB", "Lars", "LARS", "Shampoo", "Muon")
 
@@ -81,8 +85,8 @@ def _refuse_recipes_applied_to_shards(optimizer: torch.optim.Optimizer) -> None:
                                 and _set_by_program(holding[0], optimizer.defaults, "weight_decay")):
         return  # several groups of one weight decay (the HF Trainer's two at weight_decay=0) decay alike: as asked
     shards = [(p, g) for g in optimizer.param_groups for p in g["params"] if hasattr(p, "_xla_fsdp_group")]
-    if not shards:
-        return
+    if not shards or all(getattr(p, GROUPED_BY_ORIGINAL_NAME, False) for p, _ in shards):
+        return  # none, or groups the program built from original names: whatever split they make is its own
     no_decay_seen = [float(g.get("weight_decay", 0.0) or 0.0) == 0.0 for _, g in shards]
     for rule, on_shard, on_originals in (
             ("by name (['bias', 'LayerNorm.weight'])",

@@ -8,6 +8,7 @@ import torch.nn as nn
 
 from ..shard_names import SHARD_PREFIX, SHARD_SEPARATOR, WRAPPED, clean_name, readable_key  # noqa: F401
 from .base import ShardedUnit, unit_of
+from .optimizer_check import GROUPED_BY_ORIGINAL_NAME
 
 
 def hashable(value: Any) -> Any:
@@ -105,6 +106,7 @@ def optimizer_param_groups(root: ShardedUnit,
     groups: Dict[Any, Dict[str, Any]] = {}
     for prefix, unit in named_units(root):
         for group in unit.gather_groups:
+            setattr(group.shard, GROUPED_BY_ORIGINAL_NAME, True)
             names = [prefix + n for n in group.names]
             options = [options_fn(n) or {} for n in names]
             keys = [hashable(o) for o in options]
@@ -128,6 +130,7 @@ def shard_names_of(root: ShardedUnit, original_names: Iterable[str]) -> List[str
     found = []
     for prefix, unit in named_units(root):
         for group in unit.gather_groups:
+            setattr(group.shard, GROUPED_BY_ORIGINAL_NAME, True)
             names = [prefix + n for n in group.names]
             picked = [n in wanted for n in names]
             if len(set(picked)) > 1 and group.requires_grad:
