@@ -476,12 +476,17 @@ def test_a_module_that_edits_its_weight_in_forward_is_refused_on_xla():
 
 
 class _WithNorm(nn.Module):
-    def __init__(self):
+    """A LayerNorm module called ``LayerNorm`` (BERT's naming), or ``ln`` (GPT-2's: no 'norm' in it)."""
+
+    def __init__(self, norm_name: str = "LayerNorm"):
         super().__init__()
-        self.fc, self.LayerNorm, self.out = nn.Linear(6, 8), nn.LayerNorm(8), nn.Linear(8, 3)
+        self.norm_name = norm_name
+        self.fc = nn.Linear(6, 8)
+        setattr(self, norm_name, nn.LayerNorm(8))
+        self.out = nn.Linear(8, 3)
 
     def forward(self, x):
-        return self.out(self.LayerNorm(self.fc(x)))
+        return self.out(getattr(self, self.norm_name)(self.fc(x)))
 
 
 def _recipe_groups(model: nn.Module, recipe: str, drop_empty: bool = False) -> List[Dict[str, Any]]:
@@ -535,17 +540,6 @@ def test_no_decay_recipes_applied_to_shards_are_refused_at_the_first_step(gloo, 
     opt.step()  # the supported way passes
 
 
-class _WithLn(nn.Module):
-    """GPT-2's naming: a LayerNorm module called ``ln`` (no 'norm' in its name)."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc, self.ln, self.out = nn.Linear(6, 8), nn.LayerNorm(8), nn.Linear(8, 3)
-
-    def forward(self, x):
-        return self.out(self.ln(self.fc(x)))
-
-
 @pytest.mark.parametrize("layout", ["param", "dim0"])
 def test_groups_built_from_original_names_are_not_refused_where_a_recipe_on_shards_splits_alike(gloo, layout):
     """Groups from model.optimizer_param_groups are by original name, whatever rule made them. Before:
@@ -554,9 +548,9 @@ def test_groups_built_from_original_names_are_not_refused_where_a_recipe_on_shar
     shards the same way. The step equals the unsharded model's with the same groups."""
     rule = lambda name: name.endswith("bias")  # noqa: E731
     torch.manual_seed(0)
-    plain = _WithLn()
+    plain = _WithNorm("ln")
     torch.manual_seed(0)
-    model = FSDP(_WithLn(), shard_param_on_dim_0=layout == "dim0")
+    model = FSDP(_WithNorm("ln"), shard_param_on_dim_0=layout == "dim0")
     groups = model.optimizer_param_groups(lambda name: {"weight_decay": 0.0} if rule(name) else {})
     opt = torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.5)
     plain_opt = torch.optim.AdamW([{"params": [p for n, p in plain.named_parameters() if not rule(n)]},
