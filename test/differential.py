@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import re
 import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -94,6 +95,14 @@ class Program:
     #                                    (inside checkpoint_module's when remat): torch's, torch_xla's on XLA
     autocast: bool = False             # the sharded forward runs under torch.autocast(<device>, bfloat16) over
     #                                    fp32 parameters (the reference in fp32: bf16 tolerances)
+    # Round 4 (issue 66):
+    recipe: str = "api"                # adamw_groups' groups: api (model.optimizer_param_groups, by original name) |
+    #                                    name (transformers' ["bias", "LayerNorm.weight"] on named_parameters()) |
+    #                                    dim (nanoGPT's p.dim() < 2) applied to what the program sees: the shards.
+    #                                    Where that splits the originals otherwise, the first step must refuse
+    drop_empty: bool = False           # the recipe drops an empty group ([g for g in groups if g["params"]])
+    teacher: bool = False              # an EMA teacher: a second root built alike, frozen before wrapping and
+    #                                    wrapped alike; its output is a target, zip(parameters()) updates it
 
     # The harness protocol (training_program.py): one step function for the sharded run on each
     # rank and for the unsharded reference.
@@ -103,9 +112,19 @@ class Program:
         net = Net(self)
         run.notes["hooks"] = StepState(run.rank)  # the reference's overflow: in rank 0's batch, which it runs
         add_hooks(self, net, run.notes["hooks"])
+        if self.teacher:  # DINO / BYOL: the same weights, frozen before it is wrapped (see teacher_frozen_after)
+            torch.manual_seed(0)
+            teacher = run.notes["teacher"] = Net(self)
+            if not teacher_frozen_after(self):
+                teacher.requires_grad_(False)
+        if self.recipe != "api" and run.sharded:  # the original parameters, for recipe_splits_otherwise
+            with torch.random.fork_rng(devices=[]):
+                run.notes["originals"] = Net(self)
         return net
 
     def shard(self, model: nn.Module, run: Run) -> nn.Module:
+        if self.teacher:
+            run.notes["teacher"] = wrap(self, run.notes["teacher"], run.world_size).requires_grad_(False)
         return wrap(self, model, run.world_size)
 
     def start(self, run: Run) -> None:
@@ -119,12 +138,17 @@ class Program:
         if self.wrong_reduction and run.sharded:
             run.model.set_gradient_divide_factors(1.0, 1.0)  # sums over ranks: the self-test's bug
         run.optimizer = make_optimizer(self, run.model)
+        # a recipe applied to the shards: refused at the first step exactly where it splits the originals otherwise
+        run.notes["refusal"] = run.sharded and self.optimizer == "adamw_groups" and recipe_splits_otherwise(
+            self, run.model, run.notes.get("originals"))
 
     def around_steps(self, run: Run) -> Any:
         return _RecordedWarnings(run)
 
     def step(self, run: Run, step: int) -> None:
         p, model, opt, notes = self, run.model, run.optimizer, run.notes
+        if notes.get("refused"):
+            return
         scaler = notes["scaler"]
         notes["hooks"].step = step
         if step == 1 and notes["toggled"]:
@@ -142,7 +166,8 @@ class Program:
         for k in range(p.micro):
             def loss_of(r: int, k: int = k) -> torch.Tensor:
                 x, y = batch(p, step, k, r)
-                return _loss(p, model, x.to(run.device), y.to(run.device), uses_branch(p, step, r))
+                x, y, branch = x.to(run.device), y.to(run.device), uses_branch(p, step, r)
+                return _loss(p, model, x, y, branch, notes.get("teacher"))
             with _accumulating(p, run, k == p.micro - 1):
                 # autocast: the sharded forward only (the reference in fp32, held to bf16 tolerances)
                 with torch.autocast(run.device.type, torch.bfloat16, enabled=p.autocast and run.sharded):
@@ -150,21 +175,32 @@ class Program:
                 (scaler.scale(loss) if scaler is not None else loss).backward()
             run.sync()
             total += loss.item()
+        if notes["refusal"]:
+            notes["refused"] = refused_step(p, model, opt, scaler, run.norms)
+            return
         optimizer_step(p, model, opt, scaler, run.norms)
         run.sync()
+        if p.teacher:
+            update_teacher(model, notes["teacher"])
+            run.sync()
         run.losses.append(total)
         if p.reload and step == 0:
             notes["saved"] = _save(run)
 
     def result(self, run: Run) -> Dict[str, Any]:
         model, opt, scaler = run.model, run.optimizer, run.notes["scaler"]
+        if run.notes.get("refused"):
+            return {"refused": run.notes["refused"]}
         common = {"losses": run.losses, "norms": run.norms, "scale": scaler.get_scale() if scaler is not None else None}
+        teacher = run.notes.get("teacher")
         if not run.sharded:
             names = {id(q): n for n, q in model.named_parameters()}
             ordered = [names[id(q)] for g in opt.param_groups for q in g["params"]]
             optim = {ordered[i]: s for i, s in opt.state_dict()["state"].items()}
-            return dict(common, full=model.state_dict(), optim=optim)
+            return dict(common, full=model.state_dict(), optim=optim,
+                        teacher=teacher.state_dict() if teacher is not None else None)
         return dict(common, toggled=run.notes["toggled"], warnings=run.notes["warnings"],
+                    teacher=full_state_dict(teacher, rank0_only=False) if teacher is not None else None,
                     full=full_state_dict(model, rank0_only=False),
                     optim=full_optim_state_dict(model, opt, rank0_only=False),
                     # (fully_shard: its unit's, whose keys the metadata names)
@@ -190,7 +226,8 @@ def programs(world_size: int) -> st.SearchStrategy[Program]:
         output=st.sampled_from(["tensor", "tuple", "dict", "dataclass"]), reinit=st.booleans(), rnn=st.booleans(),
         offload=st.sampled_from([False, False, True]),
         clamp=st.sampled_from([False, False, True]), inner_ckpt=st.booleans(),
-        autocast=st.sampled_from([False, False, True]))
+        autocast=st.sampled_from([False, False, True]), recipe=st.sampled_from(["api", "name", "dim"]),
+        drop_empty=st.booleans(), teacher=st.sampled_from([False, False, True]))
     return program.filter(functools.partial(_exact, world_size=world_size))
 
 
@@ -406,12 +443,61 @@ def make_optimizer(p: Program, model: nn.Module) -> torch.optim.Optimizer:
         return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=0.01)
     if p.optimizer == "adamw":
         return torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.1, eps=1e-6)
+    if p.recipe != "api":  # the recipe as programs write it, on whatever named_parameters() gives
+        named = list(model.named_parameters())
+        groups = [{"params": [q for n, q in named if not recipe_no_decay(p, n, q.dim())], "weight_decay": 0.5},
+                  {"params": [q for n, q in named if recipe_no_decay(p, n, q.dim())], "weight_decay": 0.0}]
+        if p.drop_empty:
+            groups = [g for g in groups if g["params"]]
+        return torch.optim.AdamW(groups, lr=2e-3, eps=1e-6)
     options = lambda n: {"weight_decay": 0.0} if no_decay(n) else {}  # noqa: E731
     if isinstance(model, FSDP):
         groups = model.optimizer_param_groups(options)
     else:
         groups = [dict(options(n), params=[q]) for n, q in model.named_parameters()]
     return torch.optim.AdamW(groups, lr=2e-3, weight_decay=0.5, eps=1e-6)
+
+
+def recipe_no_decay(p: Program, name: str, dim: int) -> bool:
+    """The drawn no-decay recipe's rule for one parameter, from what the program sees of it."""
+    if p.recipe == "name":
+        return any(nd in name for nd in ("bias", "LayerNorm.weight"))
+    return dim < 2
+
+
+def recipe_splits_otherwise(p: Program, model: nn.Module, originals: nn.Module) -> bool:
+    """Whether the first step must refuse the drawn recipe applied to the shards: a known no-decay recipe
+    (by name, by dimension, the Hugging Face Trainer's get_decay_parameter_names) gives exactly the program's
+    split on the shards and another one on some original parameter a shard holds (named by the shard
+    metadata; ``originals``: the unwrapped model, for their dims and modules). Recipes that split the shards
+    alike cannot be told apart, so one that would split the originals otherwise is enough. Elsewhere the
+    run must equal unsharded training."""
+    if p.recipe == "api":
+        return False
+    layout = root_unit(model).get_shard_metadata()["layout"]
+    shards = list(model.named_parameters())
+    dims = {n: q.dim() for n, q in originals.named_parameters(remove_duplicate=False)}
+    recipes = {  # (on a shard, on an original)
+        "name": (lambda key, q: recipe_no_decay(dataclasses.replace(p, recipe="name"), key, q.dim()),
+                 lambda n: recipe_no_decay(dataclasses.replace(p, recipe="name"), n, dims[n])),
+        "dim": (lambda key, q: q.dim() < 2, lambda n: dims[n] < 2),
+        "trainer": (lambda key, q: trainer_no_decay(model, key), lambda n: trainer_no_decay(originals, n)),
+    }
+    seen = [recipe_no_decay(p, key, q.dim()) for key, q in shards]
+    for on_shard, on_original in recipes.values():
+        if [on_shard(key, q) for key, q in shards] == seen and any(
+                on_original(n) != on_shard(key, q) for key, q in shards for n in layout[key]["names"]):
+            return True
+    return False
+
+
+def trainer_no_decay(model: nn.Module, name: str) -> bool:
+    """transformers' Trainer.get_decay_parameter_names (4.57), for one parameter: no decay inside an
+    nn.LayerNorm, or where the lowercased name has bias or a variation of norm."""
+    parts = name.split(".")
+    inside = [model.get_submodule(".".join(parts[:i])) for i in range(1, len(parts))]
+    patterns = (r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)")
+    return any(isinstance(m, nn.LayerNorm) for m in inside) or any(re.search(x, name.lower()) for x in patterns)
 
 
 def wrap(p: Program, model: Net, world_size: int) -> FSDP:
@@ -469,8 +555,14 @@ def shard_fsdp2_style(p: Program, model: Net, world_size: int) -> nn.Module:
 
 
 # ----------------------------------------------------------------------------- one run
-def _loss(p: Program, model, x, y, use_branch):
-    return F.cross_entropy(unpack(model(x, use_branch=use_branch)).float(), y)
+def _loss(p: Program, model, x, y, use_branch, teacher: Optional[nn.Module] = None):
+    logits = unpack(model(x, use_branch=use_branch)).float()
+    loss = F.cross_entropy(logits, y)
+    if teacher is not None:  # the student regressed on its teacher's logits, DINO-style
+        with torch.no_grad():
+            target = unpack(teacher(x, use_branch=use_branch)).float()
+        loss = loss + 0.5 * F.mse_loss(logits, target)
+    return loss
 
 
 def make_scaler(p: Program, device) -> Optional[torch.amp.GradScaler]:
@@ -540,6 +632,32 @@ def optimizer_step(p: Program, model: nn.Module, opt: torch.optim.Optimizer, sca
         opt.step()
 
 
+def refused_step(p: Program, model: nn.Module, opt: torch.optim.Optimizer, scaler, norms: List[float]) -> str:
+    """The first step of a recipe that splits the originals otherwise: it must raise the refusal."""
+    try:
+        optimizer_step(p, model, opt, scaler, norms)
+    except RuntimeError as e:
+        if "xla_fsdp: this AdamW's" in str(e) and "optimizer_param_groups" in str(e):
+            return str(e)
+        raise
+    raise AssertionError(f"the recipe's groups split the original parameters otherwise, but the first step was "
+                         f"not refused ({p})")
+
+
+def teacher_frozen_after(p: Program) -> bool:
+    """A student flattened with a frozen layer keeps that layer's parameters apart from its trainable ones,
+    which a teacher frozen whole would not: zip(parameters()) would pair other shards. So that teacher is
+    built with the student's layer frozen and frozen whole after wrapping (docs/usage.md)."""
+    return p.layout == "flat" and p.frozen
+
+
+def update_teacher(student: nn.Module, teacher: nn.Module) -> None:
+    """The EMA update as DINO and BYOL write it: parameter for parameter, on whatever they hold."""
+    with torch.no_grad():
+        for s, t in zip(student.parameters(), teacher.parameters()):
+            t.mul_(0.8).add_(s.detach(), alpha=0.2)
+
+
 def _load_saved(run: Run) -> None:
     """The reload at step 2 of the state saved after step 0 (the program's checkpoint API when sharded)."""
     model, opt, saved = run.model, run.optimizer, run.notes["saved"]
@@ -597,6 +715,14 @@ class _RecordedWarnings:
 
 
 # ----------------------------------------------------------------------------- comparison
+def refused(p: Program, sharded: List[Dict[str, Any]]) -> bool:
+    """Whether the run was refused at its first step (each rank checked that the recipe splits the
+    originals otherwise, see :func:`recipe_splits_otherwise`); every rank or none."""
+    which = [rank for rank, r in enumerate(sharded) if "refused" in r]
+    assert len(which) in (0, len(sharded)), f"ranks {which} alone refused ({p})"
+    return bool(which)
+
+
 def compare(p: Program, sharded: List[Dict[str, Any]], ref: Dict[str, Any]) -> float:
     """Raise AssertionError where sharded training (every rank's result) departs from ``ref``;
     returns the largest deviation seen."""
@@ -632,6 +758,9 @@ def compare(p: Program, sharded: List[Dict[str, Any]], ref: Dict[str, Any]) -> f
             for f, v in fields.items():
                 if f != "step" and isinstance(v, torch.Tensor):
                     close(f"rank {rank} optimizer {n}.{f}", got_optim[n][f], v, tol)
+        for n, v in (ref["teacher"] or {}).items():
+            if "running_" not in n and "num_batches" not in n:
+                close(f"rank {rank} teacher {n}", r["teacher"][n], v, tol)
     replicas = [r for r in sharded if r["metadata"]["replica_rank"] == 0]
     consolidated = consolidate_sharded_state_dicts([r["state_dict"] for r in replicas], replicas[0]["metadata"])
     for n in params:

@@ -11,7 +11,7 @@ import os
 import pytest
 from hypothesis import HealthCheck, Phase, given, seed, settings
 
-from differential import Program, compare, fully_shard_programs, programs
+from differential import Program, compare, fully_shard_programs, programs, refused
 from ranks import GlooPool
 from training_program import on_rank, reference, run_sharded
 
@@ -22,6 +22,7 @@ EXAMPLES = {1: 30 * SCALE, 2: 80 * SCALE, 4: 40 * SCALE}
 XLA_EXAMPLES = 8 * SCALE
 FULLY_SHARD_EXAMPLES = 6 * SCALE  # drawn FSDP2-style programs (xla_fsdp.fully_shard), XLA only
 DEVIATIONS: dict = {}
+REFUSED: list = []  # drawn recipes refused at their first step, as they must be
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +45,9 @@ def _given(strategy, examples: int):
 
 
 def _check(program: Program, world_size: int, sharded, transport: str = "gloo") -> None:
+    if refused(program, sharded):
+        REFUSED.append(program)
+        return
     worst = compare(program, sharded, reference(program, world_size, told=sharded[0]))
     key = (transport, world_size, program.dtype)
     DEVIATIONS[key] = max(DEVIATIONS.get(key, 0.0), worst)
@@ -166,6 +170,35 @@ def test_regression_on_gloo(ranks, name):
 @pytest.mark.parametrize("name", ["branch_on_some_ranks", "load_after_forward_nested", "twice_flat"])
 def test_regression_on_gloo_world_size_4(ranks, name):
     _check(REGRESSIONS[name], 4, ranks[4].run(REGRESSIONS[name]))
+
+
+# Issue 66: every no-decay recipe form as programs write it on the wrapped model (one group or two, by name
+# or by dimension, each layout) and the EMA teacher frozen before wrapping, on 2 gloo ranks. Each run checks
+# its own outcome: refused at the first step exactly where the recipe splits the originals otherwise
+# (differential.recipe_splits_otherwise), equal to unsharded training everywhere else.
+RECIPES = {f"{layout}_{recipe}_{groups}": Program(scalar=True, layout=layout, optimizer="adamw_groups", recipe=recipe,
+                                                  drop_empty=groups == "drop_empty", wrap="auto")
+           for layout in ("param", "flat", "dim0") for recipe in ("name", "dim") for groups in ("two", "drop_empty")}
+TEACHERS = {f"{layout}_{strategy}{'_frozen_layer' if frozen else ''}": Program(
+    scalar=True, layout=layout, strategy=strategy, teacher=True, frozen=frozen, optimizer="adamw", wrap="auto")
+    for layout in ("param", "flat", "dim0") for strategy in ("FULL_SHARD", "SHARD_GRAD_OP") for frozen in (False, True)}
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_no_decay_recipe_on_shards_is_exact_or_refused_at_the_first_step(ranks, name):
+    _check(RECIPES[name], 2, ranks[2].run(RECIPES[name]))
+
+
+def test_the_recipe_forms_include_refused_and_exact_ones(ranks):
+    """The oracle is not one-sided: of the recipe forms, flattened ones are refused, dim-0 by dimension is exact."""
+    outcomes = {name: refused(RECIPES[name], ranks[2].run(RECIPES[name]))
+                for name in ("flat_name_two", "dim0_dim_drop_empty")}
+    assert outcomes == {"flat_name_two": True, "dim0_dim_drop_empty": False}
+
+
+@pytest.mark.parametrize("name", sorted(TEACHERS))
+def test_an_ema_teacher_frozen_before_wrapping_trains_as_unsharded(ranks, name):
+    _check(TEACHERS[name], 2, ranks[2].run(TEACHERS[name]))
 
 
 def _xla_exact(p: Program) -> bool:

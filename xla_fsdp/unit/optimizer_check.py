@@ -58,6 +58,19 @@ def _no_decay_by_trainer(group: Any) -> List[bool]:
             for ref in group.refs]
 
 
+#: (what the message calls it, its decision on a shard, its decisions on the originals a shard holds)
+_RECIPES = (
+    ("by name (['bias', 'LayerNorm.weight'])",
+     lambda p: _no_decay_by_name([_shard_name(p)]),
+     lambda grp: [_no_decay_by_name([n]) for n in grp.names]),
+    ("by dimension (p.dim() < 2)",
+     lambda p: _no_decay_by_dim([tuple(p.shape)]),
+     lambda grp: [_no_decay_by_dim([tuple(s)]) for s in _member_shapes(grp)]),
+    ("as the Hugging Face Trainer does (nn.LayerNorm modules; names with bias or norm)",
+     lambda p: _no_decay_by_trainer_name(_shard_name(p)), lambda grp: _no_decay_by_trainer(grp)),
+)
+
+
 def _set_by_program(group: dict, defaults: dict, key: str) -> bool:
     """Whether the program put ``key`` in this parameter group itself, rather than the optimizer
     filling it from its defaults. ``add_param_group`` appends the defaults a group lacks after the
@@ -88,47 +101,56 @@ def _refuse_recipes_applied_to_shards(optimizer: torch.optim.Optimizer) -> None:
     if not shards or all(getattr(p, GROUPED_BY_ORIGINAL_NAME, False) for p, _ in shards):
         return  # none, or groups the program built from original names: whatever split they make is its own
     no_decay_seen = [float(g.get("weight_decay", 0.0) or 0.0) == 0.0 for _, g in shards]
-    for rule, on_shard, on_originals in (
-            ("by name (['bias', 'LayerNorm.weight'])",
-             lambda p: _no_decay_by_name([_shard_name(p)]),
-             lambda grp: [_no_decay_by_name([n]) for n in grp.names]),
-            ("by dimension (p.dim() < 2)",
-             lambda p: _no_decay_by_dim([tuple(p.shape)]),
-             lambda grp: [_no_decay_by_dim([tuple(s)]) for s in _member_shapes(grp)]),
-            ("as the Hugging Face Trainer does (nn.LayerNorm modules; names with bias or norm)",
-             lambda p: _no_decay_by_trainer_name(_shard_name(p)), _no_decay_by_trainer)):
-        if [on_shard(p) for p, _ in shards] != no_decay_seen:
-            continue  # not this recipe on the shards
-        for p, _ in shards:
-            group = p._xla_fsdp_group
-            wanted = on_originals(group)
-            if len(set(wanted)) > 1 or wanted[0] != on_shard(p):
-                name = next(n for n, w in zip(group.names, wanted) if w != on_shard(p))
-                if len(decays) > 1:
-                    what = (f"groups split weight decay {rule} applied to the shards, which gives another split than "
-                            "on the original parameters")
-                else:
-                    value = next(iter(decays))
-                    what = (f"groups set one weight decay ({value:g}) on every shard, which is what the no-decay "
-                            f"recipe {rule} gives every shard but not every original parameter (a recipe that drops "
-                            f"its empty group); to {'decay every parameter alike' if value else 'decay none'}, pass "
-                            f"weight_decay={value:g} to the optimizer, not in its groups")
-                raise RuntimeError(
-                    f"xla_fsdp: this {type(optimizer).__name__}'s {what} (e.g. '{name}' would get "
-                    f"{'no ' if on_shard(p) else ''}weight decay, unlike unsharded training): shards are 1-D blocks "
-                    "named by the unit. Build the groups from the original names with "
-                    "model.optimizer_param_groups(lambda name: {'weight_decay': 0.0} if <your rule on name> else {})"
-                    "; a Trainer: model.shard_names_of(<the names it decays on the unwrapped model>) "
-                    "(docs/usage.md, 'Optimizer groups by original name').")
+    # each known recipe that gives exactly this split on the shards, with where it splits the originals otherwise
+    matching = [(rule, on_shard, _first_other_split(shards, on_shard, on_originals))
+                for rule, on_shard, on_originals in _RECIPES if [on_shard(p) for p, _ in shards] == no_decay_seen]
+    wrong = [(rule, on_shard, found) for rule, on_shard, found in matching if found is not None]
+    if not wrong:
+        return
+    rule, on_shard, (shard, name) = wrong[0]
+    # Recipes that split these shards alike cannot be told apart from the groups: one that is exact here does
+    # not clear one that is not (the Trainer's rule and the name list agree on GPT-2's shards, not its originals)
+    also = [r for r, _, found in matching if found is None]
+    alike = (f"; the recipe {also[0]} gives the same split on these shards and would be exact, but the groups "
+             "cannot tell which one built them" if also else "")
+    if len(decays) > 1:
+        what = f"groups split weight decay {rule} applied to the shards, which gives another split than on the " \
+            f"original parameters{alike}"
+    else:
+        value = next(iter(decays))
+        what = (f"groups set one weight decay ({value:g}) on every shard, which is what the no-decay "
+                f"recipe {rule} gives every shard but not every original parameter (a recipe that drops "
+                f"its empty group); to {'decay every parameter alike' if value else 'decay none'}, pass "
+                f"weight_decay={value:g} to the optimizer, not in its groups")
+    raise RuntimeError(
+        f"xla_fsdp: this {type(optimizer).__name__}'s {what} (e.g. '{name}' would get "
+        f"{'no ' if on_shard(shard) else ''}weight decay, unlike unsharded training): shards are 1-D blocks "
+        "named by the unit. Build the groups from the original names with "
+        "model.optimizer_param_groups(lambda name: {'weight_decay': 0.0} if <your rule on name> else {})"
+        "; a Trainer: model.shard_names_of(<the names it decays on the unwrapped model>) "
+        "(docs/usage.md, 'Optimizer groups by original name').")
+
+
+def _first_other_split(shards: List[Tuple[torch.Tensor, dict]], on_shard: Any, on_originals: Any
+                       ) -> Optional[Tuple[torch.Tensor, str]]:
+    """The first shard, with an original name it holds, where the recipe decides otherwise on the original."""
+    for p, _ in shards:
+        group = p._xla_fsdp_group
+        wanted = on_originals(group)
+        if len(set(wanted)) > 1 or wanted[0] != on_shard(p):
+            return p, next(n for n, w in zip(group.names, wanted) if w != on_shard(p))
+    return None
 
 
 def _shard_name(shard: torch.Tensor) -> str:
     """The name the program saw for a shard in named_parameters() (its last part): '_fsdp_shard...'
-    with the original dots replaced, or 'flat_param_N'."""
+    with the original dots replaced, 'flat_param_N', or fully_shard's: the original's."""
     from ..shard_names import SHARD_PREFIX, SHARD_SEPARATOR
     group = shard._xla_fsdp_group
     if group.flat:
         return group.flat_name or "flat_param"
+    if group.in_place:  # fully_shard: the shard is registered under the original's own name
+        return group.names[0]
     return SHARD_PREFIX + group.names[0].replace(".", SHARD_SEPARATOR)
 
 
