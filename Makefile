@@ -11,6 +11,11 @@ NEWEST_VENV := .venv-newest
 PY_NEWEST := $(NEWEST_VENV)/bin/python
 # The newest release pip installs here (capped at 2.14.1 by /etc/xdg/pip), with its torchvision.
 NEWEST_TORCH ?= torch==2.14.1 torchvision==0.29.1
+# FSDP2 clients test_torchtitan runs unchanged (torch >= 2.11, so only here). torchtitan without its
+# declared dependencies: it pins datasets<4.8 (this env is green with 5.0.1, which its loop runs on) and
+# wants wandb for a logger the test does not use; what its training loop imports is listed instead.
+NEWEST_CLIENTS := torchtitan
+NEWEST_CLIENT_DEPS := torchdata tyro tensorboard spmd_types
 # Test files run on this many pytest-xdist workers, a whole file per worker (its module fixtures run
 # once). 2 on this 2-core machine: each test file also starts its own ranks. --no-loadscope-reorder:
 # files are handed out in conftest's order, slowest first (xdist otherwise re-sorts them by test count).
@@ -30,7 +35,8 @@ $(STAMP): setup.py test/constraints.txt
 $(NEWEST_STAMP): setup.py test/constraints-newest.txt
 	test -x $(PY_NEWEST) || $(PYTHON) -m venv $(NEWEST_VENV)
 	$(PY_NEWEST) -m pip install --quiet --upgrade pip
-	$(PY_NEWEST) -m pip install --quiet -e '.[test]' $(NEWEST_TORCH) -c test/constraints-newest.txt
+	$(PY_NEWEST) -m pip install --quiet -e '.[test]' $(NEWEST_TORCH) $(NEWEST_CLIENT_DEPS) -c test/constraints-newest.txt
+	$(PY_NEWEST) -m pip install --quiet --no-deps $(NEWEST_CLIENTS) -c test/constraints-newest.txt
 	touch $(NEWEST_STAMP)
 
 install: $(STAMP)
