@@ -5,9 +5,9 @@ Importing it changes nothing outside the package; what it changes later, and why
 undone) by :mod:`xla_fsdp.patches`."""
 from ._version import __version__
 
-from .checkpoints import (consolidate_sharded_model_checkpoints, latest_checkpoint, load_sharded_checkpoint,
-                          reshard_checkpoint, resize_checkpoint, resume_training, save_sharded_checkpoint,
-                          save_training_checkpoint)
+from .checkpoints import (consolidate_sharded_model_checkpoints, latest_checkpoint, load_pretrained,
+                          load_sharded_checkpoint, reshard_checkpoint, resize_checkpoint, resume_training,
+                          save_sharded_checkpoint, save_training_checkpoint)
 from .collectives.xla import sync
 from .collectives.xla_launch import enable_xla_cpu_devices, launch
 from .compat import replace_torch_xla_fsdp
@@ -28,6 +28,7 @@ __all__ = [
     "fully_shard",
     "latest_checkpoint",
     "launch",
+    "load_pretrained",
     "load_sharded_checkpoint",
     "replace_torch_xla_fsdp",
     "reshard_checkpoint",  # resize_checkpoint's former name

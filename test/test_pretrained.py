@@ -1,0 +1,277 @@
+"""Pretrained weights straight into the shards (issue 67): ``xla_fsdp.load_pretrained`` from a Hugging Face
+folder, one safetensors file, a consolidated .pth, rank files of another world size and a DCP folder, into
+the wrapper (each layout), xla_fsdp's and PyTorch's ``fully_shard``, on gloo ranks and XLA:CPU devices.
+
+Each load is compared by name with the unsharded model's own load (``from_pretrained`` /
+``load_state_dict``): equal to the bit. A Hugging Face Llama built on the meta device, wrapped and
+loaded then trains as ``from_pretrained`` unsharded (losses and final weights within 1e-5) and its greedy
+tokens are the same. Each rank reads only the rows of its own shards: the elements it reads are counted."""
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Dict, List
+
+import pytest
+import torch
+
+import xla_fsdp
+from ranks import on_gloo, on_xla
+from xla_fsdp import XlaFullyShardedDataParallel as FSDP
+from xla_fsdp.checkpoints import full_state_dict
+from xla_fsdp.checkpoints.files import CheckpointError, ModelMismatchError
+
+transformers = pytest.importorskip("transformers", reason="test extra: pip install -e .[test]")
+
+STEPS, PER_RANK, SEQ = 3, 2, 8
+
+
+def _config(tied: bool = True):
+    return transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied,
+                                    max_position_embeddings=64)
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+    """A tiny Llama saved as save_pretrained does, in shards with an index (tied embeddings: no
+    lm_head.weight in the files), and as one file, untied."""
+    root = tmp_path_factory.mktemp("pretrained")
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(_config())
+    with torch.no_grad():  # norms away from their init, so a load that skipped them shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(root / "sharded", max_shard_size="20KB")
+    torch.manual_seed(1)
+    transformers.LlamaForCausalLM(_config(tied=False)).save_pretrained(root / "untied")
+    return root
+
+
+def _batch(step: int, rank: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randint(0, 64, (PER_RANK, SEQ), generator=g)
+
+
+def _meta_model(tied: bool = True):
+    """The documented way: parameters on the meta device (buffers, e.g. the rotary inv_freq, computed), and
+    the config's ties made (the constructor does not make them under init_empty_weights)."""
+    from accelerate import init_empty_weights
+    with init_empty_weights():
+        model = transformers.LlamaForCausalLM(_config(tied))
+    model.tie_weights()
+    return model
+
+
+def _shard(model, how: str, world_size: int):
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    from xla_fsdp.wrap import transformer_auto_wrap_policy
+    if how == "fsdp2":  # PyTorch's FSDP2 (gloo): to_empty on the CPU, then the load fills every parameter
+        from torch.distributed.fsdp import fully_shard
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        model.to_empty(device="cpu")
+        model.model.rotary_emb.inv_freq = _inv_freq()
+        return model
+    if how == "fully_shard":  # xla_fsdp's fully_shard (XLA)
+        for layer in model.model.layers:
+            xla_fsdp.fully_shard(layer)
+        return xla_fsdp.fully_shard(model)
+    import functools
+    policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={LlamaDecoderLayer})
+    return FSDP(model, auto_wrap_policy=policy, flatten_parameters=how == "flat", shard_param_on_dim_0=how == "dim0")
+
+
+def _inv_freq() -> torch.Tensor:
+    return transformers.LlamaForCausalLM(_config()).model.rotary_emb.inv_freq
+
+
+def _train(model, rank: int, ranks: List[int], sync=lambda: None) -> Dict[str, Any]:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    device = next(model.parameters()).device
+    losses = []
+    for step in range(STEPS):
+        per_rank = [model(input_ids=_batch(step, r).to(device), labels=_batch(step, r).to(device)).loss
+                    for r in ranks]
+        loss = torch.stack(per_rank).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        sync()
+        losses.append(loss.item())
+    tokens = _batch(99, 0)[:1, :4].to(device)
+    with torch.no_grad():
+        for _ in range(4):  # greedy, as generate(do_sample=False) picks
+            tokens = torch.cat([tokens, model(input_ids=tokens).logits[:, -1].argmax(-1, keepdim=True)], 1)
+            sync()
+    return {"losses": losses, "tokens": tokens.cpu()}
+
+
+def _full(model, how: str) -> Dict[str, torch.Tensor]:
+    if how == "fsdp2":
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))  # on every rank
+        return {k: v.detach().cpu().clone() for k, v in full.items()}
+    return {k: v.cpu() for k, v in full_state_dict(model, rank0_only=False).items()}
+
+
+def _fine_tune(me, folder: str, how: str) -> Dict[str, Any]:
+    model = _shard(_meta_model(), how, me.world_size)
+    result = xla_fsdp.load_pretrained(model, folder)
+    loaded = _full(model, how)
+    out = _train(model, me.rank, [me.rank], me.sync)
+    return dict(out, loaded=loaded, trained=_full(model, how), result=tuple(map(list, result)))
+
+
+def _reference(folder: str, world_size: int) -> Dict[str, Any]:
+    model = transformers.LlamaForCausalLM.from_pretrained(folder)
+    loaded = {k: v.clone() for k, v in model.state_dict().items()}
+    out = _train(model, 0, list(range(world_size)))
+    return dict(out, loaded=loaded, trained=model.state_dict())
+
+
+def _same_losses(results: List[Dict[str, Any]], want: Dict[str, Any]) -> None:
+    """Each rank's loss is its own batch's; the reference's is their mean."""
+    mean = torch.tensor([r["losses"] for r in results]).mean(0)
+    worst = (mean - torch.tensor(want["losses"])).abs().max().item()
+    assert worst <= 1e-5, (mean.tolist(), want["losses"])
+
+
+def _same(got: Dict[str, torch.Tensor], want: Dict[str, torch.Tensor], tol: float, what: str) -> None:
+    names = [n for n in want if "inv_freq" not in n]
+    assert sorted(n for n in got if "inv_freq" not in n) == sorted(names), what
+    worst = max((got[n].float() - want[n].float()).abs().max().item() for n in names)
+    assert worst <= tol, f"{what}: {worst:.3g} > {tol}"
+
+
+@pytest.mark.parametrize("how,world_size", [("param", 2), ("flat", 2), ("dim0", 2), ("fsdp2", 2), ("flat", 4)])
+def test_a_hugging_face_model_built_on_meta_loads_and_fine_tunes_as_from_pretrained(pretrained, how, world_size):
+    folder = str(pretrained / "sharded")
+    results = on_gloo(_fine_tune, world_size, folder, how, hard_exit=how == "fsdp2")
+    want = _reference(folder, world_size)
+    _same_losses(results, want)
+    for rank, got in enumerate(results):
+        assert got["result"] == ([], [])
+        _same(got["loaded"], want["loaded"], 0.0, f"rank {rank} loaded")
+        _same(got["trained"], want["trained"], 1e-5, f"rank {rank} trained")
+        assert torch.equal(got["tokens"], want["tokens"]), (got["tokens"], want["tokens"])
+
+
+@pytest.mark.xla
+@pytest.mark.parametrize("how", ["flat", "fully_shard"])
+def test_the_same_on_xla_cpu_devices(pretrained, how):
+    folder = str(pretrained / "sharded")
+    results = on_xla(_fine_tune_on_xla, 2, folder, how)
+    want = _reference(folder, 2)
+    _same_losses(results, want)
+    for rank, got in enumerate(results):
+        _same(got["loaded"], want["loaded"], 0.0, f"rank {rank} loaded")
+        _same(got["trained"], want["trained"], 1e-5, f"rank {rank} trained")
+        assert torch.equal(got["tokens"], want["tokens"]), (got["tokens"], want["tokens"])
+
+
+def _fine_tune_on_xla(me, folder: str, how: str) -> Dict[str, Any]:
+    from training_program import BUILD_LOCK
+    with BUILD_LOCK:
+        model = _meta_model()
+        model.model.rotary_emb.to(me.device)
+        model = _shard(model, how, me.world_size)
+    xla_fsdp.load_pretrained(model, folder)
+    loaded = _full(model, how)
+    me.barrier()
+    out = _train(model, me.rank, [me.rank], me.sync)
+    return dict(out, loaded=loaded, trained=_full(model, how))
+
+
+# ----------------------------------------------------------------------------- every format, by name
+def _formats(pretrained, tmp_path) -> Dict[str, str]:
+    """The untied model in every format the load reads."""
+    from safetensors.torch import save_file
+    state = transformers.LlamaForCausalLM.from_pretrained(pretrained / "untied").state_dict()
+    state = {k: v for k, v in state.items() if "inv_freq" not in k}
+    paths = {"hf_folder": str(pretrained / "untied")}
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp_path / "one.safetensors"))
+    paths["safetensors_file"] = str(tmp_path / "one.safetensors")
+    torch.save({"model": state}, tmp_path / "consolidated.pth")
+    paths["consolidated_pth"] = str(tmp_path / "consolidated.pth")
+    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in state.items()}, str(tmp_path / "bf16.safetensors"))
+    paths["bf16_file"] = str(tmp_path / "bf16.safetensors")
+    return paths
+
+
+def _load_each(me, paths: Dict[str, str]) -> Dict[str, Any]:
+    from xla_fsdp.checkpoints import pretrained as module
+    out = {}
+    for name, path in paths.items():
+        model = _shard(_meta_model(tied=False), "flat", me.world_size)
+        counted = _count_reads(module)
+        xla_fsdp.load_pretrained(model, path)
+        out[name] = {"full": _full(model, "flat"), "read": counted[0],
+                     "own": sum(p.numel() for p in model.parameters())}
+    return out
+
+
+def _count_reads(module) -> List[int]:
+    """The number of elements this rank's reads return, counted at every source's read."""
+    counted = [0]
+    for cls in (module.SafetensorsSource, module.TorchFileSource, module.DCPSource):
+        original = cls.read
+
+        def read(self, name, start, end, original=original):
+            got = original(self, name, start, end)
+            counted[0] += got.numel()
+            return got
+        cls.read = read
+    return counted
+
+
+def test_every_format_loads_as_load_state_dict_reading_only_its_own_rows(pretrained, tmp_path):
+    paths = _formats(pretrained, tmp_path)
+    want = transformers.LlamaForCausalLM.from_pretrained(pretrained / "untied").state_dict()
+    total = sum(v.numel() for k, v in want.items() if "inv_freq" not in k)
+    results = on_gloo(_load_each, 2, paths)
+    for rank, per_format in enumerate(results):
+        for name, got in per_format.items():
+            if name == "bf16_file":  # cast as load_state_dict casts: fp32 parameters from bf16 values
+                _same(got["full"], {k: v.to(torch.bfloat16).float() for k, v in want.items()}, 0.0, f"{rank} {name}")
+            else:
+                _same(got["full"], want, 0.0, f"{rank} {name}")
+            # its own shards, not the model: flat shards are padded, and a member's partial rows read whole
+            assert got["read"] == got["own"] or got["read"] < 0.75 * total, (name, got["read"], got["own"], total)
+
+
+# ----------------------------------------------------------------------------- what bad input gets
+def test_names_shapes_and_damaged_files_are_one_line(gloo, pretrained, tmp_path):
+    from safetensors.torch import save_file
+    state = transformers.LlamaForCausalLM.from_pretrained(pretrained / "untied").state_dict()
+    state = {k: v.contiguous() for k, v in state.items() if "inv_freq" not in k}
+    model = FSDP(transformers.LlamaForCausalLM(_config(tied=False)), flatten_parameters=True)
+    extra = dict(state, **{"model.layers.9.mlp.up_proj.weight": torch.zeros(2)})
+    save_file(extra, str(tmp_path / "extra.safetensors"))
+    with pytest.raises(ModelMismatchError, match=r"it holds 'model.layers.9.mlp.up_proj.weight' that the model has "
+                                                 r"not \(1 unexpected\).*strict=False"):
+        xla_fsdp.load_pretrained(model, str(tmp_path / "extra.safetensors"))
+    result = xla_fsdp.load_pretrained(model, str(tmp_path / "extra.safetensors"), strict=False)
+    assert result == ([], ["model.layers.9.mlp.up_proj.weight"])
+    fewer = {k: v for k, v in state.items() if k != "lm_head.weight"}
+    save_file(fewer, str(tmp_path / "fewer.safetensors"))
+    with pytest.raises(ModelMismatchError, match=r"the model's 'lm_head.weight' are not in it \(1 missing\)"):
+        xla_fsdp.load_pretrained(model, str(tmp_path / "fewer.safetensors"))
+    assert xla_fsdp.load_pretrained(model, str(tmp_path / "fewer.safetensors"), strict=False) == (
+        ["lm_head.weight"], [])
+    wrong = dict(state, **{"lm_head.weight": torch.zeros(64, 16)})
+    save_file(wrong, str(tmp_path / "wrong.safetensors"))
+    with pytest.raises(ModelMismatchError, match=r"'lm_head.weight' has shape \[64, 16\] in .* and \[64, 32\] in the "
+                                                 r"model: .*build it from the checkpoint's config"):
+        xla_fsdp.load_pretrained(model, str(tmp_path / "wrong.safetensors"))
+    damaged = tmp_path / "damaged.safetensors"
+    damaged.write_bytes((tmp_path / "wrong.safetensors").read_bytes()[:100])
+    with pytest.raises(CheckpointError, match=r"damaged.safetensors' is damaged .*copy it again"):
+        xla_fsdp.load_pretrained(model, str(damaged))
+    with pytest.raises(CheckpointError, match=r"does not exist: pass a Hugging Face folder"):
+        xla_fsdp.load_pretrained(model, str(tmp_path / "nope"))
+    assert math.isfinite(sum(float(v.sum()) for v in model.state_dict().values()))  # nothing was half-loaded
+    assert os.path.getsize(tmp_path / "wrong.safetensors") > 0  # inputs untouched

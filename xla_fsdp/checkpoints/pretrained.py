@@ -1,0 +1,400 @@
+"""Pretrained weights straight into a sharded model, each rank reading only the rows of its own shards.
+
+A source is a set of named full tensors on disk: a Hugging Face folder (``model.safetensors`` or shards
+with ``model.safetensors.index.json``), one ``.safetensors`` file, a consolidated ``.pth``/``.bin``, or a
+DCP folder. Safetensors and ``.pth`` files are memory-mapped, and a read takes the rows covering an
+element range of one tensor, so a rank touches the pages of its own shards (plus at most two partial
+rows per tensor); a DCP folder is read one whole tensor at a time. xla_fsdp's own rank files go through
+``load_sharded_checkpoint``, which resizes them the same way.
+
+The target is any of: the wrapper or ``fully_shard`` units (their layout says which element range of
+each original tensor this rank holds), PyTorch's FSDP2 (a ``DTensor`` sharded on dim 0: its local rows),
+or a plain module (every tensor whole: the unsharded reference). Names are the model's own
+``state_dict()`` names; a tied parameter is loaded once, from whichever of its names the source holds
+(the last in module order, as ``load_state_dict``), and values are cast to the parameter's dtype.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from typing import Any, Callable, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+import torch.nn as nn
+
+from ..shard_names import clean_name
+from .files import CheckpointError, ModelMismatchError
+from .resized_load import entry_members, mismatch_line
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+class LoadResult(NamedTuple):
+    """As ``load_state_dict``'s result: the model's names the source lacks (they kept their values) and
+    the source's names the model lacks (not loaded). Both empty unless ``strict=False``."""
+    missing_keys: List[str]
+    unexpected_keys: List[str]
+
+
+class TensorSource:
+    """Named full tensors on disk, read by element ranges of each tensor flattened."""
+
+    path: str
+    shapes: Dict[str, Tuple[int, ...]]
+
+    def read(self, name: str, start: int, end: int) -> torch.Tensor:
+        """Elements [start, end) of ``name`` flattened (row-major), as a 1-D tensor of the file's dtype."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class SafetensorsSource(TensorSource):
+    """One ``.safetensors`` file or a folder (one file, or shards named by the index)."""
+
+    def __init__(self, path: str):
+        from safetensors import safe_open
+        self.path = path
+        if os.path.isdir(path):
+            index = os.path.join(path, SAFETENSORS_INDEX)
+            if os.path.isfile(index):
+                try:
+                    with open(index) as f:
+                        weight_map = json.load(f)["weight_map"]
+                except (OSError, ValueError, KeyError, TypeError) as e:
+                    raise CheckpointError(f"'{index}' is damaged ({type(e).__name__}: {e}); copy the folder again "
+                                          "from its source") from None
+                files = sorted(set(weight_map.values()))
+            else:
+                files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+                if not files:
+                    raise CheckpointError(f"'{path}' holds no .safetensors file (nor {SAFETENSORS_INDEX})")
+            paths = [os.path.join(path, f) for f in files]
+        else:
+            paths = [path]
+        self._files: Dict[str, Any] = {}
+        self._where: Dict[str, str] = {}
+        self.shapes = {}
+        for file in paths:
+            if not os.path.isfile(file):
+                raise CheckpointError(f"'{file}' is missing: the index of '{path}' names it; copy the folder again")
+            try:
+                handle = safe_open(file, framework="pt")
+                names = list(handle.keys())
+                shapes = {n: tuple(handle.get_slice(n).get_shape()) for n in names}
+            except Exception as e:  # noqa: BLE001 - safetensors' own errors have no common base
+                raise CheckpointError(f"'{file}' is damaged (not a safetensors file: {type(e).__name__}: "
+                                      f"{str(e).splitlines()[0] if str(e) else ''}); copy it again") from None
+            self._files[file] = handle
+            for n in names:
+                self._where[n] = file
+            self.shapes.update(shapes)
+
+    def read(self, name: str, start: int, end: int) -> torch.Tensor:
+        handle = self._files[self._where[name]]
+        shape = self.shapes[name]
+        if len(shape) == 0:
+            return handle.get_tensor(name).reshape(1)[start:end]
+        row = math.prod(shape[1:])
+        first, last = start // row, -(-end // row) if row else 0
+        try:
+            rows = handle.get_slice(name)[first:last]
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(f"'{self._where[name]}' is damaged: reading '{name}' failed ({type(e).__name__}: "
+                                  f"{e}); copy it again") from None
+        return rows.reshape(-1)[start - first * row:end - first * row]
+
+    def close(self) -> None:
+        self._files.clear()
+
+
+class TorchFileSource(TensorSource):
+    """A consolidated ``torch.save`` file: a state dict, or ``{"model": state dict, ...}`` as
+    ``python -m xla_fsdp.consolidate`` writes it. Memory-mapped and read with ``weights_only=True``."""
+
+    def __init__(self, path: str):
+        self.path = path
+        try:
+            loaded = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        except Exception as e:  # noqa: BLE001 - torch.load's failures have no common base
+            raise CheckpointError(f"'{path}' cannot be read as a weights-only torch file ({type(e).__name__}: "
+                                  f"{str(e).splitlines()[0] if str(e) else ''}); copy it again, or consolidate "
+                                  "the checkpoint first") from None
+        state = loaded.get("model", loaded) if isinstance(loaded, dict) else None
+        if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+            raise CheckpointError(f"'{path}' holds no state dict of tensors (a dict of names to tensors, or one under "
+                                  "'model')")
+        self._state = state
+        self.shapes = {n: tuple(t.shape) for n, t in state.items()}
+
+    def read(self, name: str, start: int, end: int) -> torch.Tensor:
+        return self._state[name].reshape(-1)[start:end]
+
+    def close(self) -> None:
+        self._state = {}
+
+
+class DCPSource(TensorSource):
+    """A DCP folder's model tensors (under ``model``, ``app.model`` or the top level, as
+    ``python -m xla_fsdp.convert --from dcp`` finds them), one whole tensor read at a time."""
+
+    def __init__(self, path: str):
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        from .dcp_format import _join, _model_entries, _model_prefix
+        from .dcp_reader import SafeFileSystemReader
+        self.path = path
+        self._reader = SafeFileSystemReader(path)
+        entries = self._reader.read_metadata().state_dict_metadata
+        self._prefix = _model_prefix(entries, None)
+        self._entries = {n: m for n, m in _model_entries(entries, self._prefix).items()
+                         if isinstance(m, TensorStorageMetadata)}
+        self._join = _join
+        self.shapes = {n: tuple(m.size) for n, m in self._entries.items()}
+        self._cached: Tuple[Optional[str], Optional[torch.Tensor]] = (None, None)
+
+    def read(self, name: str, start: int, end: int) -> torch.Tensor:
+        from .dcp_format import _read_dcp
+        if self._cached[0] != name:
+            self._cached = (name, None)  # the previous tensor is freed before the next is read
+            self._cached = (name, _read_dcp(self._reader, self._join(self._prefix, name), self._entries[name]))
+        return self._cached[1].reshape(-1)[start:end]
+
+    def close(self) -> None:
+        self._cached = (None, None)
+
+
+def open_source(path: str) -> TensorSource:
+    """The source at ``path``, by what is there."""
+    if os.path.isdir(path):
+        if os.path.isfile(os.path.join(path, ".metadata")):
+            return DCPSource(path)
+        return SafetensorsSource(path)
+    if not os.path.exists(path):
+        raise CheckpointError(f"'{path}' does not exist: pass a Hugging Face folder, a .safetensors file, a "
+                              "consolidated .pth, a DCP folder, or the prefix of xla_fsdp rank files")
+    with open(path, "rb") as f:
+        head = f.read(8)
+    if path.endswith(".safetensors") or (len(head) == 8 and int.from_bytes(head, "little") < 100_000_000
+                                         and not head.startswith(b"PK")):
+        return SafetensorsSource(path)
+    return TorchFileSource(path)
+
+
+# ----------------------------------------------------------------------------- the targets
+class _Slot(NamedTuple):
+    """One tensor this rank holds: where its values go, and which part of which originals they are."""
+    target: torch.Tensor
+    members: List[Tuple[List[str], Tuple[int, ...], int, int, int]]  # (names, full shape, start, end, position)
+
+
+def _names_by_tensor(module: nn.Module) -> Dict[int, List[str]]:
+    """Every name (tied ones included, in module order) of each parameter and persistent buffer."""
+    names: Dict[int, List[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    persistent = set(module.state_dict(keep_vars=True))
+    for name, b in module.named_buffers(remove_duplicate=False):
+        if name in persistent:
+            names.setdefault(id(b), []).append(name)
+    return names
+
+
+def _local_rows(p: torch.Tensor) -> Tuple[torch.Tensor, int, int]:
+    """PyTorch's FSDP2 parameter (a DTensor sharded on dim 0, or replicated): its local tensor and the
+    element range of the full tensor it holds."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    if not all(isinstance(pl, (Shard, Replicate)) and (not isinstance(pl, Shard) or pl.dim == 0)
+               for pl in p.placements):
+        raise CheckpointError(f"a DTensor placed {p.placements} cannot be loaded here: only FSDP2's dim-0 shards "
+                              "(Shard(0), Replicate for HSDP)")
+    local_shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    row = math.prod(p.shape[1:]) if p.dim() else 1
+    start = (offset[0] if p.dim() else 0) * row
+    return p.to_local(), start, start + math.prod(local_shape)
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch without distributed
+        return False
+    return isinstance(tensor, DTensor)
+
+
+def _plain_slots(module: nn.Module) -> Tuple[List[_Slot], Known]:
+    slots, known = [], []
+    state = module.state_dict(keep_vars=True)
+    for names in _names_by_tensor(module).values():
+        tensor = state[names[0]] if names[0] in state else module.get_parameter(names[0])
+        shape = tuple(tensor.shape)
+        known.append((names, shape))
+        if _is_dtensor(tensor):
+            local, start, end = _local_rows(tensor)
+            slots.append(_Slot(local, [(names, shape, start, end, 0)]))
+        else:
+            slots.append(_Slot(tensor, [(names, shape, 0, math.prod(shape) if shape else 1, 0)]))
+    return slots, known
+
+
+Known = List[Tuple[List[str], Tuple[int, ...]]]  # every tensor of the model: its names and full shape
+
+
+def _unit_slots(model) -> Tuple[List[_Slot], Known]:
+    """xla_fsdp's units: each layout entry is one flat buffer cut into equal chunks; this rank's chunk
+    is an element range, which covers element ranges of the entry's original tensors."""
+    from ..unit.base import root_unit
+    root = root_unit(model)
+    metadata = root.get_shard_metadata()
+    layout, rank = metadata["layout"], root.rank
+    state = root.state_dict(keep_vars=True)
+    slots, known = [], []
+    for key, entry in layout.items():
+        size = math.prod(entry["shard_shape"])
+        lo, hi = rank * size, (rank + 1) * size
+        members = []
+        for (name, offset, numel), shape in zip(entry_members(entry), entry["shapes"]):
+            names = [name] + list(entry.get("aliases", {}).get(name, []))
+            known.append((names, tuple(shape)))
+            start, end = max(lo, offset), min(hi, offset + numel)
+            if start < end:
+                members.append((names, tuple(shape), start - offset, end - offset, start - lo))
+        slots.append(_Slot(state[key], members))
+    for key, value in state.items():
+        if key not in layout and "_fsdp_shard" not in key:
+            shape = tuple(value.shape)
+            known.append(([clean_name(key)], shape))
+            slots.append(_Slot(value, [([clean_name(key)], shape, 0, math.prod(shape) if shape else 1, 0)]))
+    return slots, known
+
+
+def _slots(model: nn.Module) -> Tuple[List[_Slot], Known]:
+    from ..unit.base import is_unit
+    if is_unit(model):
+        return _unit_slots(model)
+    if any(is_unit(m) for m in model.modules()):
+        raise CheckpointError("the model's root is not sharded, only some of its modules: load into the root unit "
+                              "(wrap or fully_shard the root as well, as training does)")
+    return _plain_slots(model)
+
+
+# ----------------------------------------------------------------------------- the load
+def _ignored(model: nn.Module, attr: str) -> List[str]:
+    """A Hugging Face model's patterns of names to ignore when missing or unexpected (its class attributes)."""
+    patterns: List[str] = []
+    for m in model.modules():
+        found = getattr(type(m), attr, None)
+        if found:
+            patterns += list(found)
+    return patterns
+
+
+def _plan(model: nn.Module, source: TensorSource, known: Known) -> Tuple[Dict[Tuple[str, ...], str], List[str],
+                                                                         List[str]]:
+    """Which source name each of the model's tensors (by its names) reads, the missing and the unexpected
+    names; raises on a wrong shape. Decided from the whole model, so every rank decides alike."""
+    chosen: Dict[Tuple[str, ...], str] = {}
+    missing: List[str] = []
+    used: set = set()
+    for names, shape in known:
+        held = [n for n in names if n in source.shapes]
+        used.update(held)
+        if not held:
+            missing.append(names[0])
+            continue
+        name = held[-1]  # as load_state_dict: the last of a tied parameter's names in module order wins
+        if tuple(source.shapes[name]) != tuple(shape):
+            raise ModelMismatchError(
+                f"'{name}' has shape {list(source.shapes[name])} in '{source.path}' and {list(shape)} in the model: "
+                "the model was built from another config than the checkpoint's; build it from the checkpoint's "
+                "config")
+        chosen[tuple(names)] = name
+    unexpected = [n for n in source.shapes if n not in used]
+    ignore_missing = _ignored(model, "_keys_to_ignore_on_load_missing")
+    ignore_unexpected = _ignored(model, "_keys_to_ignore_on_load_unexpected")
+    missing = [n for n in missing if not any(re.search(p, n) for p in ignore_missing)]
+    unexpected = [n for n in unexpected if not any(re.search(p, n) for p in ignore_unexpected)]
+    return chosen, missing, unexpected
+
+
+@torch.no_grad()
+def load_pretrained(model: nn.Module, path: str, *, strict: bool = True) -> LoadResult:
+    """Load pretrained weights from ``path`` into ``model``: each rank reads only the rows of its own shards.
+
+    ``path``: a Hugging Face ``save_pretrained`` folder (``model.safetensors``, or shards with
+    ``model.safetensors.index.json``), one ``.safetensors`` file, a consolidated ``.pth``/``.bin``
+    (a state dict, or ``{"model": ...}``), a DCP folder, or the prefix of xla_fsdp rank files (any
+    world size: see ``load_sharded_checkpoint``). ``model``: wrapped (any layout), ``fully_shard``-ed
+    (xla_fsdp's or PyTorch's), or plain; built on the meta device and wrapped, or on the CPU.
+    Call it on every rank.
+
+    Names are the model's ``state_dict()`` names; a tied parameter needs one of its names in the source
+    (Hugging Face's tied ``lm_head.weight`` is not saved), and a Hugging Face model's
+    ``_keys_to_ignore_on_load_missing``/``_unexpected`` are honoured. Strict as ``load_state_dict``: names
+    only one side has are a ``ModelMismatchError`` listing them, before anything is loaded;
+    ``strict=False`` loads the names both have and returns them. Values are cast to each parameter's
+    dtype (a bf16 file into fp32 parameters). A wrong shape or a damaged file is a ``CheckpointError``
+    naming it."""
+    if not os.path.exists(path) and _is_rank_file_prefix(path):
+        from ..unit.base import root_unit
+        from .sharded import LoadedCheckpoint, load_sharded_checkpoint
+        loaded = load_sharded_checkpoint(root_unit(model), None, path, strict=False)
+        assert isinstance(loaded, LoadedCheckpoint)
+        if strict and (loaded.missing_keys or loaded.unexpected_keys):
+            raise ModelMismatchError(mismatch_line(path, loaded.missing_keys, loaded.unexpected_keys))
+        return LoadResult(loaded.missing_keys, loaded.unexpected_keys)
+    source = open_source(path)
+    try:
+        slots, known = _slots(model)
+        chosen, missing, unexpected = _plan(model, source, known)
+        if strict and (missing or unexpected):
+            raise ModelMismatchError(mismatch_line(path, missing, unexpected) + _tie_hint(model, missing))
+        for slot in slots:
+            _fill(slot, [chosen.get(tuple(names), "") for names, *_ in slot.members], source.read)
+    finally:
+        source.close()
+    return LoadResult(missing, unexpected)
+
+
+def _tie_hint(model: nn.Module, missing: Sequence[str]) -> str:
+    """A Hugging Face model whose config ties its head to its embeddings, built without the tie (on the meta
+    device the constructor does not make it): the head is then missing from its own checkpoint."""
+    tied = {k for m in model.modules() for k in (getattr(type(m), "_tied_weights_keys", None) or [])}
+    config = next((getattr(m, "config", None) for m in model.modules() if hasattr(m, "config")), None)
+    if config is not None and getattr(config, "tie_word_embeddings", False) and any(
+            any(n == k or n.endswith("." + k) for k in tied) for n in missing):
+        return " (the model's config ties these weights to its embeddings: call model.tie_weights() before wrapping)"
+    return ""
+
+
+def _fill(slot: _Slot, names: Sequence[str], read: Callable[[str, int, int], torch.Tensor]) -> None:
+    """This rank's values of one tensor, one member's range at a time (through a host copy for a device
+    tensor, written in place for a host one)."""
+    todo = [(n, m) for n, m in zip(names, slot.members) if n]
+    if not todo:
+        return
+    target = slot.target.detach()
+    on_host = target.device.type == "cpu" and target.is_contiguous()
+    flat = target.view(-1) if on_host else target.cpu().reshape(-1).clone()
+    for name, (_, _, start, end, position) in todo:
+        flat[position:position + end - start].copy_(read(name, start, end))
+    if not on_host:
+        target.copy_(flat.view(target.shape))
+
+
+def _is_rank_file_prefix(path: str) -> bool:
+    import glob
+    return bool(glob.glob(glob.escape(path) + "_rank-*-of-*.pth"))
+
+
+def source_names(path: str) -> Iterable[str]:
+    """The tensor names a source holds (for tools)."""
+    source = open_source(path)
+    try:
+        return list(source.shapes)
+    finally:
+        source.close()
