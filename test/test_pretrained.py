@@ -199,6 +199,21 @@ def _formats(pretrained, tmp_path) -> Dict[str, str]:
     paths["consolidated_pth"] = str(tmp_path / "consolidated.pth")
     save_file({k: v.to(torch.bfloat16).contiguous() for k, v in state.items()}, str(tmp_path / "bf16.safetensors"))
     paths["bf16_file"] = str(tmp_path / "bf16.safetensors")
+    # xla_fsdp's own rank files of world size 1 (per parameter), and the same as a DCP folder
+    from xla_fsdp.checkpoints.dcp_format import export_dcp
+    model = FSDP(transformers.LlamaForCausalLM.from_pretrained(pretrained / "untied"))
+    xla_fsdp.save_sharded_checkpoint(model, None, str(tmp_path / "ranks" / "ckpt"))
+    paths["rank_files_of_another_world_size"] = str(tmp_path / "ranks" / "ckpt")
+    export_dcp(str(tmp_path / "ranks" / "ckpt"), str(tmp_path / "dcp"), optim_key=None)
+    paths["dcp_folder"] = str(tmp_path / "dcp")
+    # the offline conversion: rank files for 4 ranks, written one tensor at a time, loaded at 2
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "-m", "xla_fsdp.convert", "--from", "hf", "--ckpt_dir",
+                           str(pretrained / "untied"), "--world_size", "4", "--out_prefix",
+                           str(tmp_path / "converted" / "init")], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "wrote 4 rank files" in done.stdout, done.stdout + done.stderr
+    paths["convert_from_hf"] = str(tmp_path / "converted" / "init")
     return paths
 
 
@@ -228,7 +243,7 @@ def _count_reads(module) -> List[int]:
     return counted
 
 
-def test_every_format_loads_as_load_state_dict_reading_only_its_own_rows(pretrained, tmp_path):
+def test_every_format_loads_as_load_state_dict_reading_only_its_own_rows(gloo, pretrained, tmp_path):
     paths = _formats(pretrained, tmp_path)
     want = transformers.LlamaForCausalLM.from_pretrained(pretrained / "untied").state_dict()
     total = sum(v.numel() for k, v in want.items() if "inv_freq" not in k)

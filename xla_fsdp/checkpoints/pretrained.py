@@ -398,3 +398,54 @@ def source_names(path: str) -> Iterable[str]:
         return list(source.shapes)
     finally:
         source.close()
+
+
+def import_pretrained(path: str, world_size: int, out_prefix: str, overwrite: bool = False) -> List[str]:
+    """Write rank files for ``world_size`` ranks at ``out_prefix`` from the pretrained weights at ``path``
+    (any source :func:`load_pretrained` reads but rank files), one tensor in memory at a time: one shard per
+    floating-point tensor (padded flat), other tensors whole on every rank, checksums, atomic renames. The
+    ordinary loaders read them into any wrapping by name (``load_sharded_checkpoint``, ``resume_training``
+    with no optimizer state). Returns the paths."""
+    import uuid
+
+    from ..shard_names import SHARD_PREFIX, SHARD_SEPARATOR
+    from .dcp_format import _RankFileWriters, _split
+    from .files import new_folders_removed_on_error, prepare_output, rank_path, refuse_overwriting_inputs
+    from .metadata import METADATA_VERSION, _library_versions
+    if world_size < 1:
+        raise CheckpointError(f"world size must be >= 1, got {world_size}")
+    source = open_source(path)
+    try:
+        out_paths = [rank_path(out_prefix, r, world_size) for r in range(world_size)]
+        inputs = [os.path.join(path, f) for f in os.listdir(path)] if os.path.isdir(path) else [path]
+        refuse_overwriting_inputs(out_paths, inputs)
+        with new_folders_removed_on_error(out_paths):
+            for out in out_paths:
+                prepare_output(out, "torch", overwrite)
+            params = [n for n in source.shapes if source.read(n, 0, 1).is_floating_point()]
+            keys = {n: SHARD_PREFIX + n.replace(".", SHARD_SEPARATOR) for n in params}
+            layout: Dict[str, Any] = {}
+            with _RankFileWriters(out_paths) as writers:
+                for name, shape in source.shapes.items():  # one full tensor in memory at a time
+                    numel = math.prod(shape) if shape else 1
+                    full = source.read(name, 0, numel).reshape(shape).clone()
+                    if name in keys:
+                        entry, shards = _split(full, world_size)
+                        layout[keys[name]] = dict(entry, names=[name])
+                        writers.add_model(keys[name], shards)
+                    else:
+                        writers.add_model(name, [full] * world_size)
+                    del full
+                run_id = uuid.uuid4().hex[:16]
+                writers.finish(lambda r: {
+                    "version": METADATA_VERSION, "world_size": world_size, "rank": r, "layout": layout,
+                    "run_id": run_id, "shard_size_multiple": 1, "flatten_parameters": False,
+                    "shard_param_on_dim_0": False, "buffer_info": {}, "param_keys": list(keys.values()),
+                    "model_param_order": list(params), "optimizer_param_keys": None,
+                    "imported_from": f"pretrained:{os.path.abspath(path)}",
+                    # safetensors keep no checksums: ours are of the values as read
+                    "unverified_source": f"pretrained weights {os.path.abspath(path)}",
+                    "library_versions": _library_versions()})
+    finally:
+        source.close()
+    return out_paths
