@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from example_utils import ExampleParser, add_launch_flags, at_least, launch, positive_float
 
 # upstream: from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+import xla_fsdp
 from xla_fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 # upstream: from torch.distributed.checkpoint.state_dict import (...)
 from xla_fsdp.checkpoints.state_dict_api import (StateDictOptions, get_model_state_dict, get_state_dict,
@@ -302,6 +303,9 @@ def train(ctx, args) -> None:
     if found:
         start = load(model, opt, scheduler, found[-1][1])
         ctx.log(f"resumed from {found[-1][1]} at step {start}")
+    elif args.init_from:  # pretrained weights: each rank reads only the rows of its own shards
+        xla_fsdp.load_pretrained(model, args.init_from)
+        ctx.log(f"initial weights from {args.init_from}")
     elif args.seed_checkpoint and os.path.isdir(args.seed_checkpoint):
         load_weights(model, args.seed_checkpoint)
         ctx.log(f"initial weights from {args.seed_checkpoint}")
@@ -360,6 +364,9 @@ def build_parser() -> ExampleParser:
     parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in OUT_DIR/ckpt")
     parser.add_argument("--seed_checkpoint", default=None,
                         help="start from the weights in this folder (the first run naming it writes them)")
+    parser.add_argument("--init_from", default=None,
+                        help="start from pretrained weights: a safetensors folder (save_pretrained's, with this "
+                             "model's names) or file, a consolidated .pth, a DCP folder (xla_fsdp.load_pretrained)")
     for name, default in (("dim", 64), ("n_layers", 4), ("n_heads", 4), ("n_kv_heads", 2), ("hidden_dim", 128),
                           ("vocab_size", 256), ("seq_len", 32)):
         parser.add_argument(f"--{name}", type=at_least(1), default=default)

@@ -215,6 +215,9 @@ def parse_args(argv=None):
                    help="only score a consolidated checkpoint (python -m xla_fsdp.consolidate_sharded_ckpts) "
                         "on the held-out text, in this process")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--init_from", default=None, metavar="PATH",
+                   help="start from pretrained weights (unless resuming): a consolidated checkpoint, a safetensors "
+                        "folder or file with this model's names, a DCP folder (xla_fsdp.load_pretrained)")
     add_launch_flags(p)
     return p.parse_args(argv)
 
@@ -246,12 +249,15 @@ def train(ctx, args):
         warmup_cosine, warmup=args.warmup_steps, total=args.num_steps))
     ckpt_dir = os.path.join(args.out_dir, "ckpt")
     start, samples_seen = 0, 0
-    if args.resume == "auto":
-        resumed = xla_fsdp.resume_training(model, optimizer, ckpt_dir, lr_scheduler=schedule)
-        if resumed is not None:
-            start, samples_seen = resumed.step, resumed.data_state["samples_seen"]
-            ctx.log(f"resumed from {resumed.prefix} (step {resumed.step}, saved at world size "
-                    f"{resumed.saved_world_size}, now {ctx.world_size})")
+    resumed = xla_fsdp.resume_training(model, optimizer, ckpt_dir, lr_scheduler=schedule) \
+        if args.resume == "auto" else None
+    if resumed is not None:
+        start, samples_seen = resumed.step, resumed.data_state["samples_seen"]
+        ctx.log(f"resumed from {resumed.prefix} (step {resumed.step}, saved at world size "
+                f"{resumed.saved_world_size}, now {ctx.world_size})")
+    elif args.init_from:  # pretrained weights: each rank reads only the rows of its own shards
+        xla_fsdp.load_pretrained(model, args.init_from)
+        ctx.log(f"initial weights from {args.init_from}")
     end = args.num_steps if args.stop_after_step is None else min(args.num_steps, args.stop_after_step)
     # a bar on the first rank only (the others' threads share tqdm's class-level bookkeeping)
     bar = tqdm(range(start, end), initial=start, total=args.num_steps, desc="train", file=sys.stderr,

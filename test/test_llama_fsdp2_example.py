@@ -205,3 +205,23 @@ def test_a_checkpoint_moves_between_xla_fsdp_and_pytorchs_fully_shard(seed, tmp_
     resumed = _run(out, then, 2, "--resume")
     assert resumed["transport"] == then
     torch.testing.assert_close(torch.tensor(_losses(resumed)), torch.tensor(_losses(whole)), rtol=0, atol=TOL)
+
+
+def test_init_from_a_safetensors_folder_trains_as_unsharded_from_those_weights(seed, tmp_path):
+    """Issue 67 item 4: --init_from a folder the test writes (the seed checkpoint's weights halved, as
+    model.safetensors with this model's names) on 2 gloo ranks under PyTorch's FSDP2: the losses of
+    unsharded training from the same weights (TOL), and not those of the seed's."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
+    model = example.Llama(example.LlamaConfig())
+    state = {"model": model.state_dict()}
+    dcp.load(state, checkpoint_id=seed[1], no_dist=True)
+    halved = {k: (v * 0.5).contiguous() for k, v in state["model"].items()}
+    folder = tmp_path / "pretrained"
+    folder.mkdir()
+    save_file(halved, str(folder / "model.safetensors"))
+    dcp.save({"model": halved}, checkpoint_id=str(tmp_path / "halved_dcp"), no_dist=True)
+    want, _ = train_unsharded(str(tmp_path / "halved_dcp"), 2)
+    got = _losses(_run(str(tmp_path / "run"), "torch", 2, "--init_from", str(folder)))
+    assert max(abs(a - b) for a, b in zip(got, want)) <= TOL, (got, want)
+    assert abs(got[0] - _losses(_case(seed, "torch", 2)[0])[0]) > 1e-3  # the folder's weights, not the seed's

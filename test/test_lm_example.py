@@ -224,3 +224,17 @@ def test_a_programs_own_exit_on_xla_devices_prints_its_one_line(workdir):
                            os.path.join(cwd, "nope")], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 1
     assert done.stderr.strip().splitlines() == ["error: --data_files nope/*.txt matches no file"], done.stderr[-3000:]
+
+
+def test_init_from_the_consolidated_model_starts_where_it_ended(workdir, uninterrupted, tmp_path):
+    """Issue 67 item 4: --init_from the consolidated file of the run above (written here), fine-tuned one
+    step at lr 1e-9 on 2 gloo ranks: its eval loss is the trained model's (TOL), not the 5.5 of an init."""
+    cwd, env = workdir
+    consolidate = command(readme_lines()[4], 0)[0]
+    consolidated = str(tmp_path / "trained.pth")
+    run(consolidate[:consolidate.index("--save_path") + 1] + [consolidated], cwd, env)
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+            "examples/train_lm_fsdp.py", "--init_from", consolidated, "--num_steps", "1", "--lr", "1e-9",
+            "--warmup_steps", "0", "--out_dir", str(tmp_path / "ft"), "--ckpt_every", "0"]
+    tuned = summary(run(argv, cwd, env))
+    assert abs(float(tuned["eval_loss"]) - float(uninterrupted["eval_loss"])) <= TOL, (tuned, uninterrupted)
