@@ -147,7 +147,7 @@ def _same(got: Dict[str, torch.Tensor], want: Dict[str, torch.Tensor], tol: floa
     assert worst <= tol, f"{what}: {worst:.3g} > {tol}"
 
 
-@pytest.mark.parametrize("how,world_size", [("param", 2), ("flat", 2), ("dim0", 2), ("fsdp2", 2), ("flat", 4)])
+@pytest.mark.parametrize("how,world_size", [("flat", 2), ("dim0", 2), ("fsdp2", 2), ("param", 4)])
 def test_a_hugging_face_model_built_on_meta_loads_and_fine_tunes_as_from_pretrained(pretrained, how, world_size):
     folder = str(pretrained / "sharded")
     results = on_gloo(_fine_tune, world_size, folder, how, hard_exit=how == "fsdp2")
@@ -218,13 +218,16 @@ def _formats(pretrained, tmp_path) -> Dict[str, str]:
 
 
 def _load_each(me, paths: Dict[str, str]) -> Dict[str, Any]:
+    """Each format into a layout (in turn: flattened, per parameter, dim-0), counting what this rank reads."""
     from xla_fsdp.checkpoints import pretrained as module
     out = {}
-    for name, path in paths.items():
-        model = _shard(_meta_model(tied=False), "flat", me.world_size)
-        counted = _count_reads(module)
+    counted = _count_reads(module)
+    for i, (name, path) in enumerate(paths.items()):
+        how = ("flat", "param", "dim0")[i % 3]
+        model = _shard(_meta_model(tied=False), how, me.world_size)
+        counted[0] = 0
         xla_fsdp.load_pretrained(model, path)
-        out[name] = {"full": _full(model, "flat"), "read": counted[0],
+        out[name] = {"full": _full(model, how), "read": counted[0],
                      "own": sum(p.numel() for p in model.parameters())}
     return out
 
@@ -254,8 +257,10 @@ def test_every_format_loads_as_load_state_dict_reading_only_its_own_rows(gloo, p
                 _same(got["full"], {k: v.to(torch.bfloat16).float() for k, v in want.items()}, 0.0, f"{rank} {name}")
             else:
                 _same(got["full"], want, 0.0, f"{rank} {name}")
-            # its own shards, not the model: flat shards are padded, and a member's partial rows read whole
-            assert got["read"] == got["own"] or got["read"] < 0.75 * total, (name, got["read"], got["own"], total)
+            # its own shards (padding aside), never the model: a shard's partial rows are read whole, and a
+            # DCP folder is read a whole tensor at a time; rank files go through load_sharded_checkpoint
+            if name not in ("dcp_folder", "rank_files_of_another_world_size", "convert_from_hf"):
+                assert got["read"] <= 0.6 * total, (rank, name, got["read"], got["own"], total)  # 2 ranks: half
 
 
 # ----------------------------------------------------------------------------- what bad input gets
