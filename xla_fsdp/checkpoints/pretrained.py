@@ -26,6 +26,7 @@ import torch.nn as nn
 
 from ..shard_names import clean_name
 from .files import CheckpointError, ModelMismatchError
+from .reader import REOPEN_BYTES
 from .resized_load import entry_members, mismatch_line
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -77,6 +78,7 @@ class SafetensorsSource(TensorSource):
             paths = [path]
         self._files: Dict[str, Any] = {}
         self._where: Dict[str, str] = {}
+        self._read = 0
         self.shapes = {}
         for file in paths:
             if not os.path.isfile(file):
@@ -105,7 +107,17 @@ class SafetensorsSource(TensorSource):
         except Exception as e:  # noqa: BLE001
             raise CheckpointError(f"'{self._where[name]}' is damaged: reading '{name}' failed ({type(e).__name__}: "
                                   f"{e}); copy it again") from None
+        self._account(rows.numel() * rows.element_size())
         return rows.reshape(-1)[start - first * row:end - first * row]
+
+    def _account(self, nbytes: int) -> None:
+        """Reopen the files every REOPEN_BYTES read: the pages read so far leave this process's resident
+        memory (they stay in the page cache), so a rank's memory holds its shards, not the files' pages."""
+        self._read += nbytes
+        if self._read > REOPEN_BYTES:
+            from safetensors import safe_open
+            self._files = {f: safe_open(f, framework="pt") for f in self._files}
+            self._read = 0
 
     def close(self) -> None:
         self._files.clear()
