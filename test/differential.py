@@ -474,7 +474,9 @@ def recipe_splits_otherwise(p: Program, model: nn.Module, originals: nn.Module) 
     run must equal unsharded training."""
     if p.recipe == "api":
         return False
-    layout = root_unit(model).get_shard_metadata()["layout"]
+    root = root_unit(model)
+    layout = root.get_shard_metadata()["layout"]  # keyed by the unit's own names (fully_shard: its module's)
+    entries = {id(q): layout[key] for key, q in root.named_parameters()}
     shards = list(model.named_parameters())
     dims = {n: q.dim() for n, q in originals.named_parameters(remove_duplicate=False)}
     recipes = {  # (on a shard, on an original)
@@ -486,7 +488,7 @@ def recipe_splits_otherwise(p: Program, model: nn.Module, originals: nn.Module) 
     seen = [recipe_no_decay(p, key, q.dim()) for key, q in shards]
     for on_shard, on_original in recipes.values():
         if [on_shard(key, q) for key, q in shards] == seen and any(
-                on_original(n) != on_shard(key, q) for key, q in shards for n in layout[key]["names"]):
+                on_original(n) != on_shard(key, q) for key, q in shards for n in entries[id(q)]["names"]):
             return True
     return False
 
