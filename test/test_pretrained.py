@@ -118,12 +118,17 @@ def _full(model, how: str) -> Dict[str, torch.Tensor]:
     return {k: v.cpu() for k, v in full_state_dict(model, rank0_only=False).items()}
 
 
-def _fine_tune(me, folder: str, how: str) -> Dict[str, Any]:
-    model = _shard(_meta_model(), how, me.world_size)
-    result = xla_fsdp.load_pretrained(model, folder)
-    loaded = _full(model, how)
-    out = _train(model, me.rank, [me.rank], me.sync)
-    return dict(out, loaded=loaded, trained=_full(model, how), result=tuple(map(list, result)))
+def _fine_tune(me, folder: str, hows: List[str]) -> Dict[str, Any]:
+    """Each layout in turn, in one launch (the ranks import transformers once)."""
+    out = {}
+    for how in hows:
+        model = _shard(_meta_model(), how, me.world_size)
+        result = xla_fsdp.load_pretrained(model, folder)
+        loaded = _full(model, how)
+        trained = _train(model, me.rank, [me.rank], me.sync)
+        out[how] = dict(trained, loaded=loaded, trained=_full(model, how), result=tuple(map(list, result)))
+        del model
+    return out
 
 
 def _reference(folder: str, world_size: int) -> Dict[str, Any]:
@@ -147,43 +152,52 @@ def _same(got: Dict[str, torch.Tensor], want: Dict[str, torch.Tensor], tol: floa
     assert worst <= tol, f"{what}: {worst:.3g} > {tol}"
 
 
-@pytest.mark.parametrize("how,world_size", [("flat", 2), ("dim0", 2), ("fsdp2", 2), ("param", 4)])
-def test_a_hugging_face_model_built_on_meta_loads_and_fine_tunes_as_from_pretrained(pretrained, how, world_size):
+@pytest.mark.parametrize("world_size,hows", [(2, ["flat", "dim0", "fsdp2"]), (4, ["param"])])
+def test_a_hugging_face_model_built_on_meta_loads_and_fine_tunes_as_from_pretrained(pretrained, world_size, hows):
+    """Flattened, dim-0 and PyTorch's FSDP2 at 2 gloo ranks, per parameter at 4."""
     folder = str(pretrained / "sharded")
-    results = on_gloo(_fine_tune, world_size, folder, how, hard_exit=how == "fsdp2")
+    per_rank = on_gloo(_fine_tune, world_size, folder, hows, hard_exit="fsdp2" in hows)
     want = _reference(folder, world_size)
-    _same_losses(results, want)
-    for rank, got in enumerate(results):
-        assert got["result"] == ([], [])
-        _same(got["loaded"], want["loaded"], 0.0, f"rank {rank} loaded")
-        _same(got["trained"], want["trained"], 1e-5, f"rank {rank} trained")
-        assert torch.equal(got["tokens"], want["tokens"]), (got["tokens"], want["tokens"])
+    for how in hows:
+        results = [r[how] for r in per_rank]
+        _same_losses(results, want)
+        for rank, got in enumerate(results):
+            assert got["result"] == ([], [])
+            _same(got["loaded"], want["loaded"], 0.0, f"{how} rank {rank} loaded")
+            _same(got["trained"], want["trained"], 1e-5, f"{how} rank {rank} trained")
+            assert torch.equal(got["tokens"], want["tokens"]), (how, got["tokens"], want["tokens"])
 
 
 @pytest.mark.xla
-@pytest.mark.parametrize("how", ["flat", "fully_shard"])
-def test_the_same_on_xla_cpu_devices(pretrained, how):
+def test_the_same_on_xla_cpu_devices(pretrained):
+    """The wrapper flattened and xla_fsdp's fully_shard on 2 XLA:CPU devices (one launch)."""
     folder = str(pretrained / "sharded")
-    results = on_xla(_fine_tune_on_xla, 2, folder, how)
+    per_rank = on_xla(_fine_tune_on_xla, 2, folder, ["flat", "fully_shard"])
     want = _reference(folder, 2)
-    _same_losses(results, want)
-    for rank, got in enumerate(results):
-        _same(got["loaded"], want["loaded"], 0.0, f"rank {rank} loaded")
-        _same(got["trained"], want["trained"], 1e-5, f"rank {rank} trained")
-        assert torch.equal(got["tokens"], want["tokens"]), (got["tokens"], want["tokens"])
+    for how in ("flat", "fully_shard"):
+        results = [r[how] for r in per_rank]
+        _same_losses(results, want)
+        for rank, got in enumerate(results):
+            _same(got["loaded"], want["loaded"], 0.0, f"{how} rank {rank} loaded")
+            _same(got["trained"], want["trained"], 1e-5, f"{how} rank {rank} trained")
+            assert torch.equal(got["tokens"], want["tokens"]), (how, got["tokens"], want["tokens"])
 
 
-def _fine_tune_on_xla(me, folder: str, how: str) -> Dict[str, Any]:
+def _fine_tune_on_xla(me, folder: str, hows: List[str]) -> Dict[str, Any]:
     from training_program import BUILD_LOCK
-    with BUILD_LOCK:
-        model = _meta_model()
-        model.model.rotary_emb.to(me.device)
-        model = _shard(model, how, me.world_size)
-    xla_fsdp.load_pretrained(model, folder)
-    loaded = _full(model, how)
-    me.barrier()
-    out = _train(model, me.rank, [me.rank], me.sync)
-    return dict(out, loaded=loaded, trained=_full(model, how))
+    out = {}
+    for how in hows:
+        with BUILD_LOCK:
+            model = _meta_model()
+            model.model.rotary_emb.to(me.device)
+            model = _shard(model, how, me.world_size)
+        xla_fsdp.load_pretrained(model, folder)
+        loaded = _full(model, how)
+        me.barrier()
+        trained = _train(model, me.rank, [me.rank], me.sync)
+        out[how] = dict(trained, loaded=loaded, trained=_full(model, how))
+        me.barrier()
+    return out
 
 
 # ----------------------------------------------------------------------------- every format, by name
