@@ -123,11 +123,11 @@ class Program:
         return net
 
     def shard(self, model: nn.Module, run: Run) -> nn.Module:
-        if self.teacher:
-            run.notes["teacher"] = wrap(self, run.notes["teacher"], run.world_size).requires_grad_(False)
         return wrap(self, model, run.world_size)
 
     def start(self, run: Run) -> None:
+        if self.teacher and run.sharded:  # (not under the build lock: wrapping on XLA meets the other ranks)
+            run.notes["teacher"] = wrap(self, run.notes["teacher"], run.world_size).requires_grad_(False)
         if self.toggle == "none":
             toggled: List[str] = []
         elif run.sharded:
@@ -177,6 +177,7 @@ class Program:
             total += loss.item()
         if notes["refusal"]:
             notes["refused"] = refused_step(p, model, opt, scaler, run.norms)
+            run.sync()  # the clip's collectives before it (the next program is wrapped under the build lock)
             return
         optimizer_step(p, model, opt, scaler, run.norms)
         run.sync()

@@ -208,7 +208,20 @@ def _xla_exact(p: Program) -> bool:
     6.4e-6 with SGD) and by 9.2e-5 in an SGD momentum buffer, on main before issue 42 as well, and
     pass on gloo. So XLA draws no BatchNorm here; test_equivalence's convbn configs cover it on XLA.
     Nor a weight clamped in forward: on XLA that is refused (test_user_programs covers the error)."""
-    return not p.batchnorm and not p.clamp
+    return not p.batchnorm and not p.clamp and not _known_xla_deviation(p)
+
+
+def _known_xla_deviation(p: Program) -> bool:
+    """Open bug (found by this suite's draws, stop 72): on XLA under autocast, a weight tied to a later
+    layer and used inside the program's own torch_xla reentrant checkpoint ends with a momentum buffer
+    0.23-0.33 from unsharded (bf16 bound 0.1), in every layout and strategy; without autocast, the tie or
+    the inner checkpoint it is exact, and on gloo it is within 6e-3. Kept out of the draws and pinned
+    by test_known_xla_deviation_autocast_tied_inner_checkpoint (strict xfail) until fixed."""
+    return p.autocast and p.tied != "none" and p.inner_ckpt
+
+
+KNOWN_XLA = {"autocast_tied_inner_ckpt": Program(scalar=False, tied="late", wrap="auto", inner_ckpt=True,
+                                                 autocast=True, layout="dim0", strategy="SHARD_GRAD_OP")}
 
 
 @pytest.fixture(scope="module")
@@ -217,9 +230,9 @@ def xla_results():
     XLA:CPU devices."""
     drawn = _draw(programs(2).filter(_xla_exact), XLA_EXAMPLES)
     fsdp2 = _draw(fully_shard_programs(2).filter(_xla_exact), FULLY_SHARD_EXAMPLES)
-    listed = list(REGRESSIONS.values()) + drawn + fsdp2
+    listed = list(REGRESSIONS.values()) + drawn + fsdp2 + list(KNOWN_XLA.values())
     names = (list(REGRESSIONS) + [f"drawn{i}" for i in range(len(drawn))]
-             + [f"fully_shard{i}" for i in range(len(fsdp2))])
+             + [f"fully_shard{i}" for i in range(len(fsdp2))] + list(KNOWN_XLA))
     return dict(zip(names, zip(listed, run_sharded(listed, 2, "xla", keep_errors=True))))
 
 
@@ -230,6 +243,16 @@ def test_on_xla_cpu(xla_results, name):
     program, sharded = xla_results[name]
     errors = [r for r in sharded if isinstance(r, str)]
     assert not errors, f"{name}: {errors[0]} ({program})"
+    _check(program, 2, sharded, "xla")
+
+
+@pytest.mark.xla
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="open bug: see _known_xla_deviation")
+def test_known_xla_deviation_autocast_tied_inner_checkpoint(xla_results):
+    program, sharded = xla_results["autocast_tied_inner_ckpt"]
+    errors = [r for r in sharded if isinstance(r, str)]
+    if errors:  # not the deviation this pins
+        raise RuntimeError(errors[0])
     _check(program, 2, sharded, "xla")
 
 

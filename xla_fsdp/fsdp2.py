@@ -231,13 +231,15 @@ def _check_upstream_takes(keywords: Dict[str, Any]) -> None:
 
 def _storage_only(module: nn.Module) -> None:
     """Uninitialized host storage for the meta parameters and buffers this unit owns."""
+    host = torch.device("cpu")
     for _, m in construction.owned_modules(module):
         for name, p in list(m._parameters.items()):
-            if p is not None and p.is_meta:
-                m._parameters[name] = nn.Parameter(torch.empty_like(p, device="cpu"), requires_grad=p.requires_grad)
+            if p is not None and p.is_meta:  # one tensor per meta tensor: a tied weight stays tied
+                m._parameters[name] = construction.materialized(p, host, lambda p=p: nn.Parameter(
+                    torch.empty_like(p, device=host), requires_grad=p.requires_grad))
         for name, b in list(m._buffers.items()):
             if b is not None and b.is_meta:
-                m._buffers[name] = torch.empty_like(b, device="cpu")
+                m._buffers[name] = construction.materialized(b, host, lambda b=b: torch.empty_like(b, device=host))
 
 
 # ----------------------------------------------------------------------------- the settings

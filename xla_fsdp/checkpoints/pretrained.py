@@ -276,8 +276,9 @@ def _unit_slots(model) -> Tuple[List[_Slot], Known]:
             if start < end:
                 members.append((names, tuple(shape), start - offset, end - offset, start - lo))
         slots.append(_Slot(state[key], members))
+    held = {n for names, _ in known for n in names}  # fully_shard's state_dict() names a tied alias again
     for key, value in state.items():
-        if key not in layout and "_fsdp_shard" not in key:
+        if key not in layout and "_fsdp_shard" not in key and clean_name(key) not in held:
             shape = tuple(value.shape)
             known.append(([clean_name(key)], shape))
             slots.append(_Slot(value, [([clean_name(key)], shape, 0, math.prod(shape) if shape else 1, 0)]))

@@ -114,11 +114,11 @@ def materialize_meta(module: nn.Module, param_init_fn: Optional[Callable[[nn.Mod
         for _, m in owned_modules(module):
             for name, p in list(m._parameters.items()):
                 if p is not None and p.is_meta:
-                    m._parameters[name] = _materialized(p, device, lambda p=p: nn.Parameter(
+                    m._parameters[name] = materialized(p, device, lambda p=p: nn.Parameter(
                         torch.empty_like(p, device=device), requires_grad=p.requires_grad))
             for name, b in list(m._buffers.items()):
                 if b is not None and b.is_meta:
-                    m._buffers[name] = _materialized(b, device, lambda b=b: torch.empty_like(b, device=device))
+                    m._buffers[name] = materialized(b, device, lambda b=b: torch.empty_like(b, device=device))
             reset = getattr(m, "reset_parameters", None)
             if callable(reset):
                 with torch.no_grad():
@@ -130,7 +130,7 @@ def materialize_meta(module: nn.Module, param_init_fn: Optional[Callable[[nn.Mod
                            f"{still_meta[:5]}; make param_init_fn materialize them (e.g. to_empty + init).")
 
 
-def _materialized(meta: torch.Tensor, device: torch.device, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+def materialized(meta: torch.Tensor, device: torch.device, make: Callable[[], torch.Tensor]) -> torch.Tensor:
     """The one real tensor for a meta tensor, however many modules hold it: a tied weight (Hugging Face's
     embeddings and head, tied before wrapping) stays tied, in this unit and in the units built after it."""
     made = getattr(meta, "_xla_fsdp_materialized", None)
