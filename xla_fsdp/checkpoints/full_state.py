@@ -46,7 +46,8 @@ def full_state_dict(model, rank0_only: bool = True) -> Optional[Dict[str, torch.
             for alias in entry.get("aliases", {}).get(name, []):
                 out[alias] = t
     for key, value in model.state_dict().items():
-        if key not in metadata["layout"]:
+        # (fully_shard's state_dict() also names a tied parameter by its alias: that is not a buffer)
+        if key not in metadata["layout"] and clean_name(key) not in out:
             original = metadata["buffer_info"].get(key, {}).get("_orig_dtype")
             t = value.detach().cpu().clone()
             out[clean_name(key)] = t.to(original) if original is not None else t
@@ -65,7 +66,8 @@ def full_state_keys(model) -> Tuple[List[str], List[str]]:
         keys += names
         if not params[key].requires_grad:
             frozen += names
-    keys += [clean_name(k) for k in model.state_dict() if k not in metadata["layout"]]
+    named = set(keys)
+    keys += [clean_name(k) for k in model.state_dict() if k not in metadata["layout"] and clean_name(k) not in named]
     return keys, frozen
 
 
@@ -89,7 +91,10 @@ def load_full_state_dict(model, state_dict: Mapping[str, torch.Tensor], skip_mis
                 raise CheckpointError(f"'{n}' has shape {list(t.shape)}, the model expects {shape}")
         shard = split_entry(entry, tensors, model.world_size, multiple)[1][model.rank]
         params[key].copy_(shard.view(params[key].shape).to(params[key].device))
-    buffers = {k: v for k, v in model.state_dict().items() if k not in metadata["layout"]}
+    named = {n for e in metadata["layout"].values() for m in e["names"]
+             for n in [m] + e.get("aliases", {}).get(m, [])}  # (fully_shard's state_dict() names aliases too)
+    buffers = {k: v for k, v in model.state_dict().items()
+               if k not in metadata["layout"] and clean_name(k) not in named}
     for key, value in buffers.items():
         name = clean_name(key)
         if name not in state_dict and skip_missing:
