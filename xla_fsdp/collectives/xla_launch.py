@@ -135,7 +135,18 @@ def run_thread_per_device_stoppable(local_rank, local_world_size, fn, initialize
     try:
         return original(local_rank, local_world_size, fn, initializer_fn)
     finally:
+        _restore_sigint(previous)
+
+
+def _restore_sigint(previous) -> None:
+    """Put back the SIGINT handler. A Ctrl-C that arrives while it is being put back makes CPython's
+    ``signal.signal`` raise ``OSError: Signal 2 ignored due to race condition`` (a traceback where the
+    program's one line belongs): the handler is put back anyway, and the Ctrl-C is what it was."""
+    try:
         signal.signal(signal.SIGINT, previous)
+    except OSError:
+        signal.signal(signal.SIGINT, previous)
+        raise KeyboardInterrupt from None
 
 
 def _release_semaphores() -> None:
@@ -198,4 +209,4 @@ def _run_multiprocess_forwarding(*args, **kwargs):
     try:
         return original(*args, **kwargs)
     finally:
-        signal.signal(signal.SIGINT, previous)
+        _restore_sigint(previous)
