@@ -15,6 +15,7 @@ or a plain module (every tensor whole: the unsharded reference). Names are the m
 """
 from __future__ import annotations
 
+import abc
 import json
 import math
 import os
@@ -39,15 +40,15 @@ class LoadResult(NamedTuple):
     unexpected_keys: List[str]
 
 
-class TensorSource:
+class TensorSource(abc.ABC):
     """Named full tensors on disk, read by element ranges of each tensor flattened."""
 
     path: str
     shapes: Dict[str, Tuple[int, ...]]
 
+    @abc.abstractmethod
     def read(self, name: str, start: int, end: int) -> torch.Tensor:
         """Elements [start, end) of ``name`` flattened (row-major), as a 1-D tensor of the file's dtype."""
-        raise NotImplementedError
 
     def close(self) -> None:
         pass
