@@ -58,7 +58,11 @@ class SafetensorsSource(TensorSource):
     """One ``.safetensors`` file or a folder (one file, or shards named by the index)."""
 
     def __init__(self, path: str):
-        from safetensors import safe_open
+        try:
+            from safetensors import safe_open
+        except ImportError:
+            raise CheckpointError(f"reading '{path}' needs the safetensors package, which a plain install of "
+                                  "xla_fsdp does not bring: pip install safetensors") from None
         self.path = path
         if os.path.isdir(path):
             index = os.path.join(path, SAFETENSORS_INDEX)
