@@ -86,7 +86,11 @@ def _shard(model, how: str, world_size: int):
         return model
     import functools
     policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={LlamaDecoderLayer})
-    return FSDP(model, auto_wrap_policy=policy, flatten_parameters=how == "flat", shard_param_on_dim_0=how == "dim0")
+    # flattened: each unit's default init (reset_parameters), then the load; per parameter and dim-0: storage
+    # only, no copy of the full data and no draws (the documented way)
+    init = {} if how == "flat" else {"param_init_fn": xla_fsdp.storage_only}
+    return FSDP(model, auto_wrap_policy=policy, flatten_parameters=how == "flat", shard_param_on_dim_0=how == "dim0",
+                **init)
 
 
 def _inv_freq() -> torch.Tensor:
@@ -316,5 +320,11 @@ def test_names_shapes_and_damaged_files_are_one_line(gloo, pretrained, tmp_path)
         xla_fsdp.load_pretrained(model, str(damaged))
     with pytest.raises(CheckpointError, match=r"does not exist: pass a Hugging Face folder"):
         xla_fsdp.load_pretrained(model, str(tmp_path / "nope"))
+    # storage only and no load before the first forward: one line, not a run from zeros
+    empty = _shard(_meta_model(), "param", 1)
+    with pytest.raises(RuntimeError, match=r"'model.embed_tokens.weight' \(\d+ parameters in all\) was given storage "
+                                           r"only \(param_init_fn=xla_fsdp.storage_only\) and no values before the "
+                                           r"first forward. Load them first"):
+        empty(input_ids=torch.zeros(1, 4, dtype=torch.long))
     assert math.isfinite(sum(float(v.sum()) for v in model.state_dict().values()))  # nothing was half-loaded
     assert os.path.getsize(tmp_path / "wrong.safetensors") > 0  # inputs untouched

@@ -14,6 +14,7 @@ from .compat import replace_torch_xla_fsdp
 from .fully_sharded_data_parallel import XlaFullyShardedDataParallel
 from .remat import checkpoint_module
 from .strategy import ShardingStrategy
+from .unit.construction import storage_only
 
 __all__ = [
     "CPUOffloadPolicy",
@@ -36,6 +37,7 @@ __all__ = [
     "resume_training",
     "save_sharded_checkpoint",
     "save_training_checkpoint",
+    "storage_only",
     "sync",
     "__version__",
 ]

@@ -187,7 +187,7 @@ def fully_shard(module: Union[nn.Module, List[nn.Module]], *, mesh: Optional[Any
     on_meta = any(t.is_meta for _, m in construction.owned_modules(module)
                   for t in list(m._parameters.values()) + list(m._buffers.values()) if t is not None)
     if on_meta:  # as FSDP2: storage only; the program's to_empty + init give the values
-        options["param_init_fn"] = _storage_only
+        options["param_init_fn"] = construction.storage_only
     for p in ignored_params or ():
         p._xla_fsdp_ignored = True
     module = _shard_in_place(module, options, mp_policy.cast_forward_inputs)
@@ -227,19 +227,6 @@ def _check_upstream_takes(keywords: Dict[str, Any]) -> None:
         if name not in known:
             raise TypeError(f"fully_shard() got an unexpected keyword argument '{name}' (the installed PyTorch, "
                             f"{torch.__version__}, does not take it)")
-
-
-def _storage_only(module: nn.Module) -> None:
-    """Uninitialized host storage for the meta parameters and buffers this unit owns."""
-    host = torch.device("cpu")
-    for _, m in construction.owned_modules(module):
-        for name, p in list(m._parameters.items()):
-            if p is not None and p.is_meta:  # one tensor per meta tensor: a tied weight stays tied
-                m._parameters[name] = construction.materialized(p, host, lambda p=p: nn.Parameter(
-                    torch.empty_like(p, device=host), requires_grad=p.requires_grad))
-        for name, b in list(m._buffers.items()):
-            if b is not None and b.is_meta:
-                m._buffers[name] = construction.materialized(b, host, lambda b=b: torch.empty_like(b, device=host))
 
 
 # ----------------------------------------------------------------------------- the settings

@@ -116,7 +116,8 @@ class XlaFullyShardedDataParallel(ShardedUnit):
         auto_wrapper_callable: ``fn(module, *args, **kwargs)`` used instead of this class for
             auto-wrapped children, e.g. to apply ``checkpoint_module`` first.
         param_init_fn: ``fn(module)`` materializing meta-device parameters; default is
-            ``to_empty`` plus each submodule's ``reset_parameters()``.
+            ``to_empty`` plus each submodule's ``reset_parameters()``; ``xla_fsdp.storage_only`` when a
+            load gives the values next (it draws nothing).
         prefetch: on eager transports (gloo/NCCL), gather the next unit's parameters (backward:
             the previous one's) while this unit computes; costs one more unit's full parameters.
             No effect on XLA, which schedules collectives itself.

@@ -130,6 +130,28 @@ def materialize_meta(module: nn.Module, param_init_fn: Optional[Callable[[nn.Mod
                            f"{still_meta[:5]}; make param_init_fn materialize them (e.g. to_empty + init).")
 
 
+def storage_only(module: nn.Module) -> None:
+    """A ``param_init_fn`` that gives the meta parameters and buffers a unit owns uninitialized host storage
+    and draws nothing: for a model whose values a load gives next (``load_pretrained``, a checkpoint), so
+    the program's random draws are the ones it makes unwrapped. Buffers already real (Hugging Face's
+    rotary tables under ``init_empty_weights``) are kept, and a tied weight stays tied."""
+    host = torch.device("cpu")
+    for _, m in owned_modules(module):
+        for name, p in list(m._parameters.items()):
+            if p is not None and p.is_meta:
+                m._parameters[name] = materialized(p, host, lambda p=p: _storage_only_parameter(p, host))
+        for name, b in list(m._buffers.items()):
+            if b is not None and b.is_meta:
+                m._buffers[name] = materialized(b, host, lambda b=b: torch.empty_like(b, device=host))
+
+
+def _storage_only_parameter(meta: torch.Tensor, device: torch.device) -> nn.Parameter:
+    """Marked: the unit that shards it makes its shard without copying the (uninitialized) full data."""
+    p = nn.Parameter(torch.empty_like(meta, device=device), requires_grad=meta.requires_grad)
+    p._xla_fsdp_storage_only = True
+    return p
+
+
 def materialized(meta: torch.Tensor, device: torch.device, make: Callable[[], torch.Tensor]) -> torch.Tensor:
     """The one real tensor for a meta tensor, however many modules hold it: a tied weight (Hugging Face's
     embeddings and head, tied before wrapping) stays tied, in this unit and in the units built after it."""

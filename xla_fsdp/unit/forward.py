@@ -48,7 +48,21 @@ def lazy_init(rt: Any, named: List[Tuple[str, Any]]) -> None:
     rt.comms.check_construction()
     for unit in root.units:
         unit.take_deferred_values()
+    _check_values_given(rt)
     _check_same_parameters_on_every_rank(rt)
+
+
+def _check_values_given(rt: Any) -> None:
+    """Units given storage only (``param_init_fn=xla_fsdp.storage_only``) hold zeros until a load
+    writes them: a first forward before any load would train from zeros, unlike any unsharded run."""
+    empty = [prefix + name for prefix, unit in zip(rt.root.prefixes, rt.root.units) for group in unit.groups
+             if group_values.awaiting_values(group) for name in group.names]
+    if empty:
+        raise RuntimeError(
+            f"xla_fsdp: '{empty[0]}' ({len(empty)} parameters in all) was given storage only "
+            "(param_init_fn=xla_fsdp.storage_only) and no values before the first forward. Load them first "
+            "(xla_fsdp.load_pretrained(model, path), model.load_state_dict(...), a checkpoint loader), or "
+            "leave param_init_fn out to initialize with each module's reset_parameters()")
 
 
 def _check_same_parameters_on_every_rank(rt: Any) -> None:

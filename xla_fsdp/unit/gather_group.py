@@ -97,24 +97,30 @@ class GatherGroup:
             else:
                 sources = [take() for take in takes]
 
+        #: given storage only (``storage_only``): no values yet, so nothing to copy or compare; a load
+        #: must write the shard before the first forward (see forward.py)
+        self.awaiting_values = not sync_from_rank_0 and all(
+            getattr(r.param, "_xla_fsdp_storage_only", False) for r in refs)
         self.layout: Union[FlatLayout, Dim0Layout]
         if dim0:
             self.layout = Dim0Layout(tuple(sources[0].shape), ws)
-            padded = pad_dim0(sources[0], self.layout)
             self.padded_shape: Tuple[int, ...] = (self.layout.padded_rows,) + self.layout.row_shape
             self.full_shape: Tuple[int, ...] = tuple(sources[0].shape)
         else:
             self.layout = FlatLayout(tuple(tuple(s.shape) for s in sources), ws, pad_multiple)
-            padded = flatten_and_pad(sources, self.layout)
             self.padded_shape = (self.layout.padded_numel,)
             self.full_shape = self.padded_shape if flat else tuple(sources[0].shape)
-        shard = shard_of(padded, rank, ws).detach()
         #: a fingerprint of the full values this rank built, compared across ranks at the first forward
-        self.init_fingerprint = fingerprint(sources)
+        self.init_fingerprint = None if self.awaiting_values else fingerprint(sources)
+        if self.awaiting_values:  # zeros (padding included) in the shard's place: no copy of the full data
+            shard = torch.zeros((self.padded_shape[0] // ws,) + self.padded_shape[1:], dtype=storage_dtype)
+        else:
+            padded = pad_dim0(sources[0], self.layout) if dim0 else flatten_and_pad(sources, self.layout)
+            shard = shard_of(padded, rank, ws).detach().clone()
         if offload is not None:
             shard = offload.host_shard(shard, storage_dtype)
         else:
-            shard = shard.clone().to(storage_dtype).to(comms.device)
+            shard = shard.to(storage_dtype).to(comms.device)
         self.shard = nn.Parameter(shard, requires_grad=requires_grad)
         # Its gradient is reduced here: torch_xla's all-reduce of every gradient (xm.optimizer_step,
         # Accelerate's XLA path) must leave it out (see collectives/xla_gradients.py).

@@ -75,6 +75,11 @@ def finish_late_init(group: GatherGroup) -> None:
     group.install()
 
 
+def awaiting_values(group: GatherGroup) -> bool:
+    """Given storage only at construction, and nothing written into the shard since."""
+    return group.awaiting_values and group.shard._version == group.fingerprint_version
+
+
 def current_fingerprint(group: GatherGroup) -> Optional[torch.Tensor]:
     """The construction fingerprint, or None if the shard was written since (a checkpoint loaded
     before the first forward: the values the ranks built no longer matter)."""
