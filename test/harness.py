@@ -459,8 +459,8 @@ def host_residency(root: FSDP, opt: torch.optim.Optimizer, barrier: Callable[[],
         "with_grad": sum(p.grad is not None for p in params), "trainable": sum(p.requires_grad for p in params),
         "optimizer": sorted({t.device.type for t in state}), "optimizer_tensors": len(state),
         "gathered": sum(g.comms.is_allocated(g.full) for g in groups),
-        "device_copies": sum(g._staged is not None for g in groups)
-        + sum(len(u._runtime.offload._waiting) for u in units if u._runtime.offload is not None),
+        "device_copies": sum(len(u._runtime.offload._staged) + len(u._runtime.offload._waiting)
+                             for u in units if u._runtime.offload is not None),
         "offloading_units": sum(u.cpu_offload for u in units), "units": len(units),
         "compiles": compiles,
     }

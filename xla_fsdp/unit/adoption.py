@@ -1,17 +1,23 @@
 """How a unit takes its module (the construction step after planning): the parameters no nested
-unit owns become sharded gather groups, registered as shards; buffers are cast; rank 0's buffers
-are asked for where the ranks take rank 0's values. :func:`adopt` returns what it built."""
+unit owns become sharded gather groups (:func:`build_group`: the layout, this rank's block, the values'
+fingerprint, torch_xla's attributes, the originals taken out of the module), registered as shards;
+buffers are cast; rank 0's buffers are asked for where the ranks take rank 0's values. :func:`adopt`
+returns what it built."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
 
+from ..collectives import Collectives
+from ..sharding import Dim0Layout, FlatLayout, flatten_and_pad, pad_dim0, shard_of
 from . import construction, tied
-from .gather_group import GatherGroup
+from .gather_group import GatherGroup, InitialValues
+from .member_slots import ParamRef, fingerprint
 from .offload import HostOffload, shards_held_back
+from .optimizer_check import install_optimizer_check
 from .options import UnitOptions
 from .param_names import SHARD_PREFIX, SHARD_SEPARATOR, WRAPPED, flat_parts
 from .runtime import Rank0Buffer
@@ -40,6 +46,7 @@ def adopt(shell: nn.Module, module: nn.Module, options: UnitOptions, settings: U
     """Take the parameters no nested unit owns: materialize meta ones, shard them into groups,
     register the shards (on ``shell``, or ``in_place`` where the originals were), cast buffers,
     move the module to the device."""
+    install_optimizer_check()
     construction.materialize_meta(module, options.param_init_fn, torch.device("cpu"))
     if options._use_xla_patched_linear and comms.name == "xla":
         from .patched_linear import patch_linear_layers
@@ -81,7 +88,7 @@ def _build_groups(refs: List[Any], settings: UnitSettings, comms: Any, offload: 
     channel = comms.allocate_channels(GatherGroup.CHANNELS * len(parts))
     groups = []
     for i, (part, flat_name) in enumerate(zip(parts, names)):
-        group = GatherGroup(part, comms, flat=settings.flatten_parameters, dim0=settings.shard_param_on_dim_0,
+        group = build_group(part, comms, flat=settings.flatten_parameters, dim0=settings.shard_param_on_dim_0,
                             pad_multiple=settings.shard_size_multiple, compute_dtype=settings.compute_dtype,
                             channel=channel + GatherGroup.CHANNELS * i, offload=offload,
                             storage_dtype=settings.param_storage_dtype, sync_from_rank_0=settings.sync_module_states,
@@ -89,3 +96,74 @@ def _build_groups(refs: List[Any], settings: UnitSettings, comms: Any, offload: 
         group.flat_name = flat_name
         groups.append(group)
     return groups
+
+
+def build_group(refs: List[ParamRef], comms: Collectives, *, flat: bool, dim0: bool, pad_multiple: int,
+                compute_dtype: torch.dtype, channel: int, offload: Optional[HostOffload] = None,
+                storage_dtype: torch.dtype = torch.float32, sync_from_rank_0: bool = False,
+                in_place: bool = False) -> GatherGroup:
+    """The gather group of ``refs``: this rank's block of their values as the shard, the originals
+    taken out of the module (their data dropped: the shard is the only copy)."""
+    if dim0 and (flat or len(refs) != 1):
+        raise ValueError("dim-0 sharding applies to one unflattened parameter at a time")
+    ws = comms.world_size
+    sources = [r.param.detach() for r in refs]
+    # given storage only (``storage_only``): no values yet, so nothing to copy or compare
+    storage_only = not sync_from_rank_0 and all(getattr(r.param, "_xla_fsdp_storage_only", False) for r in refs)
+    rank_0_takes = None
+    if sync_from_rank_0:
+        # Rank 0's values (``sync_module_states``): where the ranks are threads of one process they are
+        # taken at the root's first forward (group_values.take_rank_0_values), since a rank building
+        # under the program's lock cannot wait here for a peer still waiting for that lock.
+        takes = [comms.start_broadcast_from_rank_0(s) for s in sources]
+        if comms.ranks_share_a_process:
+            rank_0_takes = takes
+        else:
+            sources = [take() for take in takes]
+    layout: Union[FlatLayout, Dim0Layout]
+    if dim0:
+        layout = Dim0Layout(tuple(sources[0].shape), ws)
+    else:
+        layout = FlatLayout(tuple(tuple(s.shape) for s in sources), ws, pad_multiple)
+    if storage_only:  # zeros (padding included) in the shard's place: no copy of the full data
+        block = torch.zeros(layout.shard_shape if dim0 else (layout.shard_numel,), dtype=storage_dtype)
+    else:
+        padded = pad_dim0(sources[0], layout) if dim0 else flatten_and_pad(sources, layout)
+        block = shard_of(padded, comms.rank, ws).detach().clone()
+    if offload is not None:
+        block = offload.host_shard(block, storage_dtype)
+    else:
+        block = block.to(storage_dtype).to(comms.device)
+    shard = nn.Parameter(block, requires_grad=refs[0].param.requires_grad)
+    initial = InitialValues(None if storage_only else fingerprint(sources), shard._version, storage_only,
+                            rank_0_takes)
+    # The originals stop being registered parameters; the module reads full data through plain
+    # attributes that the group's ``install`` sets (now) and refreshes after every gather. ``in_place`` (fully_shard):
+    # the shard is registered in the original's place (``named_parameters()``, ``state_dict()`` under the
+    # module's own names, as FSDP2's DTensor), and the plain attribute shadows it.
+    for ref in refs:
+        for module, attr in ref.slots:
+            module._parameters.pop(attr, None)
+            if in_place and not flat:
+                module._parameters[attr] = shard
+        ref.param._xla_fsdp_sharded = True
+        # The shard is the only copy now: drop the original's data so every rank does not keep
+        # the whole model in host memory (the object stays, marked, to catch sharing across units).
+        ref.param.data = ref.param.data.new_empty(0)
+    group = GatherGroup(refs, comms, layout, shard, initial, flat=flat, compute_dtype=compute_dtype, channel=channel,
+                        offload=offload, in_place=in_place)
+    _torch_xla_attributes(group)
+    return group
+
+
+def _torch_xla_attributes(group: GatherGroup) -> None:
+    """torch_xla's attributes, read by its clients (Lightning's XLAFSDPStrategy finds the optimizer's
+    shards by ``_is_sharded``): the size of what the shard is part of, the full parameter's handle
+    (its ``_has_full_param`` kept by the group); ``_name`` is set by the unit, which names the shard.
+    ``_xla_fsdp_reduced``: the shard's gradient is reduced by its unit, so torch_xla's all-reduce of
+    every gradient (xm.optimizer_step, Accelerate's XLA path) leaves it out (collectives/xla_gradients.py)."""
+    shard = group.shard
+    shard._xla_fsdp_reduced = True
+    shard._is_sharded = True
+    shard._orig_size = torch.Size((group.layout.numel,) if group.flat else group.full_shape)
+    group.full._sharded_param = shard

@@ -9,7 +9,7 @@ from typing import Any, List, Set
 import torch
 from torch.autograd import Variable
 
-from . import freeing
+from . import freeing, group_grad
 from .offload import land_gradients
 from .coalesce import start_reduce
 from .gather_group import GatherGroup
@@ -69,7 +69,7 @@ def end_gradient_plan(rt: Any, outputs: Any) -> None:
         return
     used = [used_members(g, edges, hidden, leaves) for unit in root.units for g in unit.groups if g.requires_grad]
     for group in root.trainable_groups:
-        group.end_edge_record()
+        group.forward_edges.end()
     schedule.plan = GradientPlan(root.trainable_groups, used, rt.comms.start_sum_over_ranks)
 
 
@@ -181,8 +181,8 @@ def on_full_grad_ready(rt: Any, group: GatherGroup, full: torch.Tensor, final: b
     s = rt.settings
     if rt.comms.world_size == 1 and rt.comms.num_replicas == 1:
         # Nothing to reduce (one rank): straight into the shard gradient, no bookkeeping.
-        padded = group.prepare_grad(grad, s.gradient_predivide_factor, s.fp32_reduce_scatter)
-        group.accumulate_shard_grad(group.finish_grad(padded, s.gradient_postdivide_factor))
+        padded = group_grad.prepare(group, grad, s.gradient_predivide_factor, s.fp32_reduce_scatter)
+        group_grad.accumulate(group, group_grad.finish(group, padded, s.gradient_postdivide_factor))
         rt.reshard_after_gradient(group)
         return
     if _holds_gradients(rt):

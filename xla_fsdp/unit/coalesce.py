@@ -8,6 +8,7 @@ from typing import Callable, List, Tuple
 
 import torch
 
+from . import group_grad
 from .gather_group import GatherGroup
 
 #: a group whose full size reaches this many elements (4 MiB in fp32) gets collectives of its own:
@@ -76,12 +77,12 @@ class ReduceInFlight:
         group0 = self.groups[0]
         reduced = group0.comms.all_reduce_replicas(self.wait(), group0.channel_replicas)
         if len(self.groups) == 1:
-            group0.accumulate_shard_grad(group0.finish_grad(reduced, self.post_divide))
+            group_grad.accumulate(group0, group_grad.finish(group0, reduced, self.post_divide))
             return
         reduced = reduced.reshape(-1)
         offset = 0
         for group, n in zip(self.groups, self.widths):
-            group.accumulate_shard_grad(group.finish_grad(reduced[offset:offset + n], self.post_divide))
+            group_grad.accumulate(group, group_grad.finish(group, reduced[offset:offset + n], self.post_divide))
             offset += n
 
 
@@ -105,7 +106,7 @@ def _start_reduce(groups: List[GatherGroup], grads: List[torch.Tensor], pre_divi
     side by side, as ``(world_size, total)`` columns, so each rank's block holds its block of every
     group)."""
     comms = groups[0].comms
-    padded = [g.prepare_grad(grad, pre_divide, fp32_reduce_scatter) for g, grad in zip(groups, grads)]
+    padded = [group_grad.prepare(g, grad, pre_divide, fp32_reduce_scatter) for g, grad in zip(groups, grads)]
     if len(groups) == 1:
         return ReduceInFlight(groups, [padded[0].numel() // comms.world_size],
                               comms.start_reduce_scatter(padded[0], groups[0].channel_reduce), post_divide)

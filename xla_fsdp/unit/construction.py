@@ -9,7 +9,7 @@ from typing import Callable, Dict, List, Optional, Set, Tuple
 import torch
 import torch.nn as nn
 
-from .gather_group import ParamRef
+from .member_slots import ParamRef
 from .tied import LeftSlot
 from .base import is_unit, unit_of
 

@@ -138,12 +138,12 @@ def forward(rt: Any, args: Any, kwargs: Any) -> Any:
         schedule.recording.append(rt)
         rt.unshard(prefetch=rt.prefetch_target(+1))
         rt.gather_listed(listed, backward=False)
-    versions = None if in_backward else [g.installed_versions() for g in rt.groups]
+    versions = None if in_backward else [group_values.installed_versions(g) for g in rt.groups]
     try:
         outputs = rt.run_module(*args, **kwargs)
         if versions is not None:  # parameters the module edited in place: the edit stays, as unsharded
             for group, before in zip(rt.groups, versions):
-                group.keep_edits(before)
+                group_values.keep_edits(group, before)
     except BaseException:
         if not in_backward:
             _abandon_forward(rt)
@@ -184,7 +184,7 @@ def _refuse_reassigned_parameters(rt: Any) -> None:
     training would go on with the unit's own shard: refused at the root's next forward instead."""
     for prefix, unit in zip(rt.root.prefixes, rt.root.units):
         for group in unit.groups:
-            found = group.reassigned_slot()
+            found = group_values.reassigned_slot(group)
             if found is None:
                 continue
             name, value = found

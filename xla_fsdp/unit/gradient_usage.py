@@ -34,6 +34,27 @@ def tensor_edge(tensor: torch.Tensor) -> Edge:
     return edge.node, edge.output_nr
 
 
+class ForwardEdges:
+    """A flat gather group's record, per member, of the gradient edges of the tensors its module
+    places were given during a root's forward (recorded only while the root plans gradients): a
+    member reached by none of them gets no gradient this step."""
+
+    def __init__(self) -> None:
+        self.per_member: Optional[List[List[Edge]]] = None
+
+    def begin(self, members: int) -> None:
+        self.per_member = [[] for _ in range(members)]
+
+    def record(self, installed: Optional[List[torch.Tensor]], requires_grad: bool) -> None:
+        if self.per_member is not None and installed is not None and requires_grad:
+            for edges, value in zip(self.per_member, installed):
+                if value.requires_grad:  # made under no_grad (a reentrant checkpoint's forward): no edge
+                    edges.append(tensor_edge(value))
+
+    def end(self) -> None:
+        self.per_member = None
+
+
 def reachable_edges(outputs: Any, recomputed: Optional[List[Any]] = None,
                     leaves: Optional[Set[int]] = None) -> Set[Edge]:
     """Every gradient edge of the autograd graph behind ``outputs`` (a pytree of tensors).
@@ -167,5 +188,9 @@ def used_members(group: Any, edges: Set[Edge], hidden_modules: Set[int], leaves:
     if not group.flat:
         if group.full.grad_fn is None:  # a leaf, as a parameter is
             return [hidden[0] or id(group.full) in leaves]
-        return [hidden[0] or group.gradient_edge() in edges]
-    return [seen or any(e in edges for e in member) for seen, member in zip(hidden, group.forward_edges)]
+        # Looked up each time, never kept: an accumulator records the parameter's shape when it is made,
+        # and ``full`` changes shape between gathered and freed, so a kept one made while ``full`` was
+        # freed sums every later gradient down to one element (FSDP1 and torch_xla's FSDP keep theirs:
+        # their parameters' shapes do not change).
+        return [hidden[0] or tensor_edge(group.full) in edges]
+    return [seen or any(e in edges for e in member) for seen, member in zip(hidden, group.forward_edges.per_member)]

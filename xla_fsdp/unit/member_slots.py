@@ -1,13 +1,30 @@
-"""Where a gather group's members live in the module: the plain attributes the unit sets in place of
-the original parameters (``set_module_tensor`` / ``module_tensor``), the gradient hooks the program
-registered on the originals (moved to what the module computes with), a flat buffer split into
-members of their own (``SplitFlat``), and the fingerprint of a group's values."""
+"""Where a gather group's members live in the module: the original parameters and their places
+(``ParamRef``), the plain attributes the unit sets in place of the originals (``set_module_tensor`` /
+``module_tensor``), what those places hold between gathers (``freed_stand_ins``) and, for a flat group,
+while gathered (``FlatMembers``: views of the full buffer, or tensors of their own split by
+``SplitFlat``), the gradient hooks the program registered on the originals (moved to what the module
+computes with), and the fingerprint of a group's values."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
+
+from ..collectives import Collectives
+from ..sharding import FlatLayout
+from .freed import FreedParameter
+
+
+@dataclass
+class ParamRef:
+    """An original parameter and every (module, attribute) that refers to it (tied weights)."""
+
+    param: nn.Parameter
+    fqn: str                                     # first name, relative to the unit's module
+    slots: List[Tuple[nn.Module, str]]
+    aliases: List[str]                           # further names of the same parameter
 
 
 class SplitFlat(torch.autograd.Function):
@@ -52,6 +69,82 @@ def fingerprint(tensors: List[torch.Tensor], samples: int = 1024) -> torch.Tenso
         weights = torch.arange(1, picked.numel() + 1, dtype=torch.float32, device=picked.device)
         total = total + (picked * weights).sum()
     return total
+
+
+class FlatMembers:
+    """A flat group's parameters as its module sees them while gathered, cut from ``full``.
+
+    Eager storage: views. Autograd's saved views read the same storage, which the backward
+    re-gather refills. Lazy tensors (XLA) have no shared storage: a saved view would keep the
+    forward's gather alive until backward, the full unit for the whole step. There each
+    parameter is a tensor of its own; the backward re-gather refills the saved ones in place,
+    as the unflattened layout does with its parameters."""
+
+    def __init__(self, layout: FlatLayout, comms: Collectives, hooks: List[List[Callable]]):
+        self.layout, self.comms, self.hooks = layout, comms, hooks
+        self.sizes = list(layout.numels) + [layout.padded_numel - sum(layout.numels)]
+        self.current: Optional[List[torch.Tensor]] = None  # the tensors of their own last cut (lazy)
+        # Every set handed out since the root's forward began: a unit called twice with another unit
+        # in between gathers twice, and backward must refill what both calls saved.
+        self.handed_out: List[List[torch.Tensor]] = []
+
+    def cut(self, full: torch.Tensor, group: Any, refill_saved: bool) -> List[torch.Tensor]:
+        """The members of ``full`` (``refill_saved``: the backward re-gather refills the saved ones)."""
+        if self.comms.views_see_refills:
+            # One split, not one slice per parameter: autograd then joins the gradients with a
+            # single concatenation instead of a full-size zero-filled buffer per parameter.
+            # Grad mode on even in backward's re-gather: a view made with it off has no grad_fn, so
+            # an activation-checkpointing recompute that uses it directly (GPT-2's Conv1D: addmm
+            # of the weight) saves fewer tensors than the forward did and torch's checkpoint fails.
+            with torch.enable_grad():
+                chunks = torch.split(full, self.sizes)
+                return self._hooked([c.view(shape) for c, shape in zip(chunks, self.layout.shapes)])
+        if refill_saved and self.current is not None:
+            pieces = torch.split(full, self.sizes)
+            for members in self.handed_out:
+                for member, piece, shape in zip(members, pieces, self.layout.shapes):
+                    self.comms.fill_full(member, piece, tuple(shape), lambda t: t)
+        else:
+            members = SplitFlat.apply(full, tuple(self.sizes), tuple(self.layout.shapes), group)
+            self.current = self._hooked(list(members))
+            self.handed_out.append(self.current)
+        return self.current
+
+    def _hooked(self, members: List[torch.Tensor]) -> List[torch.Tensor]:
+        """Members handed to the module carry the hooks of the parameters they stand for."""
+        for member, hooks in zip(members, self.hooks):
+            if member.requires_grad:
+                for hook in hooks:
+                    member.register_hook(hook)
+        return members
+
+    def begin_forward(self, gathered: bool) -> None:
+        """A root's forward begins: members handed out before are no longer saved by any graph that
+        will run backward (the current ones, if still ``gathered``, are)."""
+        self.handed_out = [self.current] if self.current is not None and gathered else []
+
+    def freed_since_saved(self) -> bool:
+        """Members an earlier call of this forward saved were freed since (the unit ran again)."""
+        return len(self.handed_out) > 1 and any(not self.comms.is_allocated(m[0]) for m in self.handed_out if m)
+
+    def free(self) -> None:
+        for members in self.handed_out:
+            for member in members:
+                self.comms.free(member)
+
+
+def freed_stand_ins(refs: List[ParamRef], shapes: List[Tuple[int, ...]], dtype: torch.dtype, device: torch.device,
+                    shard: torch.Tensor, as_parameters: bool) -> List[torch.Tensor]:
+    """What the members' places hold between gathers: stand-ins that know each member's shape and refuse
+    data access (see freed.py). ``as_parameters`` (the shard registered in the original's place, as
+    fully_shard does): each counts as a Parameter (as FSDP2's DTensor does), so a program that ties
+    ``head.weight = emb.weight`` between steps gets the unit's refusal naming both at the next
+    forward, not torch's "cannot assign ... as parameter"."""
+    freed = [FreedParameter(shape, dtype, device, ref.fqn, shard) for ref, shape in zip(refs, shapes)]
+    if as_parameters:
+        for f in freed:
+            f._is_param = True
+    return freed
 
 
 def set_module_tensor(module: nn.Module, attr: str, value: Optional[torch.Tensor]) -> None:

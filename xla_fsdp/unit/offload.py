@@ -18,7 +18,7 @@ the reduce-scattered gradient shard comes back to the host and is added to ``sha
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterable, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -65,6 +65,8 @@ class HostOffload:
         self.lazy = device.type == "xla"
         self._waiting: List[Tuple[torch.Tensor, torch.Tensor, Callable]] = []  # (host shard, device gradient, as_grad)
         self._copies_in_flight = False
+        #: per host shard (id): (its version, the device copy) made for a barrier, read by the next gather
+        self._staged: Dict[int, Tuple[int, torch.Tensor]] = {}
 
     # --- parameters ---------------------------------------------------------------------------
     def host_shard(self, shard: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -72,6 +74,19 @@ class HostOffload:
         host = torch.empty(shard.shape, dtype=dtype, device="cpu", pin_memory=self.pin)
         host.copy_(shard.detach())
         return host
+
+    def gather_source(self, shard: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """What the all-gather of the host ``shard`` reads: a device copy (the one staged for a barrier
+        if the shard has not changed since)."""
+        staged = self._staged.pop(id(shard), None)
+        if staged is not None and staged[0] == shard._version:
+            return staged[1]
+        return self.to_device(shard, dtype)
+
+    def stage(self, shard: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Make the device copy the next gather of ``shard`` reads now, so a barrier can cover it."""
+        self._staged[id(shard)] = (shard._version, self.to_device(shard, dtype))
+        return self._staged[id(shard)][1]
 
     def to_device(self, shard: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """A device copy of the host ``shard`` in the compute ``dtype``, to all-gather from."""
@@ -156,7 +171,7 @@ def barrier_sources(offload: Optional[HostOffload], groups: Iterable[Any]) -> Li
         return [g.shard for g in groups]
     if not offload.lazy:
         return []  # eager devices have no barriers
-    return [g.stage_device_copy() for g in groups if not g.is_unsharded()]
+    return [offload.stage(g.shard, g.compute_dtype) for g in groups if not g.is_unsharded()]
 
 
 @contextlib.contextmanager

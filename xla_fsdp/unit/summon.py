@@ -51,6 +51,6 @@ def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool 
     finally:
         for group in groups:
             if writeback:
-                group.write_back(group.module_values())
+                group_values.write_back(group, group_values.module_values(group))
                 group.reshard()  # a full copy kept gathered (ZeRO-2, the root) is stale now
             group.install()  # what the module holds between steps, again
