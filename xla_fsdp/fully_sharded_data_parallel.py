@@ -341,10 +341,7 @@ class XlaFullyShardedDataParallel(ShardedUnit):
     def assert_state(self, state: Any) -> None:
         """Raise ValueError unless the unit is in ``state`` (one state or a list; this package's
         ``TrainingState`` or torch_xla's, compared by name), as torch_xla's method does."""
-        states = state if isinstance(state, (list, tuple)) else [state]
-        if self.training_state.name not in {getattr(s, "name", s) for s in states}:
-            raise ValueError(f"xla_fsdp: unit in state {self.training_state.name}, expected one of "
-                             f"{[getattr(s, 'name', s) for s in states]}")
+        self._runtime.assert_state(*(state if isinstance(state, (list, tuple)) else [state]))
 
     @property
     def unshard_pending(self) -> bool:

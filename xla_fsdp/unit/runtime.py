@@ -79,10 +79,13 @@ class UnitRuntime:
     def training_state(self, state: TrainingState) -> None:
         self.state.training_state = state
 
-    def assert_state(self, *states: TrainingState) -> None:
-        if self.state.training_state not in states:
-            raise RuntimeError(f"xla_fsdp: unit in state {self.state.training_state.value}, expected one of "
-                               f"{[s.value for s in states]}")
+    def assert_state(self, *states: Any) -> None:
+        """Raise ValueError unless the unit is in one of ``states`` (this package's ``TrainingState`` or
+        torch_xla's, compared by name), as torch_xla's method does: the one check, for the step and the
+        wrapper's public ``assert_state``."""
+        names = [getattr(s, "name", s) for s in states]
+        if self.state.training_state.name not in names:
+            raise ValueError(f"xla_fsdp: unit in state {self.state.training_state.name}, expected one of {names}")
 
     # ------------------------------------------------------------------ unshard
     def unshard(self, backward: bool = False, prefetch: Optional["UnitRuntime"] = None,
