@@ -481,7 +481,7 @@ def _inner_units_freed(root: FSDP) -> bool:
     """ZeRO-3 after forward: every nested unit has freed its full parameters, except, on eager
     transports, the one that ended forward last (it runs first in backward), which must still hold
     them. On XLA none is kept: the compiled step gathers it again right before its backward."""
-    kept = root._runtime.root.schedule.kept  # a unit's runtime
+    kept = root._runtime.root.kept_for_backward  # a unit's runtime
     units = [m for m in root.modules() if isinstance(m, FSDP) and m is not root and m._runtime is not kept]
     kept_right = (kept is None if root.comms.compiles_step else
                   kept is not None and all(g.is_unsharded() for g in kept.groups))
@@ -505,7 +505,7 @@ def _record_params_seen(root: FSDP) -> list:
 
 def _seen_params_freed(root: FSDP, seen: list) -> bool:
     # A world-size-1 alias of the shard (torch transport, no cast) owns nothing to free.
-    kept_unit = root._runtime.root.schedule.kept
+    kept_unit = root._runtime.root.kept_for_backward
     kept = kept_unit.groups if kept_unit is not None else []
     return bool(seen) and all(g.comms.aliases_shard(g.full) or not g.comms.is_allocated(t)
                               for g, t in seen if g not in kept)

@@ -381,7 +381,7 @@ def test_freed_units_drop_the_module_views(gloo):
     out = model(torch.randn(3, 4))
     freed = lambda m: isinstance(m.weight, FreedParameter) and isinstance(m.bias, FreedParameter)  # noqa: E731 - no storage
     assert freed(inner.module)
-    assert not isinstance(last.module.weight, FreedParameter) and model._runtime.root.schedule.kept is last._runtime
+    assert not isinstance(last.module.weight, FreedParameter) and model._runtime.root.kept_for_backward is last._runtime
     out.float().sum().backward()
     assert freed(inner.module) and freed(last.module)
     assert all(g.shard.grad is not None for g in inner.gather_groups)
@@ -396,7 +396,7 @@ def test_unit_kept_for_a_backward_that_never_ran_is_freed_by_the_next_forward(gl
     model = FSDP(nn.Sequential(inner, nn.ReLU(), last), **kw)
     x = torch.randn(3, 4)
     model(x)
-    assert model._runtime.root.schedule.kept is last._runtime and last.gather_groups[0].is_unsharded()
+    assert model._runtime.root.kept_for_backward is last._runtime and last.gather_groups[0].is_unsharded()
     freed_at_start = []
     inner.register_forward_pre_hook(lambda *_: freed_at_start.append(not last.gather_groups[0].is_unsharded()))
     model(x).float().sum().backward()

@@ -31,7 +31,7 @@ from torch.distributed.fsdp._fully_shard._fully_shard import fully_shard as _ups
 
 from .collectives import resolve_transport
 from .fully_sharded_data_parallel import XlaFullyShardedDataParallel
-from .unit import construction, group_values, param_names, summon
+from .unit import construction, freeing, group_values, param_names, summon
 from .unit.base import UNIT_ATTR, is_unit
 from .unit.schedule import TrainingState
 
@@ -79,15 +79,14 @@ class FSDPModule(metaclass=abc.ABCMeta):  # noqa: B024 - an ABC for register(), 
         _check_reshard_value(reshard_after_forward)
         for unit in _units(self, recurse):
             # True reshards to every rank; an explicit value holds for the root too (as in FSDP2)
-            unit.freeing = dataclasses.replace(unit.freeing, after_forward=bool(reshard_after_forward),
-                                               keep_on_root=False, pieces_within=None)
+            unit.freeing = freeing.with_after_forward(unit.freeing, bool(reshard_after_forward), explicit=True)
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """``False`` keeps the full parameters after backward (FSDP2's way to save the next micro-batch's
         forward gathers in gradient accumulation); ``True`` frees them again. An optimizer step since
         (a changed shard) makes the next forward gather again, so kept parameters are never stale."""
         for unit in _units(self, recurse):
-            unit.freeing = dataclasses.replace(unit.freeing, after_backward=bool(reshard_after_backward))
+            unit.freeing = freeing.with_after_backward(unit.freeing, bool(reshard_after_backward))
 
     def set_modules_to_forward_prefetch(self, modules: List["FSDPModule"]) -> None:
         """Gather ``modules``' parameters in this module's forward, right after its own (FSDP2's
@@ -194,7 +193,7 @@ def fully_shard(module: Union[nn.Module, List[nn.Module]], *, mesh: Optional[Any
     unit = _state(module)
     unit.awaiting_to_empty = on_meta
     if post_forward_size is not None:
-        unit.freeing = dataclasses.replace(unit.freeing, pieces_within=unit.comms.within_groups_of(post_forward_size))
+        unit.freeing = freeing.with_pieces_within(unit.freeing, unit.comms.within_groups_of(post_forward_size))
     return module
 
 

@@ -16,7 +16,6 @@ the step state and the root context. A step reads top to bottom in ``unit/forwar
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import weakref
 from typing import Any, Callable, Dict, Generator, Iterable, List, Optional, Tuple
@@ -27,7 +26,7 @@ import torch.nn as nn
 from .checkpoints.files import CheckpointError
 from .collectives import resolve_transport, shared_collectives
 from .strategy import plan_for_unit, resolve_torch_group_keywords
-from .unit import construction, forward, param_names, summon, tied
+from .unit import construction, forward, freeing, param_names, summon, tied
 from .unit.adoption import adopt
 from .unit.base import ShardedUnit
 from .unit.coalesce import SOLO_NUMEL
@@ -283,7 +282,7 @@ class XlaFullyShardedDataParallel(ShardedUnit):
 
     @reshard_after_forward.setter
     def reshard_after_forward(self, value: bool) -> None:
-        self.freeing = dataclasses.replace(self.freeing, after_forward=bool(value))
+        self.freeing = freeing.with_after_forward(self.freeing, bool(value))
 
     @property
     def disable_reshard_on_root(self) -> bool:
@@ -292,7 +291,7 @@ class XlaFullyShardedDataParallel(ShardedUnit):
 
     @disable_reshard_on_root.setter
     def disable_reshard_on_root(self, value: bool) -> None:
-        self.freeing = dataclasses.replace(self.freeing, keep_on_root=bool(value))
+        self.freeing = freeing.with_keep_on_root(self.freeing, bool(value))
 
     @property
     def _fsdp_kwargs(self) -> Dict[str, Any]:

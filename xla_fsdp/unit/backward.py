@@ -39,9 +39,9 @@ def end_gradient_plan(rt: Any, outputs: Any) -> None:
     """The root's forward has returned: find the groups its outputs reach and start summing
     that over ranks (the sum is waited for at the first gradient, or at the end of backward)."""
     root, schedule = rt.root, rt.root.schedule
-    if schedule.plan is not None:  # the previous forward had no backward
-        schedule.plan.discard()
-    schedule.plan = None
+    if root.plan is not None:  # the previous forward had no backward
+        root.plan.discard()
+    root.plan = None
     if not (torch.is_grad_enabled() and rt.state.require_backward_grad_sync):
         return
     # Walked also where no plan is made (one rank): a program's own reentrant checkpoint must
@@ -70,12 +70,12 @@ def end_gradient_plan(rt: Any, outputs: Any) -> None:
     used = [used_members(g, edges, hidden, leaves) for unit in root.units for g in unit.groups if g.requires_grad]
     for group in root.trainable_groups:
         group.forward_edges.end()
-    schedule.plan = GradientPlan(root.trainable_groups, used, rt.comms.start_sum_over_ranks)
+    root.plan = GradientPlan(root.trainable_groups, used, rt.comms.start_sum_over_ranks)
 
 
 def _holds_gradients(rt: Any) -> bool:
     """Whether ranks used different groups this step, so gradients wait for the end of backward."""
-    plan = rt.root.schedule.plan
+    plan = rt.root.plan
     if plan is None:
         return False
     plan.resolve()
@@ -126,7 +126,7 @@ def _pre_backward(rt: Any, grad: torch.Tensor) -> None:
         return
     rt.state.training_state = TrainingState.BACKWARD_PRE
     if rt.state.is_root:
-        rt.root.schedule.backward_task = torch._C._current_graph_task_id()
+        rt.root.backward_task = torch._C._current_graph_task_id()
         Variable._execution_engine.queue_callback(lambda: _finalize_backward(rt))
     listed = rt.listed_prefetch(backward=True)
     if rt.settings.optimization_barrier_in_backward:
@@ -147,7 +147,7 @@ def _more_gradient_may_come(rt: Any) -> bool:
     checkpointed unit (a tied weight its parent owns), or the program's own reentrant checkpoint
     ran inside the module (another call of it, or the outer backward, may still add to it).
     Reducing now would free ``full`` under that second gradient."""
-    task = rt.root.schedule.backward_task
+    task = rt.root.backward_task
     return (task is not None and torch._C._current_graph_task_id() != task
             and not recomputes_in_a_backward_of_its_own(rt.module, rt.comms.device))
 
@@ -158,7 +158,7 @@ def _rest_may_come_in_a_later_pass(rt: Any, group: GatherGroup) -> bool:
     its own. Only in nested passes, which run alike on every rank; in the root's pass a member
     without gradient is one this rank's forward did not use, and its group reduces now, in the
     same order as on the ranks that used it."""
-    return group.grad_incomplete and torch._C._current_graph_task_id() != rt.root.schedule.backward_task
+    return group.grad_incomplete and torch._C._current_graph_task_id() != rt.root.backward_task
 
 
 @torch.no_grad()
@@ -186,7 +186,7 @@ def on_full_grad_ready(rt: Any, group: GatherGroup, full: torch.Tensor, final: b
         rt.reshard_after_gradient(group)
         return
     if _holds_gradients(rt):
-        held = rt.root.schedule.plan.held  # twice for a module recomputed twice (reentrant checkpoint)
+        held = rt.root.plan.held  # twice for a module recomputed twice (reentrant checkpoint)
         held[id(group)] = held[id(group)] + grad if id(group) in held else grad
         rt.reshard_after_gradient(group)
         return
@@ -230,8 +230,8 @@ def _finalize_backward(rt: Any) -> None:
             for group in unit.groups:
                 if group.requires_grad and group.full.grad is not None:
                     on_full_grad_ready(unit, group, group.full, final=True)
-    root.schedule.backward_task = None
-    plan, root.schedule.plan = root.schedule.plan, None
+    root.backward_task = None
+    plan, root.plan = root.plan, None
     if plan is not None:
         plan.resolve()  # also when no gradient arrived: every rank takes part in the sum
         if not plan.uniform:

@@ -129,13 +129,11 @@ def forward(rt: Any, args: Any, kwargs: Any) -> Any:
             # Parameters frozen or unfrozen since the last step: every rank must do the same.
             if any([unit.follow_requires_grad() for unit in rt.root.units]):
                 find_trainable_groups(rt)
-            schedule.recording = []
-            schedule.prefetched = []
-            schedule.release_kept()
+            schedule.start()
+            freeing.root_forward_starts(rt.root)
             backward.begin_gradient_plan(rt)
-        if schedule.deferred is not rt:  # called again: keep what the first call gathered
-            schedule.release_deferred()
-        schedule.recording.append(rt)
+        freeing.unit_forward_starts(rt.root, rt)
+        schedule.record(rt)
         rt.unshard(prefetch=rt.prefetch_target(+1))
         rt.gather_listed(listed, backward=False)
     versions = None if in_backward else [group_values.installed_versions(g) for g in rt.groups]
@@ -149,7 +147,8 @@ def forward(rt: Any, args: Any, kwargs: Any) -> Any:
             _abandon_forward(rt)
         raise
     if rt.state.is_root and not in_backward:
-        schedule.end_forward(rt.root.units, keep_last=not rt.comms.compiles_step)
+        schedule.end_forward()
+        freeing.root_forward_ends(rt.root, rt.root.units, rt.comms.compiles_step)
         backward.end_gradient_plan(rt, outputs)
     if settings.output_dtype is not None:
         outputs = map_tensors(lambda t: t.to(settings.output_dtype) if t.is_floating_point() else t, outputs)
@@ -173,9 +172,8 @@ def _abandon_forward(rt: Any) -> None:
         unit.reshard()
         unit.state.training_state = TrainingState.IDLE
     if rt.state.is_root:
-        schedule = rt.root.schedule
-        schedule.recording, schedule.prefetched = [], []
-        schedule.deferred = schedule.kept = None
+        rt.root.schedule.start()
+        freeing.forward_abandoned(rt.root)
 
 
 def _refuse_reassigned_parameters(rt: Any) -> None:

@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 
 from ..sharding import flatten_and_pad, pad_dim0, shard_of, unflatten, unpad_dim0
+from . import freeing
 from .gather_group import GatherGroup, ShardedState
 from .member_slots import fingerprint, module_tensor
 
@@ -72,7 +73,7 @@ def finish_late_init(group: GatherGroup) -> None:
         write_back(group, values)
         group.initial.fingerprint = fingerprint(values).to(group.comms.device)
         group.initial.version = group.shard._version
-    group.reshard()  # a full copy kept gathered (ZeRO-2, the root) is stale now
+    freeing.after_write_back(group)
     group.install()
 
 

@@ -139,7 +139,7 @@ class UnitRuntime:
             unit.start_unshard(backward, refill_saved=backward)
             unit.finish_unshard()
             if not backward:
-                self.root.schedule.prefetched.append(unit)
+                self.root.prefetched.append(unit)
 
     def prefetch_target(self, step: int) -> Optional["UnitRuntime"]:
         """The unit that ran ``step`` places after this one in the last forward (if prefetching)."""
@@ -170,7 +170,7 @@ class UnitRuntime:
         elif action is freeing.AfterForward.FREE_FOR_BACKWARD:
             self.reshard_for_backward()
         elif action is freeing.AfterForward.FREE_WHEN_NEXT_STARTS:
-            self.root.schedule.defer_reshard(self)
+            freeing.free_when_next_starts(self.root, self)
 
     def reshard_for_backward(self) -> None:
         """Free the full parameters after forward, keeping each one's piece within the policy's

@@ -10,6 +10,7 @@ from typing import Any, Callable, List, Optional
 
 import torch
 
+from . import freeing
 from .freeing import FreeingPolicy
 from .offload import offload_requested
 from . import options as unit_options
@@ -78,7 +79,7 @@ def resolve(options: UnitOptions, comms: Any, strategy: Any, reshard_after_forwa
     data_parallel = comms.world_size * comms.num_replicas
     predivide = default_predivide_factor(data_parallel)
     return UnitSettings(
-        freeing=FreeingPolicy(after_forward=reshard_after_forward, keep_on_root=options.disable_reshard_on_root),
+        freeing=freeing.policy(reshard_after_forward, options.disable_reshard_on_root),
         sharding_strategy=strategy,
         param_storage_dtype=storage,
         compute_dtype=options.compute_dtype or storage,

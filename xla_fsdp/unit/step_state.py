@@ -11,6 +11,7 @@ import torch
 
 from .coalesce import ReduceInFlight
 from .gather_group import GatherGroup
+from .gradient_usage import GradientPlan
 from .schedule import Schedule, TrainingState
 
 
@@ -46,8 +47,18 @@ class RootContext:
     prefixes: List[str] = field(default_factory=list)
     #: reduce-scatters started but not yet waited for, finished in the order they started on every rank
     reduces_in_flight: List[ReduceInFlight] = field(default_factory=list)
-    #: the order the root's units ran forward, which prefetching and freeing follow
+    #: the order the root's units ran forward, which prefetching follows
     schedule: Schedule = field(default_factory=Schedule)
+    #: the unit freed when the next one starts forward, and the one that ended forward last, kept
+    #: gathered for backward (``freeing.py`` hands them on)
+    free_when_next_starts: Optional[Any] = None
+    kept_for_backward: Optional[Any] = None
+    #: units gathered this forward by another's FSDP2 prefetch list (freed at its end if unused)
+    prefetched: List[Any] = field(default_factory=list)
+    #: which groups get gradients in this step, agreed by the ranks (``gradient_usage.GradientPlan``)
+    plan: Optional[GradientPlan] = None
+    #: the autograd graph task of the root's backward (a nested one is a reentrant checkpoint's)
+    backward_task: Optional[int] = None
     #: the root's gather groups that train, and whether each forward plans which get gradients
     trainable_groups: List[GatherGroup] = field(default_factory=list)
     plans_gradients: bool = False

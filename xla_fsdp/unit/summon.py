@@ -15,7 +15,7 @@ from typing import Iterator, List
 
 import torch.nn as nn
 
-from . import group_values
+from . import freeing, group_values
 from .base import is_unit, unit_of
 from .param_names import named_units
 from .schedule import TrainingState
@@ -52,5 +52,5 @@ def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool 
         for group in groups:
             if writeback:
                 group_values.write_back(group, group_values.module_values(group))
-                group.reshard()  # a full copy kept gathered (ZeRO-2, the root) is stale now
+                freeing.after_write_back(group)
             group.install()  # what the module holds between steps, again
