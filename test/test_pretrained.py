@@ -328,3 +328,31 @@ def test_names_shapes_and_damaged_files_are_one_line(gloo, pretrained, tmp_path)
         empty(input_ids=torch.zeros(1, 4, dtype=torch.long))
     assert math.isfinite(sum(float(v.sum()) for v in model.state_dict().values()))  # nothing was half-loaded
     assert os.path.getsize(tmp_path / "wrong.safetensors") > 0  # inputs untouched
+
+
+# ----------------------------------------------------------------------------- a tie across units
+@pytest.mark.parametrize("init", ["reset_parameters", "storage_only"])
+def test_a_weight_tied_across_auto_wrapped_units_on_meta_stays_tied(gloo, tmp_path, init):
+    """GPT-2's embedding and head, tied, built on the meta device and wrapped by size (the embedding
+    would be a unit of its own): the enclosing unit owns the tied weight, as for a model built on the
+    host. (Materializing the embedding's unit first made a new tensor the tie check no longer knew:
+    "parameter 'weight' is shared with another FSDP unit".) Loaded, it computes from_pretrained's loss."""
+    import functools
+
+    from accelerate import init_empty_weights
+
+    from xla_fsdp.wrap import size_based_auto_wrap_policy
+    config = transformers.GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2,
+                                     tie_word_embeddings=True, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path / "gpt2")
+    want = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "gpt2")
+    with init_empty_weights():
+        model = transformers.GPT2LMHeadModel(config)
+    model.tie_weights()
+    kw = {"param_init_fn": xla_fsdp.storage_only} if init == "storage_only" else {}
+    model = FSDP(model, auto_wrap_policy=functools.partial(size_based_auto_wrap_policy, min_num_params=1000), **kw)
+    assert xla_fsdp.load_pretrained(model, str(tmp_path / "gpt2")) == ([], [])
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    got, expected = model(input_ids=ids, labels=ids).loss.item(), want(input_ids=ids, labels=ids).loss.item()
+    assert abs(got - expected) <= 1e-6, (got, expected)

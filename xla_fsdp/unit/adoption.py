@@ -47,12 +47,18 @@ def adopt(shell: nn.Module, module: nn.Module, options: UnitOptions, settings: U
     register the shards (on ``shell``, or ``in_place`` where the originals were), cast buffers,
     move the module to the device."""
     install_optimizer_check()
+    # Parameters tied outside the module, found before materializing replaces meta ones (a tied meta
+    # weight's enclosing unit materializes its other places to the same tensor: construction.materialized)
+    escaping = tied.escaping(module)
+    tied_places = [(m, name) for m in module.modules() for name, p in m._parameters.items()
+                   if p is not None and id(p) in escaping]
     construction.materialize_meta(module, options.param_init_fn, torch.device("cpu"))
+    escaping = {id(m._parameters[name]) for m, name in tied_places if m._parameters.get(name) is not None}
     if options._use_xla_patched_linear and comms.name == "xla":
         from .patched_linear import patch_linear_layers
         patch_linear_layers(module)
     param_attrs = construction.param_attrs(module)
-    refs, tied_slots_left = construction.collect_params(module, tied.escaping(module), settings.param_storage_dtype)
+    refs, tied_slots_left = construction.collect_params(module, escaping, settings.param_storage_dtype)
     groups = _build_groups(refs, settings, comms, offload, in_place)
     names = []
     for group in groups:
