@@ -9,17 +9,24 @@ xla_fsdp) and evaluates; rank 0 writes ``OUT_DIR/result.json`` with the logged l
 model's eval loss. The global batch is fixed (``--global_batch``), so every device count sees the same
 batches in the same order. ``--resume DIR`` resumes from one of the Trainer's checkpoints. ``--v2``
 takes the Trainer's FSDPv2 path (``xla_fsdp_v2``: SPMD, one process), served by ``xla_fsdp.spmd``.
+``--init_from FOLDER`` starts from a ``save_pretrained`` folder the low-memory way (docs/checkpoints.md):
+the model built with its parameters on the meta device, each unit given storage only when the Trainer
+wraps it, and ``LoadPretrained`` filling the shards when training starts, each rank reading its own rows.
 """
 import argparse
 import json
 import os
+import threading
+from typing import Optional
 
 import torch
 import torch_xla
+
+import xla_fsdp
 # Imported here, before the device threads start: transformers' lazy imports are not thread-safe
 # (two XLA:CPU threads importing at once saw "cannot import name 'GPT2Config'").
-from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedModel, Trainer,
-                          TrainerCallback, TrainingArguments)
+from transformers import (AutoConfig, AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig,
+                          LlamaForCausalLM, PreTrainedModel, Trainer, TrainerCallback, TrainingArguments)
 
 VOCAB, LENGTH = 64, 16
 
@@ -69,6 +76,40 @@ def eval_data() -> Tokens:
     return Tokens(32, 1)
 
 
+# accelerate's init_empty_weights patches nn.Module.register_parameter for the whole process while it
+# runs: XLA:CPU device threads build one at a time, and none wraps until all have built (on TPU the
+# devices are processes and need neither).
+_BUILDING = threading.Lock()
+_BUILT = threading.Barrier(int(os.environ.get("CPU_NUM_DEVICES", "1")))
+
+
+def on_meta(folder: str) -> PreTrainedModel:
+    """A ``save_pretrained`` folder's model with no values yet: parameters on the meta device, buffers
+    (computed by the constructor) real, the config's ties made."""
+    from accelerate import init_empty_weights
+    with _BUILDING, init_empty_weights():
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
+    model.tie_weights()
+    _BUILT.wait()
+    return model
+
+
+class LoadPretrained(TrainerCallback):
+    """Fills the Trainer's wrapped model when training starts, each rank reading only its own rows: from
+    a ``save_pretrained`` folder, or from the checkpoint a run resumes from (the Trainer loads that into
+    the model before wrapping it, where a model on the meta device takes nothing)."""
+
+    def __init__(self, trainer: Trainer, folder: str, resume_from: Optional[str] = None):
+        self.trainer, self.folder, self.resume_from = trainer, folder, resume_from
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        path = self.folder
+        if self.resume_from:  # its consolidated weights (pytorch_model.bin, or model.safetensors in the folder)
+            weights = os.path.join(self.resume_from, "pytorch_model.bin")
+            path = weights if os.path.exists(weights) else self.resume_from
+        xla_fsdp.load_pretrained(self.trainer.model, path)  # the wrapped model
+
+
 class CountSteps(TrainerCallback):
     """The optimizer steps this process ran (a resumed run runs only the ones left)."""
 
@@ -98,6 +139,8 @@ def _mp_fn(index, flags):
     import torch_xla.runtime as xr
     world_size = xr.world_size()
     fsdp_config = {"xla": True, "xla_fsdp_grad_ckpt": flags.grad_ckpt, "xla_fsdp_v2": flags.v2}
+    if flags.init_from:  # each unit gets storage only (no random draws): LoadPretrained gives the values
+        fsdp_config["xla_fsdp_settings"] = {"param_init_fn": xla_fsdp.storage_only}
     if flags.wrap == "transformer":
         fsdp_config["transformer_layer_cls_to_wrap"] = [BLOCKS[flags.model]]
     else:
@@ -109,8 +152,11 @@ def _mp_fn(index, flags):
         seed=0, dataloader_drop_last=True, save_safetensors=False, optim="adamw_torch", weight_decay=flags.weight_decay)
     counter = CountSteps()
     trainer_class = ShardedDecayTrainer if flags.weight_decay else Trainer
-    trainer = trainer_class(model=initial_model(flags.model), args=args, train_dataset=Tokens(256, 0),
-                            eval_dataset=eval_data(), callbacks=[counter])
+    model = on_meta(flags.init_from) if flags.init_from else initial_model(flags.model)
+    trainer = trainer_class(model=model, args=args, train_dataset=Tokens(256, 0), eval_dataset=eval_data(),
+                            callbacks=[counter])
+    if flags.init_from:
+        trainer.add_callback(LoadPretrained(trainer, flags.init_from, flags.resume))
     trainer.train(resume_from_checkpoint=flags.resume)
     metrics = trainer.evaluate()
     if xr.global_ordinal() == 0:
@@ -138,6 +184,7 @@ if __name__ == "__main__":
     parser.add_argument("--resume", default=None, help="a checkpoint directory the Trainer wrote")
     parser.add_argument("--weight_decay", type=float, default=0.0,
                         help="the Trainer's weight decay, its groups kept through ShardedDecayTrainer")
+    parser.add_argument("--init_from", default=None, help="a save_pretrained folder, loaded the low-memory way")
     parser.add_argument("--plain", action="store_true", help="no FSDP: the Trainer on one device, unwrapped")
     parser.add_argument("--v2", action="store_true", help="the Trainer's FSDPv2 path: SPMD, one process for "
                         "all devices (the global batch is the one process's batch)")

@@ -9,6 +9,11 @@ The rank files the Trainer saved consolidate with our CLI into a state dict that
 strictly and that scores the wrapped model's eval loss (1e-4); the Trainer's own consolidated file
 holds the same tensors. A run resumed from the step-3 checkpoint (2 devices) logs the uninterrupted run's losses.
 The Trainer's FSDPv2 path (``xla_fsdp_v2``) runs on xla_fsdp's SPMD mode the same way (issue 27).
+The 4-device run and the resumed run start from a ``save_pretrained`` folder holding the 1-device run's
+initial weights, the low-memory way (issue 67: meta parameters, storage only at wrap, ``LoadPretrained``
+when training starts): the 4-device run must log the 1-device run's losses, so the load gave every
+value and drew nothing, and the resumed run must continue from its checkpoint's weights (which
+``LoadPretrained`` loads: the Trainer's own load before wrapping gives a meta model nothing).
 """
 import json
 import os
@@ -22,17 +27,18 @@ transformers = pytest.importorskip("transformers", reason="test extra: pip insta
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 STEPS, SAVE_STEPS = 6, 3
-RUNS = {  # name: (devices, wrap, grad checkpointing)
-    "1dev_transformer": (1, "transformer", False),
-    "2dev_size_ckpt": (2, "size", True),
-    "4dev_transformer_ckpt": (4, "transformer", True),
-}  # every device count, both wrap policies, checkpointing on and off
+RUNS = {  # name: (devices, wrap, grad checkpointing, from a save_pretrained folder the low-memory way)
+    "1dev_transformer": (1, "transformer", False, False),
+    "2dev_size_ckpt": (2, "size", True, False),
+    "4dev_transformer_ckpt": (4, "transformer", True, True),
+}  # every device count, both wrap policies, checkpointing on and off, both ways in
 LOSS_TOL, EVAL_TOL = 2e-4, 1e-4
 
 pytestmark = pytest.mark.xla  # every test here runs on XLA:CPU devices
 
 
-def _launch(out, devices, wrap, grad_ckpt, resume=None, model="gpt2", v2=False, weight_decay=0.0, plain=False):
+def _launch(out, devices, wrap, grad_ckpt, init_from=None, resume=None, model="gpt2", v2=False, weight_decay=0.0,
+            plain=False):
     cmd = [sys.executable, "-m", "xla_fsdp.compat", os.path.join(HERE, "hf_trainer_xla_fsdp.py"), str(out),
            "--steps", str(STEPS), "--save_steps", str(SAVE_STEPS), "--wrap", wrap, "--model", model,
            "--weight_decay", str(weight_decay)]
@@ -44,6 +50,8 @@ def _launch(out, devices, wrap, grad_ckpt, resume=None, model="gpt2", v2=False, 
         cmd.append("--v2")
     if resume:
         cmd += ["--resume", str(resume)]
+    if init_from:
+        cmd += ["--init_from", str(init_from)]
     env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(devices))
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -53,10 +61,32 @@ def _launch(out, devices, wrap, grad_ckpt, resume=None, model="gpt2", v2=False, 
     return result
 
 
+def _harness():
+    sys.path.insert(0, HERE)
+    try:
+        import hf_trainer_xla_fsdp as harness
+    finally:
+        sys.path.remove(HERE)
+    return harness
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def pretrained(tmp_path_factory):
+    """A ``save_pretrained`` folder of the runs' initial GPT-2: ``from_pretrained`` gives those values."""
+    harness = _harness()
+    folder = tmp_path_factory.mktemp("pretrained")
+    harness.initial_model().save_pretrained(folder)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(folder).state_dict()
+    initial = harness.INITIAL_STATES["gpt2"]
+    assert sorted(loaded) == sorted(initial) and all(torch.equal(loaded[k], v) for k, v in initial.items())
+    return folder
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, pretrained):
     folder = tmp_path_factory.mktemp("hf_trainer")
-    return {name: (folder / name, _launch(folder / name, *spec)) for name, spec in RUNS.items()}
+    return {name: (folder / name, _launch(folder / name, devices, wrap, ckpt, init_from=pretrained if low else None))
+            for name, (devices, wrap, ckpt, low) in RUNS.items()}
 
 
 def _plain_eval_loss(state_dict, kind="gpt2"):
@@ -64,11 +94,7 @@ def _plain_eval_loss(state_dict, kind="gpt2"):
     over batches (equal sizes) of the summed token loss divided by the batch's label count, which
     transformers 4.57 passes as ``num_items_in_batch`` (one label more per sequence than it predicts:
     15/16 of the plain mean here, in training losses and eval loss alike)."""
-    sys.path.insert(0, HERE)
-    try:
-        import hf_trainer_xla_fsdp as harness
-    finally:
-        sys.path.remove(HERE)
+    harness = _harness()
     model = harness.build_model(kind)
     model.load_state_dict(state_dict, strict=True)
     model.eval()
@@ -113,12 +139,14 @@ def test_trainer_rank_files_consolidate_to_the_wrapped_model(runs, name, tmp_pat
     assert abs(_plain_eval_loss(ours) - result["eval_loss"]) <= EVAL_TOL
 
 
-def test_trainer_resumes_from_its_checkpoint(runs, tmp_path):
+def test_trainer_resumes_from_its_checkpoint(runs, pretrained, tmp_path):
     # Two devices, grad checkpointing: the rank threads load their files apart and must still meet
-    # at the first forward (test_xla_defects: a rank late to the first forward).
+    # at the first forward (test_xla_defects: a rank late to the first forward). Built the low-memory
+    # way: LoadPretrained loads the checkpoint's (step 3's) weights, not the folder's.
     out, full = runs["2dev_size_ckpt"]
-    devices, wrap, grad_ckpt = RUNS["2dev_size_ckpt"]
-    resumed = _launch(tmp_path / "resumed", devices, wrap, grad_ckpt, resume=out / f"checkpoint-{SAVE_STEPS}")
+    devices, wrap, grad_ckpt, _ = RUNS["2dev_size_ckpt"]
+    resumed = _launch(tmp_path / "resumed", devices, wrap, grad_ckpt, init_from=pretrained,
+                      resume=out / f"checkpoint-{SAVE_STEPS}")
     assert full["steps_run"] == STEPS and resumed["steps_run"] == STEPS - SAVE_STEPS, (full, resumed)
     # The log history holds the checkpoint's steps and the ones this run computed.
     assert sorted(resumed["losses"]) == list(range(1, STEPS + 1)), resumed["losses"]

@@ -114,10 +114,11 @@ def build_group(refs: List[ParamRef], comms: Collectives, *, flat: bool, dim0: b
         raise ValueError("dim-0 sharding applies to one unflattened parameter at a time")
     ws = comms.world_size
     sources = [r.param.detach() for r in refs]
-    # given storage only (``storage_only``): no values yet, so nothing to copy or compare
-    storage_only = not sync_from_rank_0 and all(getattr(r.param, "_xla_fsdp_storage_only", False) for r in refs)
+    # given storage only (``storage_only``): no values yet, so nothing to copy, compare or take from rank 0
+    # (a load gives them; under xla_fsdp.compat sync_module_states is on for XLA:CPU threads)
+    storage_only = all(getattr(r.param, "_xla_fsdp_storage_only", False) for r in refs)
     rank_0_takes = None
-    if sync_from_rank_0:
+    if sync_from_rank_0 and not storage_only:
         # Rank 0's values (``sync_module_states``): where the ranks are threads of one process they are
         # taken at the root's first forward (group_values.take_rank_0_values), since a rank building
         # under the program's lock cannot wait here for a peer still waiting for that lock.
@@ -132,7 +133,8 @@ def build_group(refs: List[ParamRef], comms: Collectives, *, flat: bool, dim0: b
     else:
         layout = FlatLayout(tuple(tuple(s.shape) for s in sources), ws, pad_multiple)
     if storage_only:  # zeros (padding included) in the shard's place: no copy of the full data
-        block = torch.zeros(layout.shard_shape if dim0 else (layout.shard_numel,), dtype=storage_dtype)
+        block = torch.zeros(layout.shard_shape if dim0 else (layout.shard_numel,), dtype=storage_dtype,
+                            device="cpu" if offload is not None else comms.device)  # XLA: lazy, made by no one
     else:
         padded = pad_dim0(sources[0], layout) if dim0 else flatten_and_pad(sources, layout)
         block = shard_of(padded, comms.rank, ws).detach().clone()
