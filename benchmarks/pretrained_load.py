@@ -1,5 +1,6 @@
 """Pretrained weights in at size (issue 67): a model of >= 1 B parameters saved as sharded safetensors (as
-``save_pretrained`` writes them) is loaded at world size 4 on gloo, three ways side by side in one run:
+``save_pretrained`` writes them) is loaded at world size 4 on gloo, three ways, and on 4 XLA:CPU devices
+(threads of one process), two ways, side by side in one run:
 
 - ``xla_fsdp``: the model built on the meta device, wrapped (one unit per layer), ``load_pretrained``:
   each rank reads only the rows of its own shards;
@@ -11,9 +12,13 @@
 
 and a plain sequential read of the same files in one process, the bound on time. Per rank: the peak
 resident memory added (VmHWM reset after the imports, minus the resident memory then) and the wall time
-of building plus loading; the slowest rank's time and the largest rank's memory are the figures.
+of building plus loading; the slowest rank's time and the largest rank's memory are the figures. On XLA:CPU
+the 4 ranks share one process (and the device buffers are host memory): its rise divided by 4 is the
+per-rank figure. Every way must end with the same values (a checksum of each rank's first shard).
 
     python -m benchmarks.pretrained_load [--hidden 4096] [--layers 64] [--dtype bfloat16]
+
+Run it with the torch_xla environment's python (``.venv``); ``--no_xla`` leaves the XLA:CPU ways out.
 
 Writes benchmarks/results/pretrained_load.json and .md. Target: added memory per rank at most
 1.25 x (model bytes / world size) + the largest tensor; time at most 1.5 x the plain read.
@@ -26,6 +31,7 @@ import json
 import os
 import statistics
 import tempfile
+import threading
 import time
 from typing import Any, Dict, List
 
@@ -37,7 +43,8 @@ import torch.nn as nn
 from .report import write_result
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-WAYS = ("xla_fsdp", "full_copy", "fsdp2_broadcast")
+GLOO_WAYS = ("xla_fsdp", "full_copy", "fsdp2_broadcast")
+XLA_WAYS = ("xla_fsdp_on_xla", "full_copy_on_xla")
 
 
 def _kib(field: str) -> int:
@@ -91,7 +98,7 @@ def _rank(rank: int, world_size: int, init: str, way: str, args, folder: str, ou
             model = _model(args.hidden, args.layers, dtype)
         model = xla_fsdp.XlaFullyShardedDataParallel(
             model, auto_wrap_policy=lambda module, recurse, **kw: recurse or isinstance(module, nn.Linear),
-            param_init_fn=lambda m: m.to_empty(device="cpu", recurse=False), **_storage(dtype))
+            param_init_fn=xla_fsdp.storage_only, **_storage(dtype))
         loading = time.perf_counter()
         xla_fsdp.load_pretrained(model, folder)
     elif way == "full_copy":  # the whole model's storage (no init: from_pretrained skips it too), then every file
@@ -124,13 +131,74 @@ def _rank(rank: int, world_size: int, init: str, way: str, args, folder: str, ou
     dist.barrier()
     seconds = time.perf_counter() - start
     peak = _kib("VmHWM")
-    own = sum(p.to_local().numel() * p.element_size() if hasattr(p, "to_local") else p.numel() * p.element_size()
-              for p in model.parameters())
-    probe = next(iter(model.parameters()))
-    torch.save({"seconds": seconds, "load_seconds": loaded, "rise_bytes": (peak - before) * 1024, "own_bytes": own,
-                "probe": float((probe.to_local() if hasattr(probe, "to_local") else probe).detach().float().sum())},
+    torch.save(dict(_owned(model), seconds=seconds, load_seconds=loaded, rise_bytes=(peak - before) * 1024),
                os.path.join(out, f"{way}-{rank}.pt"))
     dist.destroy_process_group()
+
+
+def _owned(model: nn.Module) -> Dict[str, Any]:
+    """This rank's parameter bytes and a checksum of its first shard (every way must load the same)."""
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+    return {"own_bytes": sum(t.numel() * t.element_size() for t in local),
+            "probe": float(local[0].detach().cpu().float().sum())}
+
+
+# The XLA:CPU ways' device threads (in the process torch_xla.launch starts) meet on the host and share results.
+_MEET = threading.Barrier(int(os.environ.get("CPU_NUM_DEVICES", "1")))
+_SHARED: Dict[str, Any] = {"ranks": {}}
+
+
+def _xla_main(way: str, args, folder: str, out: str) -> None:
+    import xla_fsdp
+    xla_fsdp.launch(_xla_rank, args=(way, args, folder, out))
+
+
+def _xla_rank(index: int, way: str, args, folder: str, out: str) -> None:
+    import safetensors.torch
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+    import torch_xla.runtime as xr
+
+    import xla_fsdp
+    rank, dtype = xr.global_ordinal(), getattr(torch, args.dtype)
+    torch.set_num_threads(1)
+    meet, shared = _MEET, _SHARED
+    meet.wait()
+    if rank == 0:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        shared["before"] = _kib("VmRSS")
+    meet.wait()
+    start = time.perf_counter()
+    wrap = {"auto_wrap_policy": lambda module, recurse, **kw: recurse or isinstance(module, nn.Linear),
+            **_storage(dtype)}
+    if way == "xla_fsdp_on_xla":
+        with torch.device("meta"):
+            model = _model(args.hidden, args.layers, dtype)
+        model = xla_fsdp.XlaFullyShardedDataParallel(model, param_init_fn=xla_fsdp.storage_only, **wrap)
+        loading = time.perf_counter()
+        xla_fsdp.load_pretrained(model, folder)
+    else:  # every rank thread: the whole model on the host, every file, then wrap (the shards go to the device)
+        with torch.device("meta"):
+            model = _model(args.hidden, args.layers, dtype)
+        model.to_empty(device="cpu")
+        loading = time.perf_counter()
+        for path in _files(folder):
+            model.load_state_dict(safetensors.torch.load_file(path), strict=False)
+        model = xla_fsdp.XlaFullyShardedDataParallel(model, **wrap)
+    torch_xla.sync()
+    xm.wait_device_ops()
+    loaded = time.perf_counter() - loading
+    meet.wait()
+    seconds = time.perf_counter() - start
+    if rank == 0:
+        shared["rise_bytes"] = (_kib("VmHWM") - shared["before"]) * 1024
+    shared["ranks"][rank] = dict(_owned(model), seconds=seconds, load_seconds=loaded)
+    meet.wait()
+    if rank == 0:
+        rise = shared["rise_bytes"] / args.world_size
+        torch.save([dict(shared["ranks"][r], rise_bytes=rise) for r in range(args.world_size)],
+                   os.path.join(out, f"{way}.pt"))
 
 
 def _storage(dtype: torch.dtype) -> Dict[str, Any]:
@@ -156,7 +224,13 @@ def main() -> None:
     p.add_argument("--world_size", type=int, default=4)
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--out", default=os.path.join(HERE, "results", "pretrained_load"))
+    p.add_argument("--no_xla", action="store_true", help="leave out the XLA:CPU ways (no torch_xla needed)")
+    p.add_argument("--xla_way", default=None, help=argparse.SUPPRESS)  # this process runs one XLA:CPU way
+    p.add_argument("--folder", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.xla_way:
+        return _xla_main(args.xla_way, args, args.folder, args.out)
+    ways = GLOO_WAYS if args.no_xla else GLOO_WAYS + XLA_WAYS
     dtype = getattr(torch, args.dtype)
     params = args.hidden * args.hidden * args.layers
     largest = args.hidden * args.hidden * dtype.itemsize
@@ -164,51 +238,73 @@ def main() -> None:
         folder = os.path.join(tmp, "pretrained")
         os.makedirs(folder)
         model_bytes = _save(folder, args.hidden, args.layers, dtype, per_file=max(1, args.layers // 8))
-        runs: Dict[str, List[Dict[str, Any]]] = {w: [] for w in WAYS}
+        runs: Dict[str, List[Dict[str, Any]]] = {w: [] for w in ways}
         plain: List[float] = []
+        probes = set()
         for r in range(args.rounds):
-            order = WAYS if r % 2 == 0 else WAYS[::-1]
+            order = ways if r % 2 == 0 else ways[::-1]
             plain.append(_plain_read(folder))
             for way in order:
                 out = os.path.join(tmp, f"out-{way}-{r}")
                 os.makedirs(out)
-                mp.spawn(_rank, args=(args.world_size, f"file://{out}/pg", way, args, folder, out),
-                         nprocs=args.world_size)
-                ranks = [torch.load(os.path.join(out, f"{way}-{k}.pt"), weights_only=True)
-                         for k in range(args.world_size)]
+                if way in XLA_WAYS:
+                    _run_xla(way, args, folder, out)
+                    ranks = torch.load(os.path.join(out, f"{way}.pt"), weights_only=True)
+                else:
+                    mp.spawn(_rank, args=(args.world_size, f"file://{out}/pg", way, args, folder, out),
+                             nprocs=args.world_size)
+                    ranks = [torch.load(os.path.join(out, f"{way}-{k}.pt"), weights_only=True)
+                             for k in range(args.world_size)]
+                probes.add(tuple(x["probe"] for x in ranks))
                 runs[way].append({"seconds": max(x["seconds"] for x in ranks),
                                   "load_seconds": max(x["load_seconds"] for x in ranks),
                                   "rise_bytes": max(x["rise_bytes"] for x in ranks),
                                   "own_bytes": max(x["own_bytes"] for x in ranks)})
+    if len(probes) != 1:
+        raise SystemExit(f"the ways loaded different values (first-shard checksums per rank): {probes}")
     bound = 1.25 * model_bytes / args.world_size + largest
     plain_s = statistics.median(plain)
     rows = []
-    for way in WAYS:
+    for way in ways:
         seconds = statistics.median(x["seconds"] for x in runs[way])
         load_s = statistics.median(x["load_seconds"] for x in runs[way])
         rise = statistics.median(x["rise_bytes"] for x in runs[way])
         rows.append({"way": way, "seconds": seconds, "over_plain_read": seconds / plain_s, "load_seconds": load_s,
                      "load_over_plain_read": load_s / plain_s, "rise_bytes": rise,
-                     "rise_over_bound": rise / bound, "rounds": runs[way]})
+                     "rise_over_bound": rise / bound, "transport": "xla" if way in XLA_WAYS else "gloo",
+                     "rounds": runs[way]})
     result = {"date": datetime.date.today().isoformat(), "parameters": params, "dtype": args.dtype,
               "model_bytes": model_bytes, "world_size": args.world_size, "largest_tensor_bytes": largest,
               "memory_bound_bytes": bound, "plain_read_seconds": plain_s, "plain_reads": plain, "ways": rows}
     gib = 2 ** 30
     lines = [f"# Pretrained weights in ({result['date']}): {params / 1e9:.2f} B parameters ({args.dtype}, "
-             f"{model_bytes / gib:.2f} GiB in {len(_files_count(args))} safetensors files), {args.world_size} gloo "
-             "ranks", "",
+             f"{model_bytes / gib:.2f} GiB in {len(_files_count(args))} safetensors files), world size "
+             f"{args.world_size}: gloo ranks (processes) and XLA:CPU devices (threads of one process)", "",
              f"Plain sequential read of the files, one process: {plain_s:.1f} s. Memory bound per rank: 1.25 x "
              f"model / world size + largest tensor = {bound / gib:.2f} GiB.", "",
-             "| way | build + load (slowest rank) | / plain read | the load alone | / plain read "
-             "| peak RSS added (largest rank) | / bound |",
-             "|---|---|---|---|---|---|---|"]
+             "| way | transport | build + load (slowest rank) | / plain read | the load alone | / plain read "
+             "| peak RSS added per rank | / bound |",
+             "|---|---|---|---|---|---|---|---|"]
     for row in rows:
-        lines.append(f"| {row['way']} | {row['seconds']:.1f} s | {row['over_plain_read']:.2f} | "
+        lines.append(f"| {row['way']} | {row['transport']} | {row['seconds']:.1f} s | {row['over_plain_read']:.2f} | "
                      f"{row['load_seconds']:.1f} s | {row['load_over_plain_read']:.2f} | "
                      f"{row['rise_bytes'] / gib:.2f} GiB | {row['rise_over_bound']:.2f} |")
     lines += ["", f"Medians of {args.rounds} rounds (the ways in reversed order every other round); the files are "
-              "in the page cache for every way alike (written just before)."]
+              "in the page cache for every way alike (written just before). Per rank: on gloo the largest rank's "
+              "rise; on XLA:CPU the process's rise / world size (its device buffers are host memory).",
+              "Every way loaded the same values (first-shard checksums per rank)."]
     write_result(args.out, result, lines)
+
+
+def _run_xla(way: str, args, folder: str, out: str) -> None:
+    """One XLA:CPU way in its own process (a PJRT client per process), its device threads the ranks."""
+    import subprocess
+    import sys
+    env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(args.world_size))
+    cmd = [sys.executable, "-m", "benchmarks.pretrained_load", "--xla_way", way, "--folder", folder, "--out", out,
+           "--hidden", str(args.hidden), "--layers", str(args.layers), "--dtype", args.dtype,
+           "--world_size", str(args.world_size)]
+    subprocess.run(cmd, env=env, check=True, cwd=os.path.dirname(HERE))
 
 
 def _files_count(args) -> range:
