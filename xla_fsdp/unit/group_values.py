@@ -73,6 +73,7 @@ def finish_late_init(group: GatherGroup) -> None:
         write_back(group, values)
         group.initial.fingerprint = fingerprint(values).to(group.comms.device)
         group.initial.version = group.shard._version
+        group.initial.storage_only = False  # the program's init gave the values
     freeing.after_write_back(group)
     group.install()
 
