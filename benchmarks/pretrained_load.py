@@ -33,7 +33,7 @@ import statistics
 import tempfile
 import threading
 import time
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -94,23 +94,10 @@ def _rank(rank: int, world_size: int, init: str, way: str, args, folder: str, ou
     before = _kib("VmRSS")
     start = time.perf_counter()
     if way == "xla_fsdp":
-        with torch.device("meta"):
-            model = _model(args.hidden, args.layers, dtype)
-        model = xla_fsdp.XlaFullyShardedDataParallel(
-            model, auto_wrap_policy=lambda module, recurse, **kw: recurse or isinstance(module, nn.Linear),
-            param_init_fn=xla_fsdp.storage_only, **_storage(dtype))
-        loading = time.perf_counter()
-        xla_fsdp.load_pretrained(model, folder)
-    elif way == "full_copy":  # the whole model's storage (no init: from_pretrained skips it too), then every file
-        with torch.device("meta"):
-            model = _model(args.hidden, args.layers, dtype)
-        model.to_empty(device="cpu")
-        loading = time.perf_counter()
-        for path in _files(folder):
-            model.load_state_dict(safetensors.torch.load_file(path), strict=False)
-        model = xla_fsdp.XlaFullyShardedDataParallel(
-            model, auto_wrap_policy=lambda module, recurse, **kw: recurse or isinstance(module, nn.Linear),
-            **_storage(dtype))
+        model, loading = _sharded_load(args, dtype, folder)
+    elif way == "full_copy":
+        model, loading = _host_copy(args, dtype, folder)
+        model = xla_fsdp.XlaFullyShardedDataParallel(model, **_wrapping(dtype))
     else:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
         from torch.distributed.fsdp import fully_shard
@@ -154,7 +141,6 @@ def _xla_main(way: str, args, folder: str, out: str) -> None:
 
 
 def _xla_rank(index: int, way: str, args, folder: str, out: str) -> None:
-    import safetensors.torch
     import torch_xla
     import torch_xla.core.xla_model as xm
     import torch_xla.runtime as xr
@@ -170,22 +156,11 @@ def _xla_rank(index: int, way: str, args, folder: str, out: str) -> None:
         shared["before"] = _kib("VmRSS")
     meet.wait()
     start = time.perf_counter()
-    wrap = {"auto_wrap_policy": lambda module, recurse, **kw: recurse or isinstance(module, nn.Linear),
-            **_storage(dtype)}
     if way == "xla_fsdp_on_xla":
-        with torch.device("meta"):
-            model = _model(args.hidden, args.layers, dtype)
-        model = xla_fsdp.XlaFullyShardedDataParallel(model, param_init_fn=xla_fsdp.storage_only, **wrap)
-        loading = time.perf_counter()
-        xla_fsdp.load_pretrained(model, folder)
+        model, loading = _sharded_load(args, dtype, folder)
     else:  # every rank thread: the whole model on the host, every file, then wrap (the shards go to the device)
-        with torch.device("meta"):
-            model = _model(args.hidden, args.layers, dtype)
-        model.to_empty(device="cpu")
-        loading = time.perf_counter()
-        for path in _files(folder):
-            model.load_state_dict(safetensors.torch.load_file(path), strict=False)
-        model = xla_fsdp.XlaFullyShardedDataParallel(model, **wrap)
+        model, loading = _host_copy(args, dtype, folder)
+        model = xla_fsdp.XlaFullyShardedDataParallel(model, **_wrapping(dtype))
     torch_xla.sync()
     xm.wait_device_ops()
     loaded = time.perf_counter() - loading
@@ -199,6 +174,36 @@ def _xla_rank(index: int, way: str, args, folder: str, out: str) -> None:
         rise = shared["rise_bytes"] / args.world_size
         torch.save([dict(shared["ranks"][r], rise_bytes=rise) for r in range(args.world_size)],
                    os.path.join(out, f"{way}.pt"))
+
+
+def _sharded_load(args, dtype: torch.dtype, folder: str) -> Tuple[nn.Module, float]:
+    """xla_fsdp's way: the model on the meta device, wrapped with storage only, then each rank's rows."""
+    import xla_fsdp
+    with torch.device("meta"):
+        model = _model(args.hidden, args.layers, dtype)
+    model = xla_fsdp.XlaFullyShardedDataParallel(model, param_init_fn=xla_fsdp.storage_only, **_wrapping(dtype))
+    loading = time.perf_counter()
+    xla_fsdp.load_pretrained(model, folder)
+    return model, loading
+
+
+def _host_copy(args, dtype: torch.dtype, folder: str) -> Tuple[nn.Module, float]:
+    """Today's way: the whole model's storage on the host (no init: from_pretrained skips it too), then
+    every file into it; returns the model and when the loading began."""
+    import safetensors.torch
+    with torch.device("meta"):
+        model = _model(args.hidden, args.layers, dtype)
+    model.to_empty(device="cpu")
+    loading = time.perf_counter()
+    for path in _files(folder):
+        model.load_state_dict(safetensors.torch.load_file(path), strict=False)
+    return model, loading
+
+
+def _wrapping(dtype: torch.dtype) -> Dict[str, Any]:
+    """One unit per layer, parameters kept in the files' dtype."""
+    return {"auto_wrap_policy": lambda module, recurse, **kw: recurse or isinstance(module, nn.Linear),
+            **_storage(dtype)}
 
 
 def _storage(dtype: torch.dtype) -> Dict[str, Any]:
