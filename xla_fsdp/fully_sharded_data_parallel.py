@@ -216,8 +216,8 @@ class XlaFullyShardedDataParallel(ShardedUnit):
         # program asks the module, whose unit is outside its tree)
         hooked = module if self.shards_in_place else self
         hooked.register_state_dict_pre_hook(functools.partial(take_before_state_dict, weakref.ref(self._runtime)))
-        if options.execute_sharding_on_init:
-            comms.sync()
+        if options.execute_sharding_on_init and not all(g.initial.storage_only for g in adopted.groups):
+            comms.sync()  # a storage-only unit's zeros stay lazy: the load's values replace them unmade
 
     # ------------------------------------------------------------------ construction steps
     #: register each shard in its original parameter's place, not as the unit's own (fully_shard)

@@ -252,4 +252,4 @@ class UnitRuntime:
         for _, m in construction.owned_modules(self.module):
             for name, b in list(m._buffers.items()):
                 if b is not None:
-                    m._buffers[name] = torch.empty_like(b, device=self.comms.device)
+                    m._buffers[name] = construction.empty_on(b, self.comms.device)
