@@ -260,16 +260,16 @@ def _load_each(me, paths: Dict[str, str]) -> Dict[str, Any]:
 
 
 def _count_reads(module) -> List[int]:
-    """The number of elements this rank's reads return, counted at every source's read."""
+    """The number of elements this rank's reads give, counted at every source's ``read_into`` (what the
+    load calls: a safetensors file's straight read, the other sources' ``read``)."""
     counted = [0]
-    for cls in (module.SafetensorsSource, module.TorchFileSource, module.DCPSource):
-        original = cls.read
+    for cls in (module.TensorSource, module.SafetensorsSource):
+        original = cls.read_into
 
-        def read(self, name, start, end, original=original):
-            got = original(self, name, start, end)
-            counted[0] += got.numel()
-            return got
-        cls.read = read
+        def read_into(self, name, start, end, out, original=original):
+            counted[0] += out.numel()
+            return original(self, name, start, end, out)
+        cls.read_into = read_into
     return counted
 
 
@@ -285,9 +285,10 @@ def test_every_format_loads_as_load_state_dict_reading_only_its_own_rows(gloo, p
             else:
                 _same(got["full"], want, 0.0, f"{rank} {name}")
             # its own shards (padding aside), never the model: a shard's partial rows are read whole, and a
-            # DCP folder is read a whole tensor at a time; rank files go through load_sharded_checkpoint
+            # DCP folder is read a whole tensor at a time; rank files go through load_sharded_checkpoint (2
+            # ranks: about half each)
             if name not in ("dcp_folder", "rank_files_of_another_world_size", "convert_from_hf"):
-                assert got["read"] <= 0.6 * total, (rank, name, got["read"], got["own"], total)  # 2 ranks: half
+                assert 0.4 * total <= got["read"] <= 0.6 * total, (rank, name, got["read"], got["own"], total)
 
 
 # ----------------------------------------------------------------------------- what bad input gets
