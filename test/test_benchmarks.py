@@ -297,3 +297,25 @@ def test_step_cut_table_pairs_each_round_with_its_own_sync_run_and_flags_other_l
     assert lines["| as_written"].endswith("| 3 | True |")
     assert "| 4.00 (4.00) |" in lines["| cut_off"]  # the failed round is left out of the ratios
     assert lines["| cut_off"].endswith("| False |")  # other losses than own_sync's
+
+
+@pytest.mark.xla
+def test_pretrained_load_runs_every_way_and_each_loads_its_share_of_the_same_values(tmp_path):
+    """benchmarks.pretrained_load end to end, small (world size 2): the three gloo ways and the two XLA:CPU
+    ways all load the same values (the benchmark exits non-zero otherwise), each sharded rank holds exactly
+    its share of the model, and the table is written."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PJRT_DEVICE", "CPU_NUM_DEVICES")}
+    out = tmp_path / "pretrained_load"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.pretrained_load", "--hidden", "256", "--layers", "4",
+                           "--world_size", "2", "--out", str(out)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    data = json.loads(out.with_suffix(".json").read_text())
+    ways = {row["way"]: row for row in data["ways"]}
+    assert set(ways) == {"xla_fsdp", "full_copy", "fsdp2_broadcast", "xla_fsdp_on_xla", "full_copy_on_xla"}
+    assert data["model_bytes"] == 256 * 256 * 4 * 2  # bf16
+    for row in ways.values():
+        assert row["seconds"] >= row["load_seconds"] > 0
+        (run,) = row["rounds"]
+        assert run["own_bytes"] == data["model_bytes"] // 2  # every way ends sharded: half the model per rank
+    assert "| xla_fsdp_on_xla | xla |" in out.with_suffix(".md").read_text()
