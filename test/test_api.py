@@ -518,14 +518,18 @@ def test_the_unit_is_a_shell_over_one_runtime_with_frozen_settings(gloo):
 
 @pytest.mark.fast
 def test_the_keywords_agree_in_signature_options_and_docstring():
-    """The constructor's keywords are written in its signature (what users and their tools read) and in
-    ``UnitOptions`` (the typed value the layers below read): the two list the same names with the same
-    defaults, less what is not kept (the module, the auto-wrap policy, PyTorch's group keywords, which are
-    read as ``sharding_groups``, the deprecated and debug-only keywords), and the docstring documents
-    every keyword once."""
+    """Each keyword is declared once, in ``UnitOptions`` (its default and its documentation), and the
+    wrapper's docstring is made from those declarations; the signature (what users, positional callers and
+    their tools read) lists the same names with the same defaults, less what is not kept (the module, the
+    auto-wrap policy, PyTorch's group keywords, read as ``sharding_groups``, the deprecated and debug-only
+    keywords), and the docstring documents every keyword once. Each setting torch_xla shows as an attribute
+    is declared once, in ``UnitSettings`` (fixed or step-time), and the attribute is made from that."""
     import inspect
     import re
+    from xla_fsdp.fsdp2 import fully_shard  # noqa: F401 - its unit class is made
     from xla_fsdp.unit.options import UnitOptions
+    from xla_fsdp.unit.settings import UnitSettings
+    from xla_fsdp.unit.shell import Setting
     params = inspect.signature(FSDP.__init__).parameters
     not_passed_on = {"self", "module", "auto_wrap_policy", "auto_wrapper_callable", "mark_step_on_finalization",
                      "process_group", "device_mesh",
@@ -535,10 +539,15 @@ def test_the_keywords_agree_in_signature_options_and_docstring():
     fields = [(f.name, f.default) for f in dataclasses.fields(UnitOptions)]
     assert sorted(signature, key=str) == sorted(fields, key=str)
     args = FSDP.__doc__.split("Args:")[1]
-    entries = re.findall(r"^        (\S[^:]*):", args, re.M)  # "name:" or "a / b:" or "a, b:"
-    documented = [name for entry in entries for name in re.split(r"\s*(?:,|/)\s*", entry)]
-    debug = {n for n in params if n.startswith("_debug")}  # the debug keywords are refused or ignored
-    assert sorted(documented) == sorted(set(params) - {"self"} - debug), set(documented) ^ (set(params) - debug)
+    entries = re.findall(r"^        (\S[^:]*):", args, re.M)
+    refused = {n for n in params if n.startswith("_debug_dummy")}  # the dummy-op keywords are refused
+    assert sorted(entries) == sorted(set(params) - {"self"} - refused), set(entries) ^ (set(params) - refused)
+    for f in dataclasses.fields(UnitOptions):
+        assert " ".join(f.metadata["doc"].split())[:40] in " ".join(args.split()), f.name
+    declared = {f.name: f.metadata["attribute"] for f in dataclasses.fields(UnitSettings) if "attribute" in f.metadata}
+    assert len(declared) == 19
+    made = {n: ("fixed" if d.fixed else "step") for n, d in vars(FSDP).items() if isinstance(d, Setting)}
+    assert made == declared
 
 
 def test_construction_time_settings_are_read_only_and_step_time_ones_take_effect(gloo):

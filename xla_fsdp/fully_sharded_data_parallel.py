@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import weakref
 from typing import Any, Callable, Dict, Generator, Iterable, List, Optional, Tuple
 
@@ -36,11 +37,14 @@ from .unit.offload import HostOffload, shards_held_back
 from .unit.param_names import WRAPPED
 from .unit.runtime import UnitRuntime
 from .unit.schedule import TrainingState
-from .unit.shell import DEEPCOPY_REFUSED, FlattenFlag, Setting, on_tpu, options_from_keywords, take_before_state_dict
+from .unit.options import args_section
+from .unit.shell import (DEEPCOPY_REFUSED, FlattenFlag, on_tpu, options_from_keywords, setting_attributes,
+                          take_before_state_dict)
 from .unit.settings import UnitSettings, resolve as resolve_settings
 from .wrap import recursive_wrap, set_default_wrapper
 
 
+@setting_attributes
 class XlaFullyShardedDataParallel(ShardedUnit):
     """Shard a module's parameters, gradients and optimizer state across ranks (ZeRO-3/ZeRO-2).
 
@@ -48,85 +52,8 @@ class XlaFullyShardedDataParallel(ShardedUnit):
     defaults, same public methods. Runs on XLA (TPU; XLA:CPU with several devices in one process)
     and on ``torch.distributed`` (gloo/NCCL), chosen automatically.
 
-    Args:
-        module: the module to shard. Its float32 parameters become 1-D (or dim-0) shards owned by
-            this wrapper; build the optimizer from the wrapper's ``parameters()`` after wrapping.
-        reshard_after_forward: free full parameters after forward and re-gather them in backward
-            (ZeRO-3, least memory). ``False`` keeps them until after backward (ZeRO-2, one
-            all-gather less per step).
-        flatten_parameters: put this unit's parameters into a few flat shards whatever their number:
-            matrices apart from vectors, each ``flatten_group_fn`` key apart, trainable apart from
-            frozen (split the same way, so a frozen copy's shards pair with the trainable model's).
-        execute_sharding_on_init: run the sharding graph right away on XLA (avoids one huge
-            first graph); ignored by eager transports.
-        optimization_barrier_in_forward / optimization_barrier_in_backward: on XLA, keep the
-            compiler from fusing gathers across units, which would keep full parameters alive.
-            Only floating tensors get barriers (integer ones crash XLA:CPU).
-        sync_on_finalization: run ``sync`` at the end of the root's backward (XLA).
-        mark_step_on_finalization: deprecated alias of ``sync_on_finalization``.
-        disable_reshard_on_root: keep the root unit's parameters gathered after forward, since
-            backward needs them first.
-        compute_dtype: dtype of the gathered parameters and of floating inputs (float32 default,
-            bfloat16 or float16 for mixed precision). Master shards stay float32.
-        buffer_dtype: dtype for floating buffers (defaults to ``compute_dtype``); their original
-            dtypes are recorded in the shard metadata so consolidation restores them.
-        fp32_reduce_scatter: reduce-scatter gradients in float32 even when computing in low precision.
-        sharding_groups / sharding_rank / sharding_world_size: shard within these groups of ranks
-            (global ranks); rank and size are this rank's place in its group.
-        sharding_strategy: ``FULL_SHARD`` (ZeRO-3), ``SHARD_GRAD_OP`` (ZeRO-2), ``NO_SHARD``
-            (every rank keeps everything, gradients all-reduced, like DDP), ``HYBRID_SHARD`` /
-            ``HYBRID_SHARD_ZERO2`` (shard within groups of ``hybrid_shard_size`` ranks, replicate
-            across groups and all-reduce gradient shards between them: less traffic across hosts).
-            A :class:`~xla_fsdp.strategy.ShardingStrategy`, PyTorch's enum, a name or 1-5. Unset:
-            ``reshard_after_forward`` and ``sharding_groups`` keep torch_xla's meaning.
-        hybrid_shard_size: ranks per shard group for hybrid strategies (default: ranks per host);
-            ``sharding_groups`` may list the groups instead.
-        process_group / device_mesh: PyTorch FSDP's ways to give the groups (torch.distributed):
-            one group or a 1-D mesh spanning every rank; ``(shard_group, replicate_group)`` or a
-            2-D ``(replicate, shard)`` mesh with a hybrid strategy. Read as ``sharding_groups``.
-        cpu_offload: ``True``, PyTorch's ``CPUOffload(offload_params=True)`` or FSDP2's ``CPUOffloadPolicy()``:
-            master shards, their gradients and so the optimizer state live in host memory (pinned on
-            CUDA; ``optimizer.step()`` runs on the host); gathers copy shards to the device, gradient
-            shards come back after the reduce-scatter (see :mod:`xla_fsdp.unit.offload`).
-        param_storage_dtype: master shard dtype: float32 (default) or bfloat16 (half the memory for
-            parameters, gradients and optimizer state; the optimizer steps bf16 weights). Default
-            of ``compute_dtype`` and ``buffer_dtype``.
-        output_dtype: cast floating outputs of this unit to this dtype (e.g. float32 logits for
-            the loss while computing in bfloat16). Not passed on to auto-wrapped children.
-        flatten_group_fn: ``fn(name, param) -> key`` (name relative to this unit's module): with
-            ``flatten_parameters`` trainable parameters with different keys go to different flat
-            shards, so optimizer groups by name stay possible (see :meth:`optimizer_param_groups`).
-            Vectors (norm scales, biases) and matrices are always flattened apart.
-        shard_param_on_dim_0: split each (unflattened) parameter along dim 0 instead of flattening.
-        pin_layout_in_collective_ops: pin collective layouts on XLA (never on XLA:CPU, whose
-            channel-id collectives need no pinning).
-        reduce_scatter_bucket_size_mb, coalesce_all_gather_ops: accepted for compatibility and
-            passed to child units; with ``flatten_parameters=True`` a unit already issues one
-            collective of each kind.
-        sync_module_states: take global rank 0's parameters and floating buffers at construction
-            (PyTorch FSDP's keyword), for ranks that build their model from different random
-            states. Default off; under ``python -m xla_fsdp.compat`` on where the ranks are threads
-            of one process sharing one CPU random generator (XLA:CPU devices). When off, the first
-            forward checks that every rank built the same parameters (a fingerprint of each) and
-            otherwise stops every rank with an error naming the first that differs.
-        auto_wrap_policy: ``policy(module, recurse, unwrapped_params) -> bool`` deciding which
-            children become their own units (see :mod:`xla_fsdp.wrap`); every keyword of this
-            constructor but ``output_dtype`` is passed on to them.
-        auto_wrapper_callable: ``fn(module, *args, **kwargs)`` used instead of this class for
-            auto-wrapped children, e.g. to apply ``checkpoint_module`` first.
-        param_init_fn: ``fn(module)`` materializing meta-device parameters; default is
-            ``to_empty`` plus each submodule's ``reset_parameters()``; ``xla_fsdp.storage_only`` when a
-            load gives the values next (it draws nothing).
-        prefetch: on eager transports (gloo/NCCL), gather the next unit's parameters (backward:
-            the previous one's) while this unit computes; costs one more unit's full parameters.
-            No effect on XLA, which schedules collectives itself.
-        transport: ``'xla'`` or ``'torch'`` to override the automatic choice.
-        _shard_size_multiple: pad flat shards to a multiple of this many elements per rank
-            (default 128 on TPU, for all-gather efficiency; 1 elsewhere, to waste no memory).
-        _solo_collective_numel: on torch.distributed (world size > 1), groups of at least this
-            many elements (default 1 Mi) get collectives of their own instead of sharing one.
-        _use_xla_patched_linear: on XLA, make ``nn.Linear`` save its weight (not a transposed
-            copy) for backward, so ZeRO-3 can free full weights after forward.
+    The keywords (listed below) are declared, with their defaults and documentation, in
+    ``xla_fsdp/unit/options.py``; the settings each resolves to, in ``xla_fsdp/unit/settings.py``.
     """
 
     def __init__(
@@ -243,28 +170,8 @@ class XlaFullyShardedDataParallel(ShardedUnit):
         return forward.forward(self._runtime, args, kwargs)
 
     # ------------------------------------------------------------------ settings (torch_xla's attributes)
-    # fixed: made into the shards, groups and buffers at construction (read-only after it); the others
-    # are read at every step, and setting one takes effect at the next step
-    sharding_strategy = Setting(fixed=True)
-    compute_dtype = Setting(fixed=True)
-    buffer_dtype = Setting(fixed=True)
-    param_storage_dtype = Setting(fixed=True)
-    output_dtype = Setting()
-    cast_forward_inputs = Setting()
-    optimization_barrier_in_forward = Setting()
-    optimization_barrier_in_backward = Setting()
-    sync_on_finalization = Setting()
-    fp32_reduce_scatter = Setting()
-    prefetch = Setting(fixed=True)  # with the transport's ability to overlap, decided at construction
-    cpu_offload = Setting(fixed=True)
-    shard_param_on_dim_0 = Setting(fixed=True)
-    sharding_groups = Setting(fixed=True)
-    reduce_scatter_bucket_size_mb = Setting(fixed=True)
-    coalesce_all_gather_ops = Setting(fixed=True)
-    gradient_predivide_factor = Setting()
-    gradient_postdivide_factor = Setting()
-    freeing = Setting()
-
+    # One attribute per setting UnitSettings declares fixed() or step() (``setting_attributes``): fixed ones
+    # are read-only after construction, step-time ones take effect at the next step.
     @property
     def settings(self) -> UnitSettings:
         """The unit's effective settings, frozen (root rule included once the root ran forward)."""
@@ -536,4 +443,6 @@ class XlaFullyShardedDataParallel(ShardedUnit):
         return shard_metadata(self)
 
 
+if XlaFullyShardedDataParallel.__doc__ is not None:  # (python -OO drops docstrings)
+    XlaFullyShardedDataParallel.__doc__ += args_section(list(inspect.signature(XlaFullyShardedDataParallel).parameters))
 set_default_wrapper(XlaFullyShardedDataParallel)

@@ -17,46 +17,58 @@ from . import options as unit_options
 from .options import UnitOptions
 
 
+def fixed() -> Any:
+    """A setting torch_xla shows as a unit attribute, fixed when the unit is built (its shards, groups and
+    buffers were made for it): read-only after construction."""
+    return dataclasses.field(metadata={"attribute": "fixed"})
+
+
+def step() -> Any:
+    """A setting torch_xla shows as a unit attribute, read at every step: setting it replaces the settings."""
+    return dataclasses.field(metadata={"attribute": "step"})
+
+
 @dataclasses.dataclass(frozen=True)
 class UnitSettings:
-    """A unit's effective settings (the keyword each comes from is in the wrapper's docstring)."""
+    """A unit's effective settings (the keyword each comes from is in ``UnitOptions``). Each declared
+    ``fixed()`` or ``step()`` is also the unit's attribute of that name (``shell.setting_attributes``)."""
 
     #: when the unit frees its gathered parameters (``unit/freeing.py``)
-    freeing: FreeingPolicy
+    freeing: FreeingPolicy = step()
     #: FULL_SHARD, SHARD_GRAD_OP, NO_SHARD or a hybrid (``xla_fsdp.strategy.ShardingStrategy``)
-    sharding_strategy: Any
+    sharding_strategy: Any = fixed()
     #: master shards, gathered parameters / floating inputs, floating buffers (None: left as they are),
     #: floating outputs (None: not cast)
-    param_storage_dtype: torch.dtype
-    compute_dtype: torch.dtype
-    buffer_dtype: Optional[torch.dtype]
-    output_dtype: Optional[torch.dtype]
+    param_storage_dtype: torch.dtype = fixed()
+    compute_dtype: torch.dtype = fixed()
+    buffer_dtype: Optional[torch.dtype] = fixed()
+    output_dtype: Optional[torch.dtype] = step()
     #: cast floating forward inputs to ``compute_dtype`` (FSDP2's ``cast_forward_inputs``)
-    cast_forward_inputs: bool
+    cast_forward_inputs: bool = step()
     flatten_parameters: bool
     flatten_group_fn: Optional[Callable[[str, torch.nn.Parameter], Any]]
-    shard_param_on_dim_0: bool
+    shard_param_on_dim_0: bool = fixed()
     #: flat shards are padded to a multiple of this many elements per rank
     shard_size_multiple: int
-    optimization_barrier_in_forward: bool
-    optimization_barrier_in_backward: bool
-    sync_on_finalization: bool
-    fp32_reduce_scatter: bool
+    optimization_barrier_in_forward: bool = step()
+    optimization_barrier_in_backward: bool = step()
+    sync_on_finalization: bool = step()
+    fp32_reduce_scatter: bool = step()
     #: gather the next unit while this one computes (eager transports only)
-    prefetch: bool
+    prefetch: bool = fixed()
     #: take rank 0's parameters and buffers
     sync_module_states: bool
-    cpu_offload: bool
+    cpu_offload: bool = fixed()
     pin_memory: bool
     #: groups of at least this many elements get collectives of their own (torch transport)
     solo_collective_numel: int
     #: gradients are divided by ``gradient_predivide_factor`` before the reduce-scatter and by
     #: ``gradient_postdivide_factor`` after it (their product: the ranks that computed one)
-    gradient_predivide_factor: float
-    gradient_postdivide_factor: float
-    sharding_groups: Optional[List[List[int]]]
-    reduce_scatter_bucket_size_mb: Optional[int]
-    coalesce_all_gather_ops: bool
+    gradient_predivide_factor: float = step()
+    gradient_postdivide_factor: float = step()
+    sharding_groups: Optional[List[List[int]]] = fixed()
+    reduce_scatter_bucket_size_mb: Optional[int] = fixed()
+    coalesce_all_gather_ops: bool = fixed()
     debug_print: bool
     debug_msg: str
 

@@ -68,6 +68,21 @@ class Setting:
         unit._runtime.replace_settings(**{self.name: value})
 
 
+def setting_attributes(cls: type) -> type:
+    """Give the unit class torch_xla's setting attributes: one :class:`Setting` per ``UnitSettings`` field
+    declared ``fixed()`` or ``step()`` (the declaration is the one place that says which)."""
+    import dataclasses
+
+    from .settings import UnitSettings
+    for field in dataclasses.fields(UnitSettings):
+        kind = field.metadata.get("attribute")
+        if kind is not None:
+            descriptor = Setting(fixed=kind == "fixed")
+            descriptor.__set_name__(cls, field.name)
+            setattr(cls, field.name, descriptor)
+    return cls
+
+
 def take_before_state_dict(runtime: "weakref.ref[UnitRuntime]", module: nn.Module, prefix: str,
                             keep_vars: bool) -> None:
     alive = runtime()
