@@ -310,7 +310,19 @@ def tree_facts(model: nn.Module) -> Dict[str, Any]:
     state-dict keys, the modules, and where an attribute set after sharding lands."""
     facts = {"names": [n for n, _ in model.named_parameters()], "keys": list(model.state_dict()),
              "modules": [type(m).__name__.replace("FSDP", "") for m in model.modules()],
-             "children": [n for n, _ in model.named_children()]}
+             "children": [n for n, _ in model.named_children()],
+             "dims": [p.dim() for p in model.parameters()]}
+    # between steps a module's parameter attribute is its registered (sharded) parameter, as FSDP2's
+    facts["attributes_are_registered"] = [(type(m).__name__, n) for m in model.modules()
+                                          for n, p in m._parameters.items() if p is not None and getattr(m, n) is not p]
+    # a random init of a sharded parameter between steps: FSDP2's DTensor draws for the whole tensor (by
+    # offsets on CUDA), xla_fsdp's rows would be drawn alone: refused there, naming the parameter and the fix
+    try:
+        with torch.no_grad():
+            nn.init.normal_(model.blocks[0].up.weight)
+        facts["random_init"] = "drawn"
+    except RuntimeError as e:
+        facts["random_init"] = str(e)
     model.blocks[0].scale = 3.0  # a plain attribute, set after sharding
     facts["attribute_is_the_modules_own"] = model.blocks[0].__dict__.get("scale") == 3.0
     del model.blocks[0].scale
@@ -324,7 +336,8 @@ def tree_facts(model: nn.Module) -> Dict[str, Any]:
 def unsharded_tree_facts() -> Dict[str, Any]:
     model = Net()
     return {"names": [n for n, _ in model.named_parameters()], "keys": list(model.state_dict()),
-            "modules": [type(m).__name__ for m in model.modules()], "children": [n for n, _ in model.named_children()]}
+            "modules": [type(m).__name__ for m in model.modules()], "children": [n for n, _ in model.named_children()],
+            "dims": [p.dim() for p in model.parameters()]}
 
 
 def train_unsharded(name: str, world_size: int) -> Dict[str, Any]:
