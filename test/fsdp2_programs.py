@@ -312,6 +312,9 @@ def tree_facts(model: nn.Module) -> Dict[str, Any]:
              "modules": [type(m).__name__.replace("FSDP", "") for m in model.modules()],
              "children": [n for n, _ in model.named_children()],
              "dims": [p.dim() for p in model.parameters()]}
+    # the module's call is nn.Module's, with the unit's forward pre- and post-hooks on it, as FSDP2's
+    facts["forward_hooks"] = [type(m).__call__ is nn.Module.__call__ and bool(m._forward_pre_hooks)
+                              and bool(m._forward_hooks) for m in (model, *model.blocks)]
     # between steps a module's parameter attribute is its registered (sharded) parameter, as FSDP2's
     facts["attributes_are_registered"] = [(type(m).__name__, n) for m in model.modules()
                                           for n, p in m._parameters.items() if p is not None and getattr(m, n) is not p]

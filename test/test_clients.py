@@ -139,6 +139,59 @@ def test_a_forward_that_raised_leaves_no_unit_stuck(gloo):
     assert all(p.grad is not None for p in model.parameters())
 
 
+def _xla_fully_shard_forward_raises():
+    import torch_xla
+    from xla_fsdp import fully_shard
+    dev = torch_xla.device()
+
+    class Flaky(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner, self.out, self.fail = nn.Linear(4, 4), nn.Linear(4, 2), True
+
+        def forward(self, x):
+            y = self.inner(x)
+            if self.fail:
+                raise ValueError("bad batch")
+            return self.out(y)
+
+    torch.manual_seed(0)
+    plain = Flaky()
+    plain.fail = False
+    model = Flaky()
+    model.load_state_dict(plain.state_dict())
+    model.to(dev)
+    fully_shard(model.inner)
+    fully_shard(model)
+    x = torch.randn(3, 4)
+    try:
+        model(x.to(dev))
+    except ValueError as e:
+        raised = str(e)
+    model.fail = False
+    try:  # a forward inside a handler of the program's own: the hooks must not take it for the module raising
+        raise KeyError("the program's own")
+    except KeyError:
+        model(x.to(dev)).sum().backward()
+    xla_fsdp.sync()
+    plain(x).sum().backward()
+    grads = {n: p.grad for n, p in plain.named_parameters()}
+    return raised, [u.training_state.value for u in xla_fsdp.fsdp2._units(model, True)], {
+        n: (p.grad.cpu() - grads[n][:p.shape[0]]).abs().max().item() for n, p in model.named_parameters()}
+
+
+@pytest.mark.xla
+def test_a_fully_shard_forward_that_raised_leaves_no_unit_stuck_on_xla(monkeypatch):
+    """fully_shard's forward hooks (as FSDP2's): the module raising leaves every unit idle and resharded
+    (the post-hook runs with always_call), and the next forward trains as unsharded; a forward the program
+    makes inside its own exception handler is not taken for one that raised."""
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")
+    monkeypatch.setenv("CPU_NUM_DEVICES", "1")
+    raised, states, errors = run_multiprocess(_xla_fully_shard_forward_raises)[0]
+    assert raised == "bad batch" and set(states) == {"idle"}, (raised, states)
+    assert max(errors.values()) < 1e-6, errors
+
+
 def _xla_checkpoint_with_keywords():
     import torch_xla
     dev = torch_xla.device()

@@ -191,8 +191,9 @@ def test_unshard_accumulation_and_root_resharding_act_on_xla(world_size):
 def test_the_module_keeps_its_class_place_names_and_tree(transport, world_size):
     """As with FSDP2, on either transport: the module keeps its class (FSDP<Class>) and place; its
     parameter names, state-dict keys, modules and children are the unsharded program's, and each parameter
-    has the original's number of dimensions; between steps a module's parameter attribute is its registered
-    parameter (the shard; FSDP2's DTensor); an attribute set after sharding is the module's own;
+    has the original's number of dimensions; its call is nn.Module's, with the unit's forward pre- and
+    post-hooks (FSDP2's shape, not a __call__ of its own); between steps a module's parameter attribute is
+    its registered parameter (the shard; FSDP2's DTensor); an attribute set after sharding is the module's own;
     ``state_dict()`` holds the parameters (the shards) and loads back."""
     ranks = _run(transport, world_size)["tutorial"]
     want = programs.unsharded_tree_facts()
@@ -201,6 +202,7 @@ def test_the_module_keeps_its_class_place_names_and_tree(transport, world_size):
         for key in ("names", "keys", "modules", "children", "dims"):
             assert r["tree"][key] == want[key], (key, r["tree"][key], want[key])
         assert r["tree"]["attributes_are_registered"] == [], r["tree"]["attributes_are_registered"]
+        assert all(r["tree"]["forward_hooks"]), r["tree"]["forward_hooks"]
         if transport == "xla":  # its rows alone would be drawn: refused (PyTorch's DTensor draws the whole)
             assert r["tree"]["random_init"].startswith("xla_fsdp.fully_shard: 'up.weight' holds this rank's rows "
                                                        "between steps"), r["tree"]["random_init"]

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-import functools
+import sys
 import warnings
 import weakref
-from typing import Any, Callable, Dict, Iterable, List, Optional, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -31,7 +31,7 @@ from torch.distributed.fsdp._fully_shard._fully_shard import fully_shard as _ups
 
 from .collectives import resolve_transport
 from .fully_sharded_data_parallel import XlaFullyShardedDataParallel
-from .unit import construction, freeing, group_values, param_names, summon
+from .unit import construction, forward, freeing, group_values, param_names, summon
 from .unit.base import UNIT_ATTR, is_unit
 from .unit.schedule import TrainingState
 
@@ -364,12 +364,9 @@ def _state(module: nn.Module) -> "_FullyShardUnit":
 
 
 class _InPlaceModule(nn.Module):
-    """What a converted module does differently from its class: a call runs through its unit
-    (which gathers, calls the module's own hooks and forward, and frees), and the module-wide
-    operations that would otherwise act on the shards as if they were whole parameters."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return _state(self)(*args, **kwargs)
+    """What a converted module does differently from its class: the module-wide operations that would
+    otherwise act on the shards as if they were whole parameters. Its forward is its class's, with the
+    unit's forward pre- and post-hooks around it (``_pre_forward``, ``_post_forward``), as FSDP2's."""
 
     def to_empty(self, *, device: Union[str, torch.device], recurse: bool = True) -> nn.Module:
         """FSDP2's meta-device init: ``fully_shard`` on the meta module, then ``to_empty`` and the
@@ -416,12 +413,13 @@ class _FullyShardUnit(XlaFullyShardedDataParallel):
         self._late_init_units: List[nn.Module] = []  # to_empty's units, until their init is sharded
         self._init_checked = False  # whether a first forward found every meta-built unit given values
         self.awaiting_to_empty = False  # built from the meta device, not yet to_empty'd
+        self.calls: List[Tuple[forward.ForwardCall, Any]] = []  # forwards begun (and the exception then in flight)
 
     def _settings(self, settings: Any) -> Any:
         return dataclasses.replace(settings, buffer_dtype=None)  # FSDP2 leaves buffers as they are
 
     def _module_call(self) -> Callable[..., Any]:
-        return functools.partial(nn.Module.__call__, self._fsdp_wrapped_module)  # its hooks, its class's forward
+        return self._fsdp_wrapped_module  # (its call runs the unit's hooks: the wrapper's forward is not used)
 
     def begin_to_empty(self, device: torch.device, units: List["_FullyShardUnit"]) -> None:
         self._check_init_device(device)
@@ -441,6 +439,12 @@ class _FullyShardUnit(XlaFullyShardedDataParallel):
                              f"{ours}; pass device=torch_xla.device() (the XLA device this rank trains on)")
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The unit called as a module: its module's call (hooks and all)."""
+        return self._fsdp_wrapped_module(*args, **kwargs)
+
+    def before_first_forwards(self) -> None:
+        """A forward's checks and work before the unit's own: a meta-built unit given no values yet is an
+        error; what the program's init wrote after to_empty becomes the shards."""
         if not self._init_checked:
             unset = [prefix.rstrip(".") or "the root" for prefix, unit in param_names.named_units(self)
                      if getattr(unit, "awaiting_to_empty", False)]
@@ -458,7 +462,29 @@ class _FullyShardUnit(XlaFullyShardedDataParallel):
             self.comms.sync(why="Here: the cut before the first forward that runs the meta-device init (to_empty "
                                 "and the program's init, which drew them); call torch_xla.sync() right after the "
                                 "init, and the unwrapped program cuts there too")
-        return super().forward(*args, **kwargs)
+
+
+def _pre_forward(module: nn.Module, args: Any, kwargs: Any) -> Tuple[Any, Any]:
+    """FSDP2's pre-forward hook (registered first): gather, cast the inputs; the root's set-up."""
+    unit = _state(module)
+    unit.before_first_forwards()
+    unit._lazy_init()
+    args, kwargs, call = forward.before_forward(unit._runtime, args, kwargs)
+    unit.calls.append((call, sys.exc_info()[1]))
+    return args, kwargs
+
+
+def _post_forward(module: nn.Module, args: Any, output: Any) -> Any:
+    """FSDP2's post-forward hook: free or keep, hook the outputs for backward. Called also when the
+    module raised (``always_call``): then the unit is left idle and resharded, and torch re-raises."""
+    unit = _state(module)
+    if not unit.calls:
+        return None  # the pre-hook raised: nothing began
+    call, outer = unit.calls.pop()
+    if sys.exc_info()[1] is not outer:  # raised since the pre-hook (not one an outer except is handling)
+        forward.forward_failed(unit._runtime, call)
+        return None
+    return forward.after_forward(unit._runtime, call, output)
 
 
 def _shard_in_place(module: nn.Module, options: Dict[str, Any], cast_forward_inputs: bool) -> nn.Module:
@@ -469,6 +495,8 @@ def _shard_in_place(module: nn.Module, options: Dict[str, Any], cast_forward_inp
     unit.cast_forward_inputs = cast_forward_inputs
     object.__setattr__(module, UNIT_ATTR, unit)  # a plain attribute: not a child, so not in the tree
     module.__class__ = _fsdp_class(type(module))
+    module.register_forward_pre_hook(_pre_forward, prepend=True, with_kwargs=True)
+    module.register_forward_hook(_post_forward, always_call=True)
     return module
 
 

@@ -5,7 +5,7 @@ free or keep the full parameters, and hook the outputs for backward (the backwar
 backward.py)."""
 from __future__ import annotations
 
-from typing import Any, List, Tuple
+from typing import Any, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -105,8 +105,26 @@ def find_trainable_groups(rt: Any) -> None:
 
 
 # ---------------------------------------------------------------------- forward
+class ForwardCall(NamedTuple):
+    """What one forward of a unit carries from before the module runs to after it."""
+    in_backward: bool  # a checkpoint's recompute, inside backward
+    versions: Optional[List[List[int]]]  # what the module held, to tell an in-place edit in forward
+
+
 def forward(rt: Any, args: Any, kwargs: Any) -> Any:
-    """One forward of the unit (its root has run :func:`lazy_init`)."""
+    """One forward of the unit (its root has run :func:`lazy_init`): the wrapper's. ``fully_shard``'s
+    runs the same two halves as its module's forward pre- and post-hooks, as FSDP2's do."""
+    args, kwargs, call = before_forward(rt, args, kwargs)
+    try:
+        outputs = rt.run_module(*args, **kwargs)
+    except BaseException:
+        forward_failed(rt, call)
+        raise
+    return after_forward(rt, call, outputs)
+
+
+def before_forward(rt: Any, args: Any, kwargs: Any) -> Tuple[Any, Any, ForwardCall]:
+    """Gather (and prefetch), the root's start of a step; the inputs cast to the compute dtype."""
     settings = rt.settings
     # Called from inside backward: a checkpoint recompute. Use the backward gather and keep
     # the parameters until their gradients are reduced.
@@ -114,40 +132,57 @@ def forward(rt: Any, args: Any, kwargs: Any) -> Any:
     if not in_backward:
         rt.assert_state(TrainingState.IDLE)
         rt.state.training_state = TrainingState.FORWARD
-    if settings.compute_dtype != torch.float32 and settings.cast_forward_inputs:
-        cast = lambda t: t.to(settings.compute_dtype) if t.is_floating_point() else t
-        args, kwargs = map_tensors(cast, args), map_tensors(cast, kwargs)
-    listed = [] if in_backward else rt.listed_prefetch(backward=False)
-    if settings.optimization_barrier_in_forward:
-        rt.comms.optimization_barrier(rt.barrier_sources(listed))
-    schedule = rt.root.schedule
-    if in_backward:
-        rt.unshard(backward=True)
-    else:
-        if rt.state.is_root:
-            _refuse_reassigned_parameters(rt)
-            # Parameters frozen or unfrozen since the last step: every rank must do the same.
-            if any([unit.follow_requires_grad() for unit in rt.root.units]):
-                find_trainable_groups(rt)
-            schedule.start()
-            freeing.root_forward_starts(rt.root)
-            backward.begin_gradient_plan(rt)
-        freeing.unit_forward_starts(rt.root, rt)
-        schedule.record(rt)
-        rt.unshard(prefetch=rt.prefetch_target(+1))
-        rt.gather_listed(listed, backward=False)
-    versions = None if in_backward else [group_values.installed_versions(g) for g in rt.groups]
     try:
-        outputs = rt.run_module(*args, **kwargs)
-        if versions is not None:  # parameters the module edited in place: the edit stays, as unsharded
-            for group, before in zip(rt.groups, versions):
-                group_values.keep_edits(group, before)
+        if settings.compute_dtype != torch.float32 and settings.cast_forward_inputs:
+            cast = lambda t: t.to(settings.compute_dtype) if t.is_floating_point() else t
+            args, kwargs = map_tensors(cast, args), map_tensors(cast, kwargs)
+        listed = [] if in_backward else rt.listed_prefetch(backward=False)
+        if settings.optimization_barrier_in_forward:
+            rt.comms.optimization_barrier(rt.barrier_sources(listed))
+        schedule = rt.root.schedule
+        if in_backward:
+            rt.unshard(backward=True)
+        else:
+            if rt.state.is_root:
+                _refuse_reassigned_parameters(rt)
+                # Parameters frozen or unfrozen since the last step: every rank must do the same.
+                if any([unit.follow_requires_grad() for unit in rt.root.units]):
+                    find_trainable_groups(rt)
+                schedule.start()
+                freeing.root_forward_starts(rt.root)
+                backward.begin_gradient_plan(rt)
+            freeing.unit_forward_starts(rt.root, rt)
+            schedule.record(rt)
+            rt.unshard(prefetch=rt.prefetch_target(+1))
+            rt.gather_listed(listed, backward=False)
     except BaseException:
-        if not in_backward:
+        if not in_backward:  # (a refusal, a failed gather): idle and resharded again, as when the module raises
             _abandon_forward(rt)
         raise
+    versions = None if in_backward else [group_values.installed_versions(g) for g in rt.groups]
+    return args, kwargs, ForwardCall(in_backward, versions)
+
+
+def forward_failed(rt: Any, call: ForwardCall) -> None:
+    """The module raised: this unit (the root: every unit) idle and resharded again."""
+    if not call.in_backward:
+        _abandon_forward(rt)
+
+
+def after_forward(rt: Any, call: ForwardCall, outputs: Any) -> Any:
+    """In-place edits kept, the root's end of forward, the outputs cast and hooked for backward, the
+    full parameters freed or kept as the freeing policy says."""
+    settings = rt.settings
+    in_backward = call.in_backward
+    if call.versions is not None:  # parameters the module edited in place: the edit stays, as unsharded
+        try:
+            for group, before in zip(rt.groups, call.versions):
+                group_values.keep_edits(group, before)
+        except BaseException:
+            forward_failed(rt, call)
+            raise
     if rt.state.is_root and not in_backward:
-        schedule.end_forward()
+        rt.root.schedule.end_forward()
         freeing.root_forward_ends(rt.root, rt.root.units, rt.comms.compiles_step)
         backward.end_gradient_plan(rt, outputs)
     if settings.output_dtype is not None:
