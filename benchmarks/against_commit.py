@@ -42,6 +42,14 @@ def step_seconds(run: Dict[str, Any]) -> Optional[float]:
     return statistics.median(max(steps) for steps in zip(*(r["times"] for r in run["ranks"])))
 
 
+def ops_per_rank(run: Dict[str, Any], world_size: int) -> Optional[float]:
+    """ATen ops traced per rank per measured step (the process's count over its device threads); None
+    for a failed run."""
+    if run["error"] or not run["ranks"] or run["ranks"][0].get("xla_ops_per_step") is None:
+        return None
+    return run["ranks"][0]["xla_ops_per_step"] / world_size
+
+
 def export(rev: str, folder: str, measure_from: str = HERE) -> str:
     """The files of commit ``rev`` of this repository, written under ``folder``, with the benchmark
     code of ``measure_from`` (this checkout's: the measure) in place of the commit's."""
@@ -61,7 +69,7 @@ def measure(other: str, contenders: List[str], world_size: int, rounds: int, wor
             steps: int) -> Dict[str, Any]:
     roots = {"this": ROOT, "other": other}
     figures: Dict[str, Dict[str, Dict[str, List[Optional[float]]]]] = {
-        c: {side: {"step": [], "host": []} for side in roots} for c in contenders}
+        c: {side: {"step": [], "host": [], "ops": []} for side in roots} for c in contenders}
     errors: List[str] = []
     for r in range(rounds):
         sides = list(roots) if r % 2 == 0 else list(roots)[::-1]
@@ -70,6 +78,7 @@ def measure(other: str, contenders: List[str], world_size: int, rounds: int, wor
                 run = run_one(contender, world_size, workload, warmup, steps, 1800, root=roots[side])
                 figures[contender][side]["step"].append(step_seconds(run))
                 figures[contender][side]["host"].append(host_seconds(run))
+                figures[contender][side]["ops"].append(ops_per_rank(run, world_size))
                 if run["error"]:
                     errors.append(f"{contender} ({side}) round {r}: {run['error']}")
     return {"figures": figures, "errors": errors}
@@ -88,10 +97,16 @@ def _ratio_cell(this: List[Optional[float]], other: List[Optional[float]]) -> st
     return f"{statistics.median(ratios):.3f} ({', '.join(f'{x:.3f}' for x in ratios)})"
 
 
+def _ops_cell(ops: List[Optional[float]]) -> str:
+    known = [x for x in ops if x is not None]
+    return f"{statistics.median(known):.0f}" if known else "-"
+
+
 def table(result: Dict[str, Any], rev: str) -> List[str]:
     lines = [f"| contender | step s, this / {rev} (median of rounds) | step ratio, pooled (each round) "
-             f"| host s, this / {rev} | host ratio, pooled (each round) | device MiB, this / {rev} |",
-             "|---|---|---|---|---|---|"]
+             f"| host s, this / {rev} | host ratio, pooled (each round) | device MiB, this / {rev} "
+             f"| ATen ops traced per rank and step, this / {rev} |",
+             "|---|---|---|---|---|---|---|"]
     for contender, sides in result["figures"].items():
         med = {side: {k: statistics.median([v for v in vals if v is not None] or [float("nan")])
                       for k, vals in kinds.items()} for side, kinds in sides.items()}
@@ -100,7 +115,8 @@ def table(result: Dict[str, Any], rev: str) -> List[str]:
         lines.append(f"| {contender} | {med['this']['step']:.4f} / {med['other']['step']:.4f} "
                      f"| {_ratio_cell(sides['this']['step'], sides['other']['step'])} "
                      f"| {med['this']['host']:.4f} / {med['other']['host']:.4f} "
-                     f"| {_ratio_cell(sides['this']['host'], sides['other']['host'])} | {mib} |")
+                     f"| {_ratio_cell(sides['this']['host'], sides['other']['host'])} | {mib} "
+                     f"| {_ops_cell(sides['this'].get('ops', []))} / {_ops_cell(sides['other'].get('ops', []))} |")
     return lines
 
 
@@ -127,7 +143,8 @@ def main(argv: Optional[List[str]] = None) -> None:
              f"{args.warmup} warm-up and {args.steps} measured steps per run, {args.rounds} rounds, both checkouts "
              "back to back in each round. Per run the median over steps of the slowest rank's step time and host "
              "time; ratios (this / the other) per round, pooled as their median. Device MiB: the compiled "
-             "step's buffer assignment per device (deterministic).", ""]
+             "step's buffer assignment per device (deterministic). ATen ops: what torch_xla traced per rank and "
+             "step (median of rounds).", ""]
     lines += table(result, rev)
     if result["errors"]:
         lines += ["", "Errors:"] + [f"- {e}" for e in result["errors"]]

@@ -259,14 +259,14 @@ def test_against_commit_exports_the_other_checkout_and_pairs_rounds(tmp_path):
     # the same measure on both sides: the commit's own benchmark code is replaced, results left out
     assert sorted(os.listdir(os.path.join(other, "benchmarks"))) == ["worker.py"]
     assert (tmp_path / "out" / "checkout" / "benchmarks" / "worker.py").read_text() == "# this checkout's worker\n"
-    figures = {"xla_fsdp_xla_perparam": {"this": {"step": [1.0, 2.0], "host": [0.5, None]},
-                                         "other": {"step": [2.0, 2.0], "host": [0.25, 0.3]}}}
+    figures = {"xla_fsdp_xla_perparam": {"this": {"step": [1.0, 2.0], "host": [0.5, None], "ops": [10.0, 12.0]},
+                                         "other": {"step": [2.0, 2.0], "host": [0.25, 0.3], "ops": [20.0, None]}}}
     lines = table({"figures": figures, "device_bytes": {"xla_fsdp_xla_perparam": {"this": 2**20, "other": 2**21}}},
                   "abc")
     row = lines[-1]
     assert "| 0.750 (0.500, 1.000) |" in row  # step: per round, pooled as their median
     assert "| 2.000 (2.000) |" in row  # host: the round with a failed run is left out
-    assert row.endswith("| 1.00 / 2.00 |")
+    assert row.endswith("| 1.00 / 2.00 | 11 / 20 |")  # device bytes; ops traced, median of the rounds run
 
 
 def test_backward_thread_time_is_zero_where_backward_runs_in_the_calling_thread():
