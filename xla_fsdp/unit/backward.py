@@ -9,7 +9,7 @@ from typing import Any, List, Set
 import torch
 from torch.autograd import Variable
 
-from . import freed, freeing, group_grad
+from . import freeing, group_grad
 from .offload import land_gradients
 from .coalesce import start_reduce
 from .gather_group import GatherGroup
@@ -244,7 +244,6 @@ def _finalize_backward(rt: Any) -> None:
         if freeing.at_backward_end(unit.freeing, unit.state.require_backward_grad_sync):
             unit.reshard()
         unit.state.training_state = TrainingState.IDLE
-    freed.guard([g for unit in root.units for g in unit.groups], on=True)  # the step's forward and backward end
     # Host offload: gradient shards reach their host .grad (after the full parameters are freed:
     # on XLA this runs the step, and a live full parameter would be one more output of it).
     land_gradients([u.offload for u in root.units if u.offload is not None], rt.comms.sync)

@@ -9,7 +9,7 @@ from typing import Any, List, NamedTuple, Optional, Tuple
 
 import torch
 
-from . import backward, freed, freeing, group_values
+from . import backward, freeing, group_values
 from .schedule import TrainingState
 from .step_state import RootContext
 from .tensor_tree import map_tensors
@@ -144,7 +144,6 @@ def before_forward(rt: Any, args: Any, kwargs: Any) -> Tuple[Any, Any, ForwardCa
             rt.unshard(backward=True)
         else:
             if rt.state.is_root:
-                freed.guard([g for unit in rt.root.units for g in unit.groups], on=False)  # a step begins
                 _refuse_reassigned_parameters(rt)
                 # Parameters frozen or unfrozen since the last step: every rank must do the same.
                 if any([unit.follow_requires_grad() for unit in rt.root.units]):
@@ -186,8 +185,6 @@ def after_forward(rt: Any, call: ForwardCall, outputs: Any) -> Any:
         rt.root.schedule.end_forward()
         freeing.root_forward_ends(rt.root, rt.root.units, rt.comms.compiles_step)
         backward.end_gradient_plan(rt, outputs)
-        if not torch.is_grad_enabled():  # no backward follows: the step ends here
-            freed.guard([g for unit in rt.root.units for g in unit.groups], on=True)
     if settings.output_dtype is not None:
         outputs = map_tensors(lambda t: t.to(settings.output_dtype) if t.is_floating_point() else t, outputs)
     if in_backward:  # a checkpoint recompute: parameters stay for this backward
@@ -212,7 +209,6 @@ def _abandon_forward(rt: Any) -> None:
     if rt.state.is_root:
         rt.root.schedule.start()
         freeing.forward_abandoned(rt.root)
-        freed.guard([g for unit in units for g in unit.groups], on=True)
 
 
 def _refuse_reassigned_parameters(rt: Any) -> None:

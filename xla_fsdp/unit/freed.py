@@ -30,10 +30,7 @@ _FIX = ("inside `with XlaFullyShardedDataParallel.summon_full_params(model):` (c
 
 class RegisteredShard(nn.Parameter):
     """``fully_shard``'s parameter between steps: this rank's rows, registered where the original was (see the
-    module docstring). Every operation but those fills runs as on a plain Parameter, through a Python call
-    (``__torch_function__``, about 1 us, also for ``p.grad`` or ``p.shape``), so within a step (from the root's
-    forward to the end of its backward, and an element-wise optimizer's step) the shard is a plain Parameter
-    (:func:`guard`): the step's host time stays as without the refusal."""
+    module docstring). Every operation but those fills runs as on a plain Parameter."""
 
     @classmethod
     def __torch_function__(cls, func: Callable, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
@@ -95,12 +92,3 @@ class FreedParameter(torch.Tensor):
             f"xla_fsdp: parameter '{freed._xla_fsdp_name}' is sharded between forward passes, so it holds no data "
             f"here ({func}). Read or change it {_FIX}, or use the shards: "
             "model.parameters(), xla_fsdp.checkpoints.full_state_dict / load_full_state_dict.")
-
-
-def guard(groups: Any, on: bool) -> None:
-    """``fully_shard``'s shards of ``groups`` refuse a random init (``on``: between steps) or are plain
-    Parameters (within a step: no Python call per use); the same objects either way."""
-    cls = RegisteredShard if on else nn.Parameter
-    for group in groups:
-        if group.in_place and type(group.shard) is not cls:
-            group.shard.__class__ = cls

@@ -200,8 +200,7 @@ def _plain_grads_for_step(optimizer: torch.optim.Optimizer) -> None:
     """An element-wise optimizer's step reads each shard gradient a few times per parameter, and a
     ``ShardGrad`` makes each read a Python call (``__torch_function__``) for the norms it never takes:
     for its step the gradients are plain tensors (the same data), and ``ShardGrad`` s again after it
-    (:func:`after_step`); ``fully_shard``'s ``RegisteredShard`` s likewise (``freed.guard``). Saves the host
-    time of about 3 calls per parameter per step. Only where no other
+    (:func:`after_step`). Saves the host time of about 3 calls per parameter per step. Only where no other
     hook sees the gradients between: none of the optimizer's own pre-hooks (a clip there takes a norm),
     no global pre-hook after this check, and :func:`after_step` the first post-hook."""
     from torch.optim import optimizer as torch_optimizer
@@ -209,7 +208,6 @@ def _plain_grads_for_step(optimizer: torch.optim.Optimizer) -> None:
             or next(reversed(torch_optimizer._global_optimizer_pre_hooks.values()), None) is not _check
             or next(iter(optimizer._optimizer_step_post_hooks.values()), None) is not after_step):
         return
-    from .freed import guard
     from .shard_grad import ShardGrad
     plain = []
     watch = _watch(optimizer)
@@ -219,7 +217,6 @@ def _plain_grads_for_step(optimizer: torch.optim.Optimizer) -> None:
             grad.__class__ = torch.Tensor
             plain.append(grad)
     watch.plain_grads = plain
-    guard(watch.groups, on=False)  # fully_shard's shards: plain Parameters for the step too
 
 
 def after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -231,8 +228,6 @@ def after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None
         from .shard_grad import ShardGrad
         for grad in plain:
             grad.__class__ = ShardGrad
-    from .freed import guard
-    guard(watch.groups, on=True)
     sync_after_step(optimizer, args, kwargs)
 
 
