@@ -16,7 +16,6 @@ from ..sharding import Dim0Layout, FlatLayout, flatten_and_pad, pad_dim0, shard_
 from . import construction, tied
 from .gather_group import GatherGroup, InitialValues
 from .member_slots import ParamRef, fingerprint
-from .freed import RegisteredShard
 from .offload import HostOffload, shards_held_back
 from .optimizer_check import install_optimizer_check
 from .options import UnitOptions
@@ -143,8 +142,7 @@ def build_group(refs: List[ParamRef], comms: Collectives, *, flat: bool, dim0: b
         block = offload.host_shard(block, storage_dtype)
     else:
         block = block.to(storage_dtype).to(comms.device)
-    kind = RegisteredShard if in_place and not flat else nn.Parameter  # (fully_shard: the module's attribute)
-    shard = kind(block, requires_grad=refs[0].param.requires_grad)
+    shard = nn.Parameter(block, requires_grad=refs[0].param.requires_grad)
     initial = InitialValues(None if storage_only else fingerprint(sources), shard._version, storage_only,
                             rank_0_takes)
     # The originals stop being registered parameters; the module reads full data through plain

@@ -221,9 +221,7 @@ def _refuse_reassigned_parameters(rt: Any) -> None:
             if found is None:
                 continue
             name, value = found
-            source = getattr(value, "_xla_fsdp_name", None) or next(  # a stand-in's name, or a shard's (fully_shard)
-                (p + g.names[0] for p, u in zip(rt.root.prefixes, rt.root.units) for g in u.groups if g.shard is value),
-                None)
+            source = getattr(value, "_xla_fsdp_name", None)
             what = f"the parameter '{source}'" if source is not None else f"a {type(value).__name__} of its own"
             raise RuntimeError(
                 f"xla_fsdp: '{prefix}{name}' was given {what} after wrapping, but the unit computes with its own "

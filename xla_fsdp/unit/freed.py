@@ -1,51 +1,20 @@
 """What a module's parameter attribute holds between steps, while only the shard exists.
 
-Under ``fully_shard`` it is the registered shard itself (FSDP2's sharded parameter), a
-:class:`RegisteredShard`: this rank's rows. A random fill (or ``nn.init``'s fills shaped by the tensor)
-would give them other values than the unsharded model's (drawn for these rows alone, with the fan-in of
-these rows), so those are refused; every other operation runs as on a plain Parameter.
-
-Under the wrapper it is a stand-in. The full parameter's memory is released after use (on eager
-devices its storage is resized to zero), so a program that wrote into it there
-(``nn.init.zeros_(model.module.fc.weight)`` or a ``copy_`` under ``torch.no_grad()``) would write past
-the end of an empty storage and kill the process. :class:`FreedParameter` stands in for it instead: it
-has the parameter's shape, dtype, device and ``requires_grad`` (which it passes on to the shard), and
-any operation on its data raises one error that names the parameter and the way to reach the full data.
+The full parameter's memory is released after use (on eager devices its storage is resized to
+zero), so a program that wrote into it there (``nn.init.zeros_(model.module.fc.weight)`` or a
+``copy_`` under ``torch.no_grad()``) would write past the end of an empty storage and kill the
+process. :class:`FreedParameter` stands in for it instead: it has the parameter's shape, dtype,
+device and ``requires_grad`` (which it passes on to the shard), and any operation on its data
+raises one error that names the parameter and the way to reach the full data.
 """
 from __future__ import annotations
 
 from typing import Any, Callable, Dict, Sequence
 
 import torch
-import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
 _PASS_THROUGH = {torch.ops.aten.detach.default, torch.ops.aten.alias.default}
-_RANDOM_FILLS = {torch.Tensor.uniform_, torch.Tensor.normal_, torch.Tensor.bernoulli_, torch.Tensor.random_,
-                 torch.Tensor.exponential_, torch.Tensor.geometric_, torch.Tensor.cauchy_, torch.Tensor.log_normal_}
-_SAME_ON_ROWS = {"constant_", "ones_", "zeros_"}  # nn.init's fills that give each row what it gets unsharded
-_FIX = ("inside `with XlaFullyShardedDataParallel.summon_full_params(model):` (changes are written back to the "
-        "shards; model.apply(fn) does this for you)")
-
-
-class RegisteredShard(nn.Parameter):
-    """``fully_shard``'s parameter between steps: this rank's rows, registered where the original was (see the
-    module docstring). Every operation but those fills runs as on a plain Parameter."""
-
-    @classmethod
-    def __torch_function__(cls, func: Callable, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
-        if func in _RANDOM_FILLS or (getattr(func, "__module__", None) == "torch.nn.init"
-                                     and func.__name__ not in _SAME_ON_ROWS):
-            shard = next(a for a in (*args, *(kwargs or {}).values()) if isinstance(a, RegisteredShard))
-            group = getattr(shard, "_xla_fsdp_group", None)
-            name = group.refs[0].fqn if group is not None else "a parameter"
-            raise RuntimeError(
-                f"xla_fsdp.fully_shard: '{name}' holds this rank's rows between steps, so a random init of it "
-                f"({func.__name__}) would draw other values than the unsharded model's (for these rows alone, and "
-                f"nn.init's fan-in from them). Re-initialize it {_FIX}.")
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **(kwargs or {}))
-
 _SET_REQUIRES_GRAD = torch.Tensor.requires_grad.__set__
 
 
@@ -90,5 +59,6 @@ class FreedParameter(torch.Tensor):
             return FreedParameter(freed.shape, freed.dtype, freed.device, freed._xla_fsdp_name, freed._xla_fsdp_shard)
         raise RuntimeError(
             f"xla_fsdp: parameter '{freed._xla_fsdp_name}' is sharded between forward passes, so it holds no data "
-            f"here ({func}). Read or change it {_FIX}, or use the shards: "
+            f"here ({func}). Read or change it inside `with XlaFullyShardedDataParallel.summon_full_params(model):` "
+            "(changes are written back to the shards; model.apply(fn) does this for you), or use the shards: "
             "model.parameters(), xla_fsdp.checkpoints.full_state_dict / load_full_state_dict.")

@@ -234,11 +234,9 @@ class GatherGroup:
     def install(self, refill_saved: bool = False) -> None:
         """Point the module's attributes at the full data (the flat buffer's parameters if flattened)."""
         if self.state is not ShardedState.UNSHARDED and not self._aliases_shard():
-            if self.in_place:  # the registered shard shows (fully_shard, as FSDP2's sharded parameter)
-                values: List[Optional[torch.Tensor]] = [None] * len(self.refs)
-            else:
-                shapes = [self.full_shape] if not self.flat else list(self.layout.shapes)
-                values = freed_stand_ins(self.refs, shapes, self.compute_dtype, self.full.device, self.shard)
+            shapes = [self.full_shape] if not self.flat else list(self.layout.shapes)
+            values = freed_stand_ins(self.refs, shapes, self.compute_dtype, self.full.device, self.shard,
+                                     self.in_place)
         elif self.members is not None:
             values = self.members.cut(self.full, self, refill_saved)
         else:
