@@ -334,7 +334,8 @@ def tree_facts(model: nn.Module) -> Dict[str, Any]:
 def unsharded_tree_facts() -> Dict[str, Any]:
     model = Net()
     return {"names": [n for n, _ in model.named_parameters()], "keys": list(model.state_dict()),
-            "modules": [type(m).__name__ for m in model.modules()], "children": [n for n, _ in model.named_children()]}
+            "modules": [type(m).__name__ for m in model.modules()], "children": [n for n, _ in model.named_children()],
+            "dims": [p.dim() for p in model.parameters()]}
 
 
 def train_unsharded(name: str, world_size: int) -> Dict[str, Any]:
