@@ -169,6 +169,16 @@ def _xla_fully_shard_forward_raises():
     except ValueError as e:
         raised = str(e)
     model.fail = False
+
+    def interrupt(module, args):  # Ctrl-C inside the inner unit's forward: no always_call post-hook runs
+        raise KeyboardInterrupt
+
+    handle = model.inner.register_forward_pre_hook(interrupt)
+    try:
+        model(x.to(dev))
+    except KeyboardInterrupt:
+        stuck = [u.training_state.value for u in xla_fsdp.fsdp2._units(model, True)]
+    handle.remove()
     try:  # a forward inside a handler of the program's own: the hooks must not take it for the module raising
         raise KeyError("the program's own")
     except KeyError:
@@ -176,7 +186,7 @@ def _xla_fully_shard_forward_raises():
     xla_fsdp.sync()
     plain(x).sum().backward()
     grads = {n: p.grad for n, p in plain.named_parameters()}
-    return raised, [u.training_state.value for u in xla_fsdp.fsdp2._units(model, True)], {
+    return raised, stuck, [u.training_state.value for u in xla_fsdp.fsdp2._units(model, True)], {
         n: (p.grad.cpu() - grads[n][:p.shape[0]]).abs().max().item() for n, p in model.named_parameters()}
 
 
@@ -184,11 +194,13 @@ def _xla_fully_shard_forward_raises():
 def test_a_fully_shard_forward_that_raised_leaves_no_unit_stuck_on_xla(monkeypatch):
     """fully_shard's forward hooks (as FSDP2's): the module raising leaves every unit idle and resharded
     (the post-hook runs with always_call), and the next forward trains as unsharded; a forward the program
-    makes inside its own exception handler is not taken for one that raised."""
+    makes inside its own exception handler is not taken for one that raised. A KeyboardInterrupt (which
+    skips always_call hooks) leaves the units in forward until the next forward begins, which ends them."""
     monkeypatch.setenv("PJRT_DEVICE", "CPU")
     monkeypatch.setenv("CPU_NUM_DEVICES", "1")
-    raised, states, errors = run_multiprocess(_xla_fully_shard_forward_raises)[0]
+    raised, stuck, states, errors = run_multiprocess(_xla_fully_shard_forward_raises)[0]
     assert raised == "bad batch" and set(states) == {"idle"}, (raised, states)
+    assert stuck == ["forward", "forward"], stuck
     assert max(errors.values()) < 1e-6, errors
 
 

@@ -413,7 +413,8 @@ class _FullyShardUnit(XlaFullyShardedDataParallel):
         self._late_init_units: List[nn.Module] = []  # to_empty's units, until their init is sharded
         self._init_checked = False  # whether a first forward found every meta-built unit given values
         self.awaiting_to_empty = False  # built from the meta device, not yet to_empty'd
-        self.calls: List[Tuple[forward.ForwardCall, Any]] = []  # forwards begun (and the exception then in flight)
+        #: forwards begun: the call, the exception then in flight, and the frame running the module's call
+        self.calls: List[Tuple[forward.ForwardCall, Any, Any]] = []
 
     def _settings(self, settings: Any) -> Any:
         return dataclasses.replace(settings, buffer_dtype=None)  # FSDP2 leaves buffers as they are
@@ -467,10 +468,12 @@ class _FullyShardUnit(XlaFullyShardedDataParallel):
 def _pre_forward(module: nn.Module, args: Any, kwargs: Any) -> Tuple[Any, Any]:
     """FSDP2's pre-forward hook (registered first): gather, cast the inputs; the root's set-up."""
     unit = _state(module)
+    if unit.calls:
+        _end_interrupted_calls(unit)
     unit.before_first_forwards()
     unit._lazy_init()
     args, kwargs, call = forward.before_forward(unit._runtime, args, kwargs)
-    unit.calls.append((call, sys.exc_info()[1]))
+    unit.calls.append((call, sys.exc_info()[1], sys._getframe(1)))
     return args, kwargs
 
 
@@ -480,11 +483,26 @@ def _post_forward(module: nn.Module, args: Any, output: Any) -> Any:
     unit = _state(module)
     if not unit.calls:
         return None  # the pre-hook raised: nothing began
-    call, outer = unit.calls.pop()
+    call, outer, _ = unit.calls.pop()
     if sys.exc_info()[1] is not outer:  # raised since the pre-hook (not one an outer except is handling)
         forward.forward_failed(unit._runtime, call)
         return None
     return forward.after_forward(unit._runtime, call, output)
+
+
+def _end_interrupted_calls(unit: "_FullyShardUnit") -> None:
+    """Forwards begun whose module call is no longer running: a ``KeyboardInterrupt`` (any exception
+    not derived from ``Exception``) skips ``always_call`` post-hooks, so the unit (the root: every unit)
+    would stay in FORWARD. They end as a forward that raised does, before this forward begins."""
+    running = set()
+    frame = sys._getframe(1)
+    while frame is not None:
+        running.add(id(frame))
+        frame = frame.f_back
+    while unit.calls and id(unit.calls[-1][2]) not in running:
+        call, _, _ = unit.calls.pop()
+        if unit.training_state is TrainingState.FORWARD:  # (not already ended by its root's)
+            forward.forward_failed(unit._runtime, call)
 
 
 def _shard_in_place(module: nn.Module, options: Dict[str, Any], cast_forward_inputs: bool) -> nn.Module:
