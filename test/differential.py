@@ -12,7 +12,7 @@ reference computes in fp32, so this bounds bf16 rounding over a few steps, not a
 the wrong-reduction self-test runs in fp32); the same for fp32 parameters under autocast to bf16.
 
 Semantics that cannot equal unsharded training, and are kept out of the drawn programs (each has
-its own test): a flat shard only partly used in a step (warned, see ``xla_fsdp.unit.gradient_usage``),
+its own test): a flat shard only partly used in a step (warned, see ``xla_fsdp.unit.gradients``),
 BatchNorm running statistics (each rank's forward updates its own; they are not compared), and
 dropout (each rank draws masks for its own batch from its own generator; the reference draws one
 mask for the global batch: test_user_programs compares seeded dropout with every rank on the same
@@ -708,12 +708,12 @@ class _RecordedWarnings:
 
     def __enter__(self):
         self.log = self.caught.__enter__()
-        warnings.simplefilter("always", xla_fsdp.unit.gradient_usage.UnusedFlatParameterWarning)
+        warnings.simplefilter("always", xla_fsdp.unit.gradients.UnusedFlatParameterWarning)
         return self
 
     def __exit__(self, *exc):
         self.run.notes["warnings"] = sorted({str(w.message) for w in self.log if issubclass(
-            w.category, xla_fsdp.unit.gradient_usage.UnusedFlatParameterWarning)})
+            w.category, xla_fsdp.unit.gradients.UnusedFlatParameterWarning)})
         return self.caught.__exit__(*exc)
 
 

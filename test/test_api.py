@@ -14,7 +14,7 @@ import ranks
 from ranks import end_process_group
 from xla_fsdp import XlaFullyShardedDataParallel as FSDP, checkpoint_module
 from xla_fsdp.collectives import select_collectives
-from xla_fsdp.unit.freed import FreedParameter
+from xla_fsdp.unit.member_slots import FreedParameter
 from xla_fsdp.checkpoints.shard_merge import consolidate_sharded_state_dicts
 from xla_fsdp.wrap import enable_wrap, size_based_auto_wrap_policy, wrap
 

@@ -120,7 +120,8 @@ def test_only_small_groups_share_a_collective():
     data once more); the small ones share, and a lone small one is not 'shared' with nobody."""
     from types import SimpleNamespace
 
-    from xla_fsdp.unit.coalesce import SOLO_NUMEL, split_for_coalescing
+    from xla_fsdp.unit.options import SOLO_NUMEL
+    from xla_fsdp.unit.runtime import split_for_coalescing
 
     def groups(sizes, coalesces=True):
         comms = SimpleNamespace(coalesces=coalesces)

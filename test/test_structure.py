@@ -89,7 +89,7 @@ LAYERS = [
     ("entry points", ["xla_fsdp", "xla_fsdp.cli", "xla_fsdp.compat", "xla_fsdp.integrations",
                       "xla_fsdp.consolidate_sharded_ckpts", "xla_fsdp.resize", "xla_fsdp.reshard", "xla_fsdp.convert",
                       "xla_fsdp.inspect", "xla_fsdp.spmd"]),
-    ("FSDP2's API", ["xla_fsdp.fsdp2"]),
+    ("FSDP2's API", ["xla_fsdp.fsdp2", "xla_fsdp.fsdp2_keywords"]),
     ("public API", ["xla_fsdp.fully_sharded_data_parallel", "xla_fsdp.wrap", "xla_fsdp.remat", "xla_fsdp.strategy"]),
     ("checkpoints", ["xla_fsdp.checkpoints"]),
     ("unit life cycle", ["xla_fsdp.unit"]),
@@ -124,9 +124,9 @@ def test_imports_run_one_way():
 
 
 def test_the_layer_check_catches_an_upward_import():
-    graph = {"xla_fsdp.unit.backward": {"xla_fsdp.fully_sharded_data_parallel"},
+    graph = {"xla_fsdp.unit.step": {"xla_fsdp.fully_sharded_data_parallel"},
              "xla_fsdp.fully_sharded_data_parallel": set()}
-    assert layer_of("xla_fsdp.unit.backward") > layer_of("xla_fsdp.fully_sharded_data_parallel")
+    assert layer_of("xla_fsdp.unit.step") > layer_of("xla_fsdp.fully_sharded_data_parallel")
     assert cycles(graph) == []  # no circle, yet against the layers: the layer check is what finds it
 
 
@@ -167,7 +167,7 @@ def test_the_suites_litter_check_counts_only_its_own_processes(leaves, tmp_path)
 
 
 #: the unit's own files (the wrapper's shell, fully_shard's, and the runtime they hold): the only ones that
-#: touch a unit's private state (forward.py, backward.py and adoption.py use the runtime's public names)
+#: touch a unit's private state (step.py, root_setup.py and adoption.py use the runtime's public names)
 UNIT_CLASS_FILES = {"fully_sharded_data_parallel.py", "fsdp2.py", os.path.join("unit", "runtime.py"),
                     os.path.join("unit", "shell.py")}
 
@@ -203,3 +203,52 @@ def test_other_modules_use_a_unit_only_through_its_declared_interface():
     from xla_fsdp.unit.base import ShardedUnit
     # the declared methods are abstract: the wrapper implements every one (or it could not be built)
     assert len(ShardedUnit.__abstractmethods__) == 9 and not XlaFullyShardedDataParallel.__abstractmethods__
+
+
+#: the unit's files a training step runs through (issue 68: FSDP2's runs through 4, state -> param group ->
+#: param -> collectives): the hooks (step), the runtime with its step state and the collectives of several
+#: groups (runtime), the gather groups and their values (gather_group), where members sit in the module
+#: (member_slots), which groups get gradients and the shard gradient's type (gradients), what is freed when
+#: (freeing). The optimizer's step adds the check of what it was given (optimizer_check).
+STEP_FILES = {"step.py", "runtime.py", "gather_group.py", "member_slots.py", "gradients.py", "freeing.py"}
+
+
+def _files_one_step_runs(rank):
+    import torch
+    import torch.nn as nn
+    from xla_fsdp import XlaFullyShardedDataParallel as FSDP
+    torch.manual_seed(0)
+    # flat and per-parameter units, nested under a root with a parameter of its own; several small
+    # groups, so a coalescing transport (gloo) joins their collectives
+    model = FSDP(nn.Sequential(FSDP(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))),
+                               FSDP(nn.Linear(8, 8), flatten_parameters=False), nn.Linear(8, 2)))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randn(4, 8) + rank.rank
+    unit_dir = os.path.join(os.path.dirname(sys.modules["xla_fsdp"].__file__), "unit")
+    seen = {"step": set(), "optimizer": set()}
+    phase = []
+
+    def profile(frame, event, arg):
+        path = frame.f_code.co_filename
+        if event == "call" and path.startswith(unit_dir):
+            seen[phase[0]].add(os.path.relpath(path, unit_dir))
+
+    for traced in (False, False, True):  # the third step is traced: the first forward sets up the root
+        opt.zero_grad()
+        phase[:] = ["step"]
+        if traced:
+            sys.setprofile(profile)
+        model(x).sum().backward()
+        phase[:] = ["optimizer"]
+        opt.step()
+        sys.setprofile(None)
+    return {k: sorted(v) for k, v in seen.items()}
+
+
+def test_a_training_step_runs_through_six_unit_files():
+    """Forward, backward and the reduce-scatters of a step (2 gloo ranks, flat and per-parameter units,
+    coalesced collectives) enter exactly the six files of STEP_FILES; the optimizer's step adds one."""
+    from ranks import on_gloo
+    for files in on_gloo(_files_one_step_runs, 2):
+        assert set(files["step"]) == STEP_FILES, files["step"]
+        assert set(files["optimizer"]) - set(files["step"]) <= {"optimizer_check.py"}, files["optimizer"]

@@ -891,7 +891,7 @@ def _grad_types_around_steps(rank: int, world_size: int) -> Dict[str, Any]:
     """Per optimizer: the Python calls shard gradients made during ``step()``, their type after it, and
     the norm ``torch.nn.utils.clip_grad_norm_`` takes after it and inside a pre-hook of the optimizer's own
     (the first step, beside the unsharded model's norm for the same batch: every rank draws the same)."""
-    from xla_fsdp.unit.shard_grad import ShardGrad
+    from xla_fsdp.unit.gradients import ShardGrad
     torch.manual_seed(0)
     reference = nn.Sequential(nn.Linear(6, 8), nn.Linear(8, 3))
     torch.manual_seed(0)

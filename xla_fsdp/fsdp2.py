@@ -18,7 +18,6 @@ from __future__ import annotations
 import abc
 import dataclasses
 import sys
-import warnings
 import weakref
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
@@ -29,16 +28,16 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 # that binds ``torch.distributed.fsdp.fully_shard`` to ours must not make ours call itself
 from torch.distributed.fsdp._fully_shard._fully_shard import fully_shard as _upstream_fully_shard
 
+from . import fsdp2_keywords
 from .collectives import resolve_transport
 from .fully_sharded_data_parallel import XlaFullyShardedDataParallel
-from .unit import construction, forward, freeing, group_values, param_names, summon
+from .unit import construction, freeing, gather_group, param_names, step, summon
 from .unit.base import UNIT_ATTR, is_unit
-from .unit.schedule import TrainingState
+from .unit.runtime import TrainingState
 
 __all__ = ["CPUOffloadPolicy", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy", "UnshardHandle",
            "fully_shard"]
 
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _DEFAULT_MP, _NO_OFFLOAD = MixedPrecisionPolicy(), OffloadPolicy()  # FSDP2's defaults (frozen dataclasses)
 
 
@@ -76,7 +75,7 @@ class FSDPModule(metaclass=abc.ABCMeta):  # noqa: B024 - an ABC for register(), 
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Whether forward frees the full parameters (re-gathered in backward)."""
-        _check_reshard_value(reshard_after_forward)
+        fsdp2_keywords.check_reshard_value(reshard_after_forward)
         for unit in _units(self, recurse):
             # True reshards to every rank; an explicit value holds for the root too (as in FSDP2)
             unit.freeing = freeing.with_after_forward(unit.freeing, bool(reshard_after_forward), explicit=True)
@@ -163,7 +162,7 @@ def fully_shard(module: Union[nn.Module, List[nn.Module]], *, mesh: Optional[Any
                                      shard_placement_fn=shard_placement_fn, mp_policy=mp_policy,
                                      offload_policy=offload_policy, ignored_params=ignored_params, **newer)
     if newer:
-        _check_upstream_takes(newer)
+        fsdp2_keywords.check_upstream_takes(newer, _upstream_fully_shard)
         raise NotImplementedError(
             "xla_fsdp.fully_shard on XLA: dp_mesh_dims (a full SPMD mesh whose parameters are DTensors) is not "
             "supported; pass mesh=None (every XLA device) or a 1-D mesh, and leave dp_mesh_dims unset")
@@ -171,7 +170,7 @@ def fully_shard(module: Union[nn.Module, List[nn.Module]], *, mesh: Optional[Any
         # FSDP2 gathers a list's parameters as one group; here each module is a unit of its own, which
         # trains alike (one gather per module instead of one for the list) and returns the list as FSDP2 does
         modules = list(module)
-        _check_list(modules)
+        fsdp2_keywords.check_list(modules)
         for m in modules:
             fully_shard(m, mesh=mesh, reshard_after_forward=reshard_after_forward,
                         shard_placement_fn=shard_placement_fn, mp_policy=mp_policy, offload_policy=offload_policy,
@@ -180,8 +179,8 @@ def fully_shard(module: Union[nn.Module, List[nn.Module]], *, mesh: Optional[Any
     if is_unit(module):
         raise ValueError(f"xla_fsdp.fully_shard: {type(module).__name__} is already sharded; call "
                          "fully_shard once per module")
-    options = _unit_options(module, mesh, reshard_after_forward, shard_placement_fn, mp_policy, offload_policy,
-                            ignored_params)
+    options = fsdp2_keywords.unit_options(module, mesh, reshard_after_forward, shard_placement_fn, mp_policy,
+                                          offload_policy, ignored_params)
     post_forward_size = options.pop("post_forward_size")
     on_meta = any(t.is_meta for _, m in construction.owned_modules(module)
                   for t in list(m._parameters.values()) + list(m._buffers.values()) if t is not None)
@@ -195,142 +194,6 @@ def fully_shard(module: Union[nn.Module, List[nn.Module]], *, mesh: Optional[Any
     if post_forward_size is not None:
         unit.freeing = freeing.with_pieces_within(unit.freeing, unit.comms.within_groups_of(post_forward_size))
     return module
-
-
-def _check_list(modules: List[Any]) -> None:
-    """A list of modules shards as one unit per module: each must be a module, none inside another,
-    no parameter in two of them (one unit per parameter)."""
-    owner: Dict[int, str] = {}
-    for i, m in enumerate(modules):
-        if not isinstance(m, nn.Module):
-            raise TypeError(f"xla_fsdp.fully_shard takes a module or a list of modules, not {type(m).__name__} "
-                            f"(item {i} of the list)")
-        label = f"{type(m).__name__} (item {i})"
-        for other in modules[:i]:
-            if any(sub is other for sub in m.modules()) or any(sub is m for sub in other.modules()):
-                raise ValueError(f"xla_fsdp.fully_shard: the list's modules {label} and "
-                                 f"{type(other).__name__} contain one another; list disjoint modules")
-        for name, p in m.named_parameters(remove_duplicate=False):
-            if id(p) in owner and owner[id(p)] != label:
-                raise NotImplementedError(
-                    f"xla_fsdp.fully_shard on XLA shards each module of a list as its own unit, and {label} shares "
-                    f"parameter '{name}' with {owner[id(p)]}: call fully_shard on their common parent instead")
-            owner[id(p)] = label
-
-
-def _check_upstream_takes(keywords: Dict[str, Any]) -> None:
-    """The TypeError PyTorch's ``fully_shard`` raises for a keyword the installed PyTorch lacks."""
-    import inspect
-    known = inspect.signature(_upstream_fully_shard).parameters
-    for name in keywords:
-        if name not in known:
-            raise TypeError(f"fully_shard() got an unexpected keyword argument '{name}' (the installed PyTorch, "
-                            f"{torch.__version__}, does not take it)")
-
-
-# ----------------------------------------------------------------------------- the settings
-def _unit_options(module: nn.Module, mesh: Any, reshard_after_forward: Any, shard_placement_fn: Any,
-                  mp_policy: MixedPrecisionPolicy, offload_policy: OffloadPolicy,
-                  ignored_params: Any) -> Dict[str, Any]:
-    """FSDP2's arguments as the unit's keywords, or an error naming what works instead."""
-    _check_mesh(mesh)
-    _check_ignored(module, ignored_params)
-    if shard_placement_fn is not None:
-        _check_placements(module, shard_placement_fn)
-    post_forward_size = None
-    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
-        reshard_after_forward = _int_reshard(reshard_after_forward, _world_size(mesh))
-        if not isinstance(reshard_after_forward, bool):
-            post_forward_size, reshard_after_forward = reshard_after_forward, True
-    param_dtype = mp_policy.param_dtype or torch.float32
-    reduce_dtype = mp_policy.reduce_dtype or param_dtype
-    for name, dtype in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype),
-                        ("output_dtype", mp_policy.output_dtype or torch.float32)):
-        if dtype not in _FLOAT_DTYPES:
-            raise ValueError(f"xla_fsdp.fully_shard: MixedPrecisionPolicy.{name} must be float32, bfloat16 or "
-                             f"float16, got {dtype}")
-    if reduce_dtype not in (param_dtype, torch.float32):
-        raise NotImplementedError(
-            f"xla_fsdp.fully_shard on XLA: reduce_dtype={reduce_dtype} with param_dtype={param_dtype} is not "
-            "supported; reduce in param_dtype (reduce_dtype=None) or in float32")
-    return dict(
-        reshard_after_forward=None if reshard_after_forward is None else bool(reshard_after_forward),
-        # FSDP2 keeps the root's parameters after forward only when reshard_after_forward is unset
-        disable_reshard_on_root=reshard_after_forward is None,
-        flatten_parameters=False, shard_param_on_dim_0=True,
-        compute_dtype=param_dtype, fp32_reduce_scatter=reduce_dtype == torch.float32 != param_dtype,
-        output_dtype=mp_policy.output_dtype,
-        cpu_offload=offload_policy if isinstance(offload_policy, CPUOffloadPolicy) else False,
-        post_forward_size=post_forward_size,  # taken out again by fully_shard
-    )
-
-
-def _check_ignored(module: nn.Module, ignored_params: Any) -> None:
-    """FSDP2's ``ignored_params`` are the module's parameters it leaves alone: not sharded, their
-    gradients not reduced. fully_shard marks each so the unit does not take it (unit/construction.py)."""
-    if not ignored_params:
-        return
-    own = {id(p) for p in module.parameters()}
-    for p in ignored_params:
-        if not isinstance(p, nn.Parameter) or id(p) not in own:
-            raise ValueError("xla_fsdp.fully_shard: ignored_params must hold parameters of the module passed to "
-                             f"fully_shard; got {type(p).__name__} of shape {tuple(getattr(p, 'shape', ()))}")
-
-
-def _check_mesh(mesh: Any) -> None:
-    if mesh is None:
-        return
-    if getattr(mesh, "ndim", 1) != 1:
-        raise NotImplementedError(
-            "xla_fsdp.fully_shard on XLA: a 2-D mesh (HSDP) is not supported; use "
-            "XlaFullyShardedDataParallel(sharding_strategy='HYBRID_SHARD', hybrid_shard_size=N)")
-    import torch_xla.runtime as xr
-    if mesh.size() != xr.world_size():
-        raise NotImplementedError(
-            f"xla_fsdp.fully_shard on XLA: the mesh has {mesh.size()} devices, the job {xr.world_size()}; a 1-D "
-            "mesh over every device (or mesh=None) is supported")
-
-
-def _check_placements(module: nn.Module, fn: Callable[[nn.Parameter], Any]) -> None:
-    from torch.distributed.tensor import Shard
-    for name, param in module.named_parameters():
-        placement = fn(param)
-        if placement is not None and placement != Shard(0):
-            raise NotImplementedError(
-                f"xla_fsdp.fully_shard on XLA: shard_placement_fn gave {placement} for {name}; only Shard(0) "
-                "(the default) is supported")
-
-
-def _check_reshard_value(value: Any) -> None:
-    if isinstance(value, bool):
-        return
-    raise ValueError(
-        f"xla_fsdp: set_reshard_after_forward takes True or False, as FSDP2's does, not {value!r}; an int (the "
-        "size of the groups that keep the parameters' pieces from forward to backward) goes to "
-        "fully_shard(module, reshard_after_forward=N)")
-
-
-def _world_size(mesh: Any) -> int:
-    if mesh is not None:
-        return mesh.size()
-    import torch_xla.runtime as xr
-    return xr.world_size()
-
-
-def _int_reshard(value: Any, world_size: int) -> Union[bool, int]:
-    """FSDP2's int ``reshard_after_forward``, as FSDP2 reads it: the world size means True, 1 means
-    False (with FSDP2's warning), and a factor in between is the size of the groups of consecutive
-    ranks that keep the parameters' pieces from forward to backward (returned as the int)."""
-    if not isinstance(value, int) or value < 1 or value > world_size or world_size % value:
-        raise ValueError(f"xla_fsdp.fully_shard: reshard_after_forward as an int must be a factor of the world "
-                         f"size {world_size}, not {value!r} (or pass True or False)")
-    if value == world_size:
-        return True
-    if value == 1:
-        warnings.warn("reshard_after_forward=1 (int) means resharding parameters to world size 1, instead of "
-                      "reshard_after_forward=True (bool)", stacklevel=4)
-        return False
-    return value
 
 
 def _check_prefetch_list(modules: Iterable[Any], method: str) -> List[nn.Module]:
@@ -383,7 +246,7 @@ class _InPlaceModule(nn.Module):
         ``to_empty`` and the first forward the module already holds full parameters for the init (on
         the host with ``CPUOffloadPolicy``, so ``fn`` draws from the CPU generator, as unsharded)."""
         unit = _state(self)
-        if any(group_values.in_late_init(group) for group in unit.gather_groups):
+        if any(gather_group.in_late_init(group) for group in unit.gather_groups):
             return nn.Module.apply(self, fn)
         with summon.summon_full_params(self, recurse=False):
             return nn.Module.apply(self, fn)  # nested converted modules summon their own
@@ -414,7 +277,7 @@ class _FullyShardUnit(XlaFullyShardedDataParallel):
         self._init_checked = False  # whether a first forward found every meta-built unit given values
         self.awaiting_to_empty = False  # built from the meta device, not yet to_empty'd
         #: forwards begun: the call, the exception then in flight, and the frame running the module's call
-        self.calls: List[Tuple[forward.ForwardCall, Any, Any]] = []
+        self.calls: List[Tuple[step.ForwardCall, Any, Any]] = []
 
     def _settings(self, settings: Any) -> Any:
         return dataclasses.replace(settings, buffer_dtype=None)  # FSDP2 leaves buffers as they are
@@ -472,7 +335,7 @@ def _pre_forward(module: nn.Module, args: Any, kwargs: Any) -> Tuple[Any, Any]:
         _end_interrupted_calls(unit)
     unit.before_first_forwards()
     unit._lazy_init()
-    args, kwargs, call = forward.before_forward(unit._runtime, args, kwargs)
+    args, kwargs, call = step.before_forward(unit._runtime, args, kwargs)
     unit.calls.append((call, sys.exc_info()[1], sys._getframe(1)))
     return args, kwargs
 
@@ -485,9 +348,9 @@ def _post_forward(module: nn.Module, args: Any, output: Any) -> Any:
         return None  # the pre-hook raised: nothing began
     call, outer, _ = unit.calls.pop()
     if sys.exc_info()[1] is not outer:  # raised since the pre-hook (not one an outer except is handling)
-        forward.forward_failed(unit._runtime, call)
+        step.forward_failed(unit._runtime, call)
         return None
-    return forward.after_forward(unit._runtime, call, output)
+    return step.after_forward(unit._runtime, call, output)
 
 
 def _end_interrupted_calls(unit: "_FullyShardUnit") -> None:
@@ -502,7 +365,7 @@ def _end_interrupted_calls(unit: "_FullyShardUnit") -> None:
     while unit.calls and id(unit.calls[-1][2]) not in running:
         call, _, _ = unit.calls.pop()
         if unit.training_state is TrainingState.FORWARD:  # (not already ended by its root's)
-            forward.forward_failed(unit._runtime, call)
+            step.forward_failed(unit._runtime, call)
 
 
 def _shard_in_place(module: nn.Module, options: Dict[str, Any], cast_forward_inputs: bool) -> nn.Module:
@@ -557,4 +420,4 @@ def _give_dtensor_calls(group: Any) -> None:
     shard.placements = (Shard(0),)
     shard.device_mesh = _NO_DEVICE_MESH
     shard.to_local = lambda: param()[:own_rows]
-    shard.full_tensor = lambda: group_values.gather_values(unit_group())[0]
+    shard.full_tensor = lambda: gather_group.gather_values(unit_group())[0]

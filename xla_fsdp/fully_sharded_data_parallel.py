@@ -10,8 +10,8 @@ A unit owns the parameters of its module that no nested unit owns, split into
 The wrapper is a shell with torch_xla's names: its constructor plans the transport and strategy,
 resolves the settings (``unit/settings.py``), takes the module's parameters as gather groups
 (``unit/adoption.py``) and builds the unit's runtime (``unit/runtime.py``), which holds the groups,
-the step state and the root context. A step reads top to bottom in ``unit/forward.py`` then
-``unit/backward.py``, functions of that runtime.
+the step state and the root context. A step reads top to bottom in ``unit/step.py``, functions of
+that runtime (the root's first forward sets up in ``unit/root_setup.py``).
 """
 from __future__ import annotations
 
@@ -27,16 +27,16 @@ import torch.nn as nn
 from .checkpoints.files import CheckpointError
 from .collectives import resolve_transport, shared_collectives
 from .strategy import plan_for_unit, resolve_torch_group_keywords
-from .unit import construction, forward, freeing, param_names, summon, tied
+from .unit import construction, freeing, param_names, root_setup, step, summon, tied
 from .unit.adoption import adopt
 from .unit.base import ShardedUnit
-from .unit.coalesce import SOLO_NUMEL
+from .unit.options import SOLO_NUMEL
 from .unit.gather_group import GatherGroup
 from .unit.module_view import torch_xla_view
 from .unit.offload import HostOffload, shards_held_back
 from .unit.param_names import WRAPPED
 from .unit.runtime import UnitRuntime
-from .unit.schedule import TrainingState
+from .unit.runtime import TrainingState
 from .unit.options import args_section
 from .unit.shell import (DEEPCOPY_REFUSED, FlattenFlag, on_tpu, options_from_keywords, setting_attributes,
                           take_before_state_dict)
@@ -131,7 +131,7 @@ class XlaFullyShardedDataParallel(ShardedUnit):
         self._module_view: Optional[nn.Module] = None
         self._channels = comms.allocate_channels(3)  # norms, control collectives, their replica sums
         self._runtime = UnitRuntime(module, comms, settings, adopted.groups, offload, self._module_call(),
-                                    adopted.rank_0_buffers)
+                                    adopted.rank_0_buffers, step.on_full_grad_ready)
         self._runtime.follow_requires_grad()
         if settings.sync_module_states and not comms.ranks_share_a_process:
             self._runtime.take_deferred_values()
@@ -163,11 +163,11 @@ class XlaFullyShardedDataParallel(ShardedUnit):
         """At the root's first forward (or ``no_sync``, ``clip_grad_norm_``): the root's units get its
         context and their effective settings."""
         if self._runtime.state.is_root is None:
-            forward.lazy_init(self._runtime, [(p, u._runtime) for p, u in param_names.named_units(self)])
+            root_setup.lazy_init(self._runtime, [(p, u._runtime) for p, u in param_names.named_units(self)])
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._lazy_init()
-        return forward.forward(self._runtime, args, kwargs)
+        return step.forward(self._runtime, args, kwargs)
 
     # ------------------------------------------------------------------ settings (torch_xla's attributes)
     # One attribute per setting UnitSettings declares fixed() or step() (``setting_attributes``): fixed ones

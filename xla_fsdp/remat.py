@@ -29,7 +29,7 @@ def _xla_checkpoint(fn, args: tuple, kwargs: dict) -> Any:
 
     def positional(*inputs: Any) -> Any:
         return fn(*inputs[:n], **dict(zip(tensor_keys, inputs[n:])), **others)
-    positional.recomputes_a_unit = True  # told apart from a program's own checkpoint (see gradient_usage)
+    positional.recomputes_a_unit = True  # told apart from a program's own checkpoint (see unit/gradients.py)
     return xla_checkpoint.checkpoint(positional, *args, *(kwargs[k] for k in tensor_keys))
 
 

@@ -120,7 +120,7 @@ def build_group(refs: List[ParamRef], comms: Collectives, *, flat: bool, dim0: b
     rank_0_takes = None
     if sync_from_rank_0 and not storage_only:
         # Rank 0's values (``sync_module_states``): where the ranks are threads of one process they are
-        # taken at the root's first forward (group_values.take_rank_0_values), since a rank building
+        # taken at the root's first forward (gather_group.take_rank_0_values), since a rank building
         # under the program's lock cannot wait here for a peer still waiting for that lock.
         takes = [comms.start_broadcast_from_rank_0(s) for s in sources]
         if comms.ranks_share_a_process:

@@ -39,7 +39,7 @@ class ShardedUnit(nn.Module, metaclass=abc.ABCMeta):
     gather_groups: List["GatherGroup"]
     #: parameter slots of the wrapped module left to an enclosing unit (a parameter tied across units)
     tied_slots_left: List[Any]
-    #: where the unit is in the current step (``step_state.StepState``: training state, root, ...)
+    #: where the unit is in the current step (``runtime.StepState``: training state, root, ...)
     step_state: Any
     #: the parameter attributes of every module the unit owns, in registration order, as built
     param_attrs: Dict[nn.Module, Tuple[str, ...]]

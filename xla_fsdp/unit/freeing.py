@@ -6,7 +6,7 @@ A unit's :class:`FreeingPolicy` is frozen and made here only: from the settings 
 is what it does. The unit's forward and backward ask the functions below what to do at each point of
 a step, and do what they answer; the hand-offs between units of one root (a unit freed when the next
 starts, the last one kept for backward, what a prefetch list gathered) are done here, on the root's
-context (``step_state.RootContext``).
+context (``runtime.RootContext``).
 """
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tupl
 import torch
 import torch.nn as nn
 
-from .shard_grad import run_post_accumulate_hooks
+from .gradients import run_post_accumulate_hooks
 
 STORAGE_DTYPES = (None, torch.float32, torch.bfloat16)
 
@@ -101,7 +101,7 @@ class HostOffload:
     def add_grad(self, shard: torch.Tensor, reduced: torch.Tensor,
                  as_grad: Callable[[torch.Tensor], torch.Tensor] = lambda g: g) -> None:
         """Add a reduced device gradient shard to the host shard's ``grad`` (a new ``grad`` is
-        made ``as_grad(host tensor)``: the shard gradient type, see shard_grad.py)."""
+        made ``as_grad(host tensor)``: the shard gradient type, see gradients.ShardGrad)."""
         if self.lazy:
             self._waiting.append((shard, reduced, as_grad))
         else:
@@ -142,6 +142,14 @@ class HostOffload:
             torch.accelerator.current_stream(self.device).synchronize()
             self._copies_in_flight = False
 
+    def barrier_sources(self, groups: Iterable[Any]) -> List[torch.Tensor]:
+        """What a unit's optimization barrier covers with offload: on XLA the device copies that the
+        coming all-gathers will read (staged on the groups now; the unit gathers right after its barrier
+        exactly the groups not gathered yet: XLA never prefetches). Without offload it is the shards."""
+        if not self.lazy:
+            return []  # eager devices have no barriers
+        return [self.stage(g.shard, g.compute_dtype) for g in groups if not g.is_unsharded()]
+
 
 def land_gradients(offloads: Iterable[HostOffload], sync: Callable[[], None]) -> None:
     """End of the root's backward: every gradient shard of these units reaches its host ``grad``.
@@ -161,17 +169,6 @@ def land_gradients(offloads: Iterable[HostOffload], sync: Callable[[], None]) ->
             position += len(o._waiting)
     for o in offloads:
         o.land(values.get(id(o)))
-
-
-def barrier_sources(offload: Optional[HostOffload], groups: Iterable[Any]) -> List[torch.Tensor]:
-    """The tensors a unit's optimization barrier covers: its shards, or with offload on XLA the
-    device copies that the coming all-gathers will read (staged on the groups now; the unit gathers
-    right after its barrier exactly the groups not gathered yet: XLA never prefetches)."""
-    if offload is None:
-        return [g.shard for g in groups]
-    if not offload.lazy:
-        return []  # eager devices have no barriers
-    return [offload.stage(g.shard, g.compute_dtype) for g in groups if not g.is_unsharded()]
 
 
 @contextlib.contextmanager

@@ -208,7 +208,7 @@ def _plain_grads_for_step(optimizer: torch.optim.Optimizer) -> None:
             or next(reversed(torch_optimizer._global_optimizer_pre_hooks.values()), None) is not _check
             or next(iter(optimizer._optimizer_step_post_hooks.values()), None) is not after_step):
         return
-    from .shard_grad import ShardGrad
+    from .gradients import ShardGrad
     plain = []
     watch = _watch(optimizer)
     for group in watch.groups:
@@ -225,7 +225,7 @@ def after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None
     watch = _watch(optimizer)
     plain, watch.plain_grads = watch.plain_grads, []
     if plain:
-        from .shard_grad import ShardGrad
+        from .gradients import ShardGrad
         for grad in plain:
             grad.__class__ = ShardGrad
     sync_after_step(optimizer, args, kwargs)

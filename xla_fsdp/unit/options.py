@@ -10,7 +10,10 @@ import torch
 import torch.nn as nn
 
 from .offload import check_storage_dtype, offload_requested
-from .coalesce import SOLO_NUMEL
+
+#: a group whose full size reaches this many elements (4 MiB in fp32) gets collectives of its own:
+#: coalescing costs a copy of the full data (rank-major columns), dearer than one more call
+SOLO_NUMEL = 1 << 20
 
 _FLOAT_DTYPES = (None, torch.float32, torch.float16, torch.bfloat16)
 

@@ -3,31 +3,136 @@
 
 A unit's wrapper (``XlaFullyShardedDataParallel``, or the module ``fully_shard`` converted) is a shell:
 it holds one runtime, built with what it needs (module, collectives, settings, gather groups), and
-hands forward and its methods to it. The runtime owns the gather groups (storage: see
-``gather_group.py``), the unit's per-step state (``StepState``), the root context the units of one
-root share (``RootContext``), and the steps on its groups: unshard, free after forward, free after
-backward. What to free when is asked of ``freeing.py``; the forward and backward steps that move a
-unit through its states are functions of a runtime in ``forward.py`` and ``backward.py``.
+hands forward and its methods to it. This file holds, in order: where a unit is in its step
+(``TrainingState``, ``Schedule``: the order a root's units ran forward, ``StepState``, ``RootContext``:
+what the units under one root share); the runtime, which owns the gather groups (storage: see
+``gather_group.py``) and does the steps on them: unshard (and prefetch), free after forward, free after
+backward; then the collectives of several groups at once (small groups share one all-gather and one
+reduce-scatter on transports that coalesce) and a gradient's way to the shard (padded, divided,
+accumulated). What to free when is asked of ``freeing.py``; the hooks that move a unit through its
+states are ``step.py``'s, functions of a runtime.
 """
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
-from typing import Any, Callable, List, Optional, Sequence, Set, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.nn as nn
 
-from . import construction, freeing, group_values
-from .backward import on_full_grad_ready
-from .coalesce import start_unshard
+from . import construction, freeing, gather_group
+from ..sharding import flatten_and_pad, pad_dim0
 from .gather_group import GatherGroup
-from .offload import HostOffload, barrier_sources
-from .schedule import TrainingState
+from .gradients import GradientPlan, as_shard_grad, run_post_accumulate_hooks, run_shard_hooks, tensors_in
+from .offload import HostOffload
+from .options import SOLO_NUMEL
 from .settings import UnitSettings
-from .step_state import RootContext, StepState
-from .tensor_tree import tensors_in
 
+
+# ====================================================================== where a unit is in its step
+# FSDP2 keeps the same apart from its module, in ``FSDPState`` and its root's state context: one
+# ``StepState`` per unit, one ``RootContext`` per root; nothing here outlives a step's logic.
+
+
+class TrainingState(enum.Enum):
+    """Where a unit is in its step. The unit branches on it: forward and ``summon_full_params`` refuse
+    a unit that is not IDLE, a unit's later pre-backward hooks pass once it is BACKWARD_PRE, and
+    backward prefetches skip units whose backward began (``StepState.backward_began``)."""
+    IDLE = "idle"
+    FORWARD = "forward"
+    BACKWARD_PRE = "backward_pre"
+    BACKWARD_POST = "backward_post"
+
+
+class Schedule:
+    """The order in which the units under one root ran forward, for prefetching. Backward runs
+    them in reverse, so a unit prefetches its forward successor in forward and its predecessor in
+    backward. Every rank records the same order, so their collectives still pair up. (What is freed
+    when is ``freeing.py``'s; the rest of a step's state is the root's ``RootContext``.)"""
+
+    def __init__(self) -> None:
+        self.recording: List["UnitRuntime"] = []
+        self._position: Dict[int, int] = {}
+        self._order: List["UnitRuntime"] = []
+
+    def start(self) -> None:
+        """The root's forward begins: record anew."""
+        self.recording = []
+
+    def record(self, unit: "UnitRuntime") -> None:
+        self.recording.append(unit)
+
+    def end_forward(self) -> None:
+        """The root's forward has returned: what was recorded becomes the order."""
+        self._order, self.recording = self.recording, []
+        self._position = {}
+        for index, unit in enumerate(self._order):
+            self._position.setdefault(id(unit), index)
+
+    def ran_forward(self, unit: "UnitRuntime") -> bool:
+        """Whether ``unit`` ran in the last forward."""
+        return id(unit) in self._position
+
+    def neighbour(self, unit: "UnitRuntime", step: int) -> Optional["UnitRuntime"]:
+        index = self._position.get(id(unit))
+        if index is None or not 0 <= index + step < len(self._order):
+            return None
+        return self._order[index + step]
+
+
+@dataclass(eq=False)
+class StepState:
+    """One unit's per-step state."""
+
+    #: IDLE / FORWARD / BACKWARD_PRE / BACKWARD_POST (``unit.training_state``, torch_xla's name)
+    training_state: TrainingState = TrainingState.IDLE
+    #: whether this unit is the root: None until its first forward decides
+    is_root: Optional[bool] = None
+    #: False inside ``no_sync()``: gradients accumulate unreduced
+    require_backward_grad_sync: bool = True
+    #: full gradients that are ready, waiting for the unit's other groups to reduce together
+    pending_grads: List[Tuple[GatherGroup, torch.Tensor]] = field(default_factory=list)
+    #: a started gather (a prefetch) to wait for
+    unshard_in_flight: Optional[Callable[[], None]] = None
+
+    @property
+    def backward_began(self) -> bool:
+        """Whether this step's backward reached the unit (its parameters were gathered for it)."""
+        return self.training_state in (TrainingState.BACKWARD_PRE, TrainingState.BACKWARD_POST)
+
+
+@dataclass(eq=False)
+class RootContext:
+    """What the units under one root share: made by the root at its first forward and handed to
+    every unit under it (one object, not copies kept in step)."""
+
+    #: the root's units (runtimes), itself first, in module order
+    units: List[Any] = field(default_factory=list)
+    #: each unit's original-name prefix ("" for the root), for messages that name a parameter
+    prefixes: List[str] = field(default_factory=list)
+    #: reduce-scatters started but not yet waited for, finished in the order they started on every rank
+    reduces_in_flight: List[ReduceInFlight] = field(default_factory=list)
+    #: the order the root's units ran forward, which prefetching follows
+    schedule: Schedule = field(default_factory=Schedule)
+    #: the unit freed when the next one starts forward, and the one that ended forward last, kept
+    #: gathered for backward (``freeing.py`` hands them on)
+    free_when_next_starts: Optional[Any] = None
+    kept_for_backward: Optional[Any] = None
+    #: units gathered this forward by another's FSDP2 prefetch list (freed at its end if unused)
+    prefetched: List[Any] = field(default_factory=list)
+    #: which groups get gradients in this step, agreed by the ranks (``gradients.GradientPlan``)
+    plan: Optional[GradientPlan] = None
+    #: the autograd graph task of the root's backward (a nested one is a reentrant checkpoint's)
+    backward_task: Optional[int] = None
+    #: the root's gather groups that train, and whether each forward plans which get gradients
+    trainable_groups: List[GatherGroup] = field(default_factory=list)
+    plans_gradients: bool = False
+
+
+# ====================================================================================== the runtime
 #: (module, buffer name, the buffer as built, its version then, rank 0's value to take)
 Rank0Buffer = Tuple[nn.Module, str, torch.Tensor, int, Callable[[], torch.Tensor]]
 
@@ -37,7 +142,8 @@ class UnitRuntime:
 
     def __init__(self, module: nn.Module, comms: Any, settings: UnitSettings, groups: List[GatherGroup],
                  offload: Optional[HostOffload], run_module: Callable[..., Any],
-                 rank_0_buffers: List[Rank0Buffer]) -> None:
+                 rank_0_buffers: List[Rank0Buffer],
+                 on_grad_ready: Callable[["UnitRuntime", GatherGroup, torch.Tensor], None]) -> None:
         #: the wrapped module (its call, ``run_module``, is the unit's forward with parameters gathered)
         self.module = module
         self.comms = comms
@@ -60,6 +166,8 @@ class UnitRuntime:
         #: groups that train, which a coalescing transport reduces together
         self.num_grad_groups = 0
         self._rank_0_buffers = rank_0_buffers
+        #: the step's post-accumulate-grad hook on a training group's full parameter (``step.on_full_grad_ready``)
+        self._on_grad_ready = on_grad_ready
         self._watched: Set[int] = set()  # ids of groups whose full parameter has the gradient hook
         self._module_ids: Optional[Set[int]] = None
 
@@ -105,7 +213,7 @@ class UnitRuntime:
                         group.refill_freed_members()
             pending = [g for g in self.groups if not g.is_unsharded()]
             if pending:
-                self.state.unshard_in_flight = start_unshard(pending, backward, refill_saved,
+                self.state.unshard_in_flight = start_groups_unshard(pending, backward, refill_saved,
                                                              self.settings.solo_collective_numel)
 
     @property
@@ -149,9 +257,10 @@ class UnitRuntime:
         """What this unit's optimization barrier covers: its own sources and the listed units'. Where
         the compiler keeps barriers (TPU) they place the gathers in the step (backward's takes the
         incoming gradient), so a listed unit's gather comes here, ahead of its use, not earlier."""
-        sources = barrier_sources(self.offload, self.groups)
-        for unit in listed:
-            sources += barrier_sources(unit.offload, unit.groups)
+        sources: List[torch.Tensor] = []
+        for unit in [self, *listed]:
+            offload = unit.offload
+            sources += [g.shard for g in unit.groups] if offload is None else offload.barrier_sources(unit.groups)
         return sources
 
     # ------------------------------------------------------------------ free
@@ -199,7 +308,7 @@ class UnitRuntime:
         for group in self.groups:
             changed |= group.follow_requires_grad()
             if group.requires_grad and id(group) not in self._watched:
-                group.full.register_post_accumulate_grad_hook(functools.partial(on_full_grad_ready, self, group))
+                group.full.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, self, group))
                 self._watched.add(id(group))
         self.num_grad_groups = sum(g.requires_grad for g in self.groups)
         return changed
@@ -232,8 +341,8 @@ class UnitRuntime:
         loaded into the shards) is kept. Called before anything reads the shards: the root's first
         forward, ``summon_full_params``, ``state_dict``."""
         for group in self.groups:
-            group_values.finish_late_init(group)
-            group_values.take_rank_0_values(group)
+            gather_group.finish_late_init(group)
+            gather_group.take_rank_0_values(group)
         buffers, self._rank_0_buffers = self._rank_0_buffers, []
         with torch.no_grad():
             for m, name, built, version, take in buffers:
@@ -248,8 +357,180 @@ class UnitRuntime:
         init wrote; its buffers get uninitialized storage there, as ``nn.Module.to_empty`` gives.
         On XLA the full tensors are lazy: the device computes each one where its shard is cut."""
         for group in self.groups:
-            group_values.begin_late_init(group, device)
+            gather_group.begin_late_init(group, device)
         for _, m in construction.owned_modules(self.module):
             for name, b in list(m._buffers.items()):
                 if b is not None:
                     m._buffers[name] = construction.empty_on(b, self.comms.device)
+
+
+# ================================================================= several groups in one collective
+# Starting a unit's collectives over several gather groups at once: small groups share one
+# all-gather and one reduce-scatter on transports that coalesce (fewer, larger messages); large ones get
+# their own. What is started here is finished by the returned function (gathers) or
+# :class:`ReduceInFlight` (reduce-scatters).
+
+
+def split_for_coalescing(groups: List[GatherGroup], solo_numel: int = SOLO_NUMEL
+                         ) -> Tuple[List[GatherGroup], List[GatherGroup]]:
+    """(groups with collectives of their own, groups sharing one): only on coalescing transports
+    and only groups under ``solo_numel`` elements share, since sharing copies the data once more."""
+    if len(groups) == 1 or not groups[0].comms.coalesces:
+        return list(groups), []
+    shared = [g for g in groups if g.layout.padded_numel < solo_numel]
+    if len(shared) < 2:
+        return list(groups), []
+    return [g for g in groups if g.layout.padded_numel >= solo_numel], shared
+
+
+def start_groups_unshard(groups: List[GatherGroup], backward: bool = False, refill_saved: bool = False,
+                  solo_numel: int = SOLO_NUMEL) -> Callable[[], None]:
+    """Begin all-gathering a unit's groups; the returned function waits and installs them.
+
+    Small groups on transports that coalesce share one collective: their shards are concatenated
+    (cast to the compute dtype), gathered as ``(world_size, total)`` and each group's columns
+    copied into its full parameter in rank order. The others gather straight into their own."""
+    solo, shared = split_for_coalescing(groups, solo_numel)
+    finishes = [g.start_unshard(backward, refill_saved) for g in solo]
+    if shared:
+        finishes.append(_start_shared_unshard(shared, backward, refill_saved))
+
+    def finish_each() -> None:
+        for finish in finishes:
+            finish()
+    return finish_each
+
+
+def _start_shared_unshard(groups: List[GatherGroup], backward: bool, refill_saved: bool) -> Callable[[], None]:
+    comms = groups[0].comms
+    shards = [g.gather_source().detach().reshape(-1).to(g.compute_dtype) for g in groups]
+    channel = groups[0].channel_backward if backward else groups[0].channel_forward
+    versions = [g.shard._version for g in groups]
+    wait = comms.start_all_gather(torch.cat(shards), channel)
+
+    def finish() -> None:
+        gathered = wait().view(comms.world_size, -1)
+        offset = 0
+        for group, shard, version in zip(groups, shards, versions):
+            n = shard.numel()
+            comms.fill_full(group.full, gathered[:, offset:offset + n], group.padded_shape, group._unpad)
+            offset += n
+            group.mark_unsharded(version)
+            group.install(refill_saved)
+    return finish
+
+
+class ReduceInFlight:
+    """A started reduce-scatter of one or more groups' gradients. :meth:`finish` waits for it,
+    sums over replicas, divides and accumulates every group's block into its shard gradient."""
+
+    def __init__(self, groups: List[GatherGroup], widths: List[int], wait: Callable[[], torch.Tensor],
+                 post_divide: float):
+        self.groups, self.widths, self.wait, self.post_divide = groups, widths, wait, post_divide
+
+    def finish(self) -> None:
+        group0 = self.groups[0]
+        reduced = group0.comms.all_reduce_replicas(self.wait(), group0.channel_replicas)
+        if len(self.groups) == 1:
+            accumulate_shard_grad(group0, shard_grad_of(group0, reduced, self.post_divide))
+            return
+        reduced = reduced.reshape(-1)
+        offset = 0
+        for group, n in zip(self.groups, self.widths):
+            accumulate_shard_grad(group, shard_grad_of(group, reduced[offset:offset + n], self.post_divide))
+            offset += n
+
+
+def start_groups_reduce(groups: List[GatherGroup], grads: List[torch.Tensor], pre_divide: float,
+                 post_divide: float, fp32_reduce_scatter: bool,
+                 solo_numel: int = SOLO_NUMEL) -> List[ReduceInFlight]:
+    """Start the reduce-scatters of a unit's full gradients: one per large group, one for the small
+    groups together (see :func:`split_for_coalescing`)."""
+    solo, shared = split_for_coalescing(groups, solo_numel)
+    grad_of = dict(zip(map(id, groups), grads))
+    started = [_start_reduce([g], [grad_of[id(g)]], pre_divide, post_divide, fp32_reduce_scatter) for g in solo]
+    if shared:
+        started.append(_start_reduce(shared, [grad_of[id(g)] for g in shared], pre_divide, post_divide,
+                                     fp32_reduce_scatter))
+    return started
+
+
+def _start_reduce(groups: List[GatherGroup], grads: List[torch.Tensor], pre_divide: float,
+                  post_divide: float, fp32_reduce_scatter: bool) -> ReduceInFlight:
+    """One reduce-scatter for the full gradients of ``groups`` (several groups' padded gradients
+    side by side, as ``(world_size, total)`` columns, so each rank's block holds its block of every
+    group)."""
+    comms = groups[0].comms
+    padded = [grad_to_reduce(g, grad, pre_divide, fp32_reduce_scatter) for g, grad in zip(groups, grads)]
+    if len(groups) == 1:
+        return ReduceInFlight(groups, [padded[0].numel() // comms.world_size],
+                              comms.start_reduce_scatter(padded[0], groups[0].channel_reduce), post_divide)
+    blocks = [p.reshape(comms.world_size, -1) for p in padded]
+    dtype = torch.float32 if any(b.dtype == torch.float32 for b in blocks) else blocks[0].dtype
+    joined = torch.cat([b.to(dtype) for b in blocks], dim=1).reshape(-1)
+    return ReduceInFlight(groups, [b.shape[1] for b in blocks],
+                          comms.start_reduce_scatter(joined, groups[0].channel_reduce), post_divide)
+
+
+# =============================================================== a gradient on its way to the shard
+# A gather group's gradient on its way to the shard: the full gradient padded to the group's layout
+# and pre-divided, this rank's reduced block divided again and cast to the shard's dtype, then added to
+# the shard's ``.grad`` (through the program's hooks, and to the host with offload). The reduction
+# itself is ``backward.py``'s (one group) or ``coalesce.py``'s (several groups in one collective).
+
+
+def grad_to_reduce(group: GatherGroup, grad: torch.Tensor, pre_divide: float,
+                   fp32_reduce_scatter: bool) -> torch.Tensor:
+    """The padded, pre-divided full gradient, ready to reduce-scatter."""
+    padded = _pad(group, grad)  # the unit owns this gradient now: divide in place
+    if pre_divide != 1:
+        padded.div_(pre_divide)
+    if fp32_reduce_scatter and padded.dtype != torch.float32:
+        padded = padded.to(torch.float32)
+    return padded
+
+
+def shard_grad_of(group: GatherGroup, reduced: torch.Tensor, post_divide: float) -> torch.Tensor:
+    """This rank's reduced block as a shard gradient (divided in fp32, then in the shard's dtype)."""
+    if reduced.dtype != torch.float32:
+        reduced = reduced.to(torch.float32)
+    if post_divide != 1:
+        reduced.div_(post_divide)
+    if reduced.dtype != group.shard.dtype:  # param_storage_dtype=bfloat16
+        reduced = reduced.to(group.shard.dtype)
+    if reduced.shape == group.shard.shape:
+        return reduced  # not a view: on XLA a live view and its live base are two graph outputs
+    return reduced.view(group.shard.shape)
+
+
+def accumulate_shard_grad(group: GatherGroup, reduced: torch.Tensor) -> None:
+    """Add this rank's block to the shard's ``.grad`` (as the program's hooks change it)."""
+    shard = group.shard
+    reduced = run_shard_hooks(shard, reduced)
+    of_shard = lambda grad: as_shard_grad(grad, group.comms, group.channel_grad_norm)
+    if group.offload is not None:  # to the host (at the end of backward on XLA)
+        group.offload.add_grad(shard, reduced, of_shard)
+        return
+    if shard.grad is None:
+        shard.grad = of_shard(reduced)
+    else:
+        shard.grad += reduced
+        of_shard(shard.grad)  # (left plain by an optimizer step that raised: see optimizer_check)
+    run_post_accumulate_hooks(shard)
+
+
+def _pad(group: GatherGroup, grad: torch.Tensor) -> torch.Tensor:
+    layout = group.layout
+    if layout.padding == 0:  # nothing to pad (one rank, or sizes that divide evenly)
+        if tuple(grad.shape) == tuple(group.padded_shape):
+            return grad
+        padded = grad.reshape(group.padded_shape)
+        # Eager: a view, no copy. Lazy (XLA): at one rank the shard gradient would be that view, and a live
+        # view keeps its base live, so both would be outputs of the step graph (one more
+        # full-size write per parameter); a lazy clone costs nothing, and the base is dropped.
+        return padded if group.comms.views_see_refills else padded.clone()
+    if group.dim0:
+        return pad_dim0(grad, layout)
+    if group.flat:
+        return grad
+    return flatten_and_pad([grad], layout)

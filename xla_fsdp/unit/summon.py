@@ -1,7 +1,7 @@
 """The full parameters of a wrapped model outside forward and backward: ``summon_full_params``.
 
 Between steps a unit keeps only its shards; the module's parameter attributes hold no data (see
-:mod:`xla_fsdp.unit.freed`). Programs that read or change the full parameters there (a
+:class:`xla_fsdp.unit.member_slots.FreedParameter`). Programs that read or change the full parameters there (a
 re-initialisation with ``model.apply(init_fn)``, Hugging Face's ``post_init``, an in-place edit
 under ``torch.no_grad()``, a look at a weight) do it inside this context: every unit gathers its
 parameters, in the shards' own dtype, into tensors of their own that the module's attributes
@@ -15,10 +15,10 @@ from typing import Iterator, List
 
 import torch.nn as nn
 
-from . import freeing, group_values
+from . import freeing, gather_group
 from .base import is_unit, unit_of
 from .param_names import named_units
-from .schedule import TrainingState
+from .runtime import TrainingState
 
 
 def units_under(module: nn.Module, recurse: bool = True) -> List[nn.Module]:
@@ -43,7 +43,7 @@ def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool 
     for unit in units:
         unit.take_deferred_values()  # before the first forward (to_empty + init, sync_module_states)
         unit.finish_unshard()  # a prefetch left in flight
-    gathered = [group_values.gather_values(g) for g in groups]  # the same order on every rank
+    gathered = [gather_group.gather_values(g) for g in groups]  # the same order on every rank
     for group, values in zip(groups, gathered):
         group.set_module_values(values)
     try:
@@ -51,6 +51,6 @@ def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool 
     finally:
         for group in groups:
             if writeback:
-                group_values.write_back(group, group_values.module_values(group))
+                gather_group.write_back(group, gather_group.module_values(group))
                 freeing.after_write_back(group)
             group.install()  # what the module holds between steps, again
