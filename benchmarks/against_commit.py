@@ -25,6 +25,7 @@ import tarfile
 import tempfile
 from typing import Any, Dict, List, Optional
 
+from . import contenders as contenders_module
 from . import step_buffers
 from .host_time import add_run_arguments, host_seconds
 from .report import write_result
@@ -33,6 +34,12 @@ from .workloads import FULL, QUICK
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CONTENDERS = ("xla_fsdp_xla_perparam", "xla_fsdp_fully_shard")
+
+
+def _transports(contenders: List[str]) -> str:
+    """Where the contenders run: gloo processes, XLA:CPU device threads, or both."""
+    gloo = [c in contenders_module.GLOO for c in contenders]
+    return "gloo ranks" if all(gloo) else "XLA:CPU devices" if not any(gloo) else "gloo ranks and XLA:CPU devices"
 
 
 def step_seconds(run: Dict[str, Any]) -> Optional[float]:
@@ -139,7 +146,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     this = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                           text=True).stdout.strip()
     lines = [f"# This checkout ({this}) against {rev}, {datetime.date.today()}", "",
-             f"Workload {args.workload}{' (quick shapes)' if args.quick else ''}, {args.world_size} XLA:CPU devices; "
+             f"Workload {args.workload}{' (quick shapes)' if args.quick else ''}, world size {args.world_size} "
+             f"({_transports(contenders)}); "
              f"{args.warmup} warm-up and {args.steps} measured steps per run, {args.rounds} rounds, both checkouts "
              "back to back in each round. Per run the median over steps of the slowest rank's step time and host "
              "time; ratios (this / the other) per round, pooled as their median. Device MiB: the compiled "
