@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -213,17 +214,27 @@ def test_other_modules_use_a_unit_only_through_its_declared_interface():
 STEP_FILES = {"step.py", "runtime.py", "gather_group.py", "member_slots.py", "gradients.py", "freeing.py"}
 
 
-def _files_one_step_runs(rank):
+_BUILDING = threading.Lock()
+
+
+def _files_one_step_runs(rank, api="wrapper"):
     import torch
     import torch.nn as nn
+    import xla_fsdp
     from xla_fsdp import XlaFullyShardedDataParallel as FSDP
-    torch.manual_seed(0)
-    # flat and per-parameter units, nested under a root with a parameter of its own; several small
-    # groups, so a coalescing transport (gloo) joins their collectives
-    model = FSDP(nn.Sequential(FSDP(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))),
-                               FSDP(nn.Linear(8, 8), flatten_parameters=False), nn.Linear(8, 2)))
+    with _BUILDING:  # (XLA:CPU device threads share one CPU generator)
+        torch.manual_seed(0)
+        built = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.Linear(8, 2))
+    if api == "wrapper":
+        # flat and per-parameter units, nested under a root with a parameter of its own; several small
+        # groups, so a coalescing transport (gloo) joins their collectives
+        model = FSDP(nn.Sequential(FSDP(built[:3]), FSDP(nn.Linear(8, 8), flatten_parameters=False), built[3]))
+    else:  # FSDP2's recipe on XLA: fully_shard on the blocks, then on the root
+        model = built.to(rank.device)
+        for module in (model[0], model[2], model):
+            xla_fsdp.fully_shard(module)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    x = torch.randn(4, 8) + rank.rank
+    x = (torch.randn(4, 8) + rank.rank).to(rank.device)
     unit_dir = os.path.join(os.path.dirname(sys.modules["xla_fsdp"].__file__), "unit")
     seen = {"step": set(), "optimizer": set()}
     phase = []
@@ -242,6 +253,7 @@ def _files_one_step_runs(rank):
         phase[:] = ["optimizer"]
         opt.step()
         sys.setprofile(None)
+        rank.sync()
     return {k: sorted(v) for k, v in seen.items()}
 
 
@@ -251,4 +263,15 @@ def test_a_training_step_runs_through_six_unit_files():
     from ranks import on_gloo
     for files in on_gloo(_files_one_step_runs, 2):
         assert set(files["step"]) == STEP_FILES, files["step"]
+        assert set(files["optimizer"]) - set(files["step"]) <= {"optimizer_check.py"}, files["optimizer"]
+
+
+@pytest.mark.xla
+def test_a_fully_shard_step_on_xla_runs_through_the_same_six_files():
+    """The same for FSDP2's recipe on 2 XLA:CPU devices (fully_shard's hooks in fsdp2.py call the same
+    step); the module's own forward adds the weight-saving nn.Linear forward the unit installs on XLA
+    (patched_linear: the module's compute, not the unit's step)."""
+    from ranks import on_xla
+    for files in on_xla(_files_one_step_runs, 2, "fully_shard"):
+        assert set(files["step"]) == STEP_FILES | {"patched_linear.py"}, files["step"]
         assert set(files["optimizer"]) - set(files["step"]) <= {"optimizer_check.py"}, files["optimizer"]
