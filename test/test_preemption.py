@@ -18,14 +18,15 @@ from xla_fsdp.checkpoints import ShardedCheckpoint
 from test_lm_example import summary
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-TRIALS = 10
+TRIALS = 5
 STEPS, EVERY = 30, 5
 TOL = 1e-6  # same world size, same data order: the same arithmetic
 
 
 def torchrun(out_dir, env, restarts, timeout=180):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           f"--max_restarts={restarts}", "--monitor_interval=0.1", os.path.join(HERE, "preempted_lm.py"),
+           f"--max_restarts={restarts}", "--monitor_interval=0.1", "--log-dir", out_dir + ".torchrun",
+           os.path.join(HERE, "preempted_lm.py"),
            "--num_steps", str(STEPS), "--ckpt_every", str(EVERY), "--out_dir", out_dir, "--resume", "auto"]
     log = out_dir + ".log"
     with open(log, "w") as f:
