@@ -104,13 +104,14 @@ def pytest_sessionfinish(session, exitstatus):
 # Test files by time taken on this machine, slowest first: run in this order, pytest-xdist's workers
 # (make test) finish close together instead of one running a slow file alone at the end. The Makefile
 # passes --no-loadscope-reorder: without it xdist hands files out by their number of tests instead.
-# Measured: `python tools/test_times.py` after make test (both environments, 2026-11-28, stop 64).
-SLOWEST_FILES = ["test_checkpoints.py", "test_llama_fsdp2_example.py", "test_hf_trainer.py", "test_benchmarks.py",
-                 "test_examples.py", "test_differential.py", "test_preemption.py", "test_fsdp2.py", "test_docs.py",
-                 "test_lm_example.py", "test_torchtitan.py", "test_install.py", "test_spmd.py",
-                 "test_user_collectives.py", "test_checkpoint_safety.py", "test_output_rule.py", "test_dcp.py",
-                 "test_user_programs.py", "test_patches.py", "test_cross_version.py", "test_xla_defects.py",
-                 "test_mixed_precision.py", "test_offload.py"]
+# Measured: `python tools/test_times.py` after make test (both environments, 2026-11-29, stop 76).
+SLOWEST_FILES = ["test_checkpoints.py", "test_llama_fsdp2_example.py", "test_docs.py", "test_examples.py",
+                 "test_hf_trainer.py", "test_benchmarks.py", "test_fsdp2.py", "test_lm_example.py",
+                 "test_differential.py", "test_preemption.py", "test_spmd.py", "test_torchtitan.py",
+                 "test_output_rule.py", "test_user_programs.py", "test_user_collectives.py",
+                 "test_checkpoint_safety.py", "test_patches.py", "test_install.py", "test_dcp.py",
+                 "test_pretrained.py", "test_cross_version.py", "test_compat.py",
+                 "test_xla_defects.py", "test_full_disk.py", "test_offload.py"]
 
 
 #: whether this environment has torch_xla (make test's first environment; the second runs the newest
