@@ -347,25 +347,18 @@ def _refuse_partial(func_name: str) -> None:
                        "ranks, or gather the full gradient first")
 
 
-def _vector_norm(result: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> Any:
-    tensor = args[0]
-    if not isinstance(tensor, ShardGrad):
-        return result
-    if not _whole(args, kwargs, 2):
-        _refuse_partial("torch.linalg.vector_norm")
-    p = _ord_value(_order(args, kwargs, 1, ("ord",), 2))
-    return _combine([result], [p], [tensor._xla_fsdp_sharding])[0]
-
-
-def _norm(result: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> Any:
-    """``torch.norm`` and ``Tensor.norm``: a vector norm over all elements unless ``dim`` is given."""
-    tensor = args[0]
-    if not isinstance(tensor, ShardGrad):
-        return result
-    if not _whole(args, kwargs, 2):
-        _refuse_partial("a norm")
-    p = _ord_value(_order(args, kwargs, 1, ("p",), 2))
-    return _combine([result], [p], [tensor._xla_fsdp_sharding])[0]
+def _whole_norm(what: str, ord_name: str) -> Callable[[Any, Sequence[Any], Dict[str, Any]], Any]:
+    """``torch.linalg.vector_norm`` (order ``ord``), ``torch.norm`` and ``Tensor.norm`` (order ``p``): a
+    vector norm over all elements unless ``dim`` is given, summed over the ranks."""
+    def handler(result: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> Any:
+        tensor = args[0]
+        if not isinstance(tensor, ShardGrad):
+            return result
+        if not _whole(args, kwargs, 2):
+            _refuse_partial(what)
+        p = _ord_value(_order(args, kwargs, 1, (ord_name,), 2))
+        return _combine([result], [p], [tensor._xla_fsdp_sharding])[0]
+    return handler
 
 
 def _linalg_norm(result: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> Any:
@@ -418,10 +411,10 @@ def _extreme(largest: bool) -> Callable[[Any, Sequence[Any], Dict[str, Any]], An
 
 
 _GLOBAL: Dict[Callable, Callable[[Any, Sequence[Any], Dict[str, Any]], Any]] = {
-    torch.linalg.vector_norm: _vector_norm,
+    torch.linalg.vector_norm: _whole_norm("torch.linalg.vector_norm", "ord"),
     torch.linalg.norm: _linalg_norm,
-    torch.norm: _norm,
-    torch.Tensor.norm: _norm,
+    torch.norm: _whole_norm("a norm", "p"),
+    torch.Tensor.norm: _whole_norm("a norm", "p"),
     torch._foreach_norm: _foreach_norm,
     torch._amp_foreach_non_finite_check_and_unscale_: _non_finite_check,
     torch.Tensor.max: _extreme(True), torch.max: _extreme(True), torch.Tensor.amax: _extreme(True),
