@@ -78,7 +78,10 @@ def test_a_rank_killed_at_random_points_restarts_and_ends_with_the_same_loss(env
                          [".complete", "_rank-00000000-of-00000002.pth", "_rank-00000001-of-00000002.pth"]]
         ShardedCheckpoint(os.path.join(ckpt, f"step-{STEPS:09d}")).verify()  # every CRC-32 and checksum
     print("\n".join(f"{k}: resumed at step {s}" for k, s in outcomes))
-    assert len({s for _, s in outcomes}) > 2  # the kills landed at different points
+    # the kills landed at different points: an early one resumes from step 5, late ones from 15 or later
+    # (which of 15, 20 and 25 depends on how far the save after the kill got: timing, not asserted)
+    starts = [int(s) for _, s in outcomes]
+    assert min(starts) < 2 * EVERY and max(starts) >= 3 * EVERY, outcomes
     assert glob.glob(os.path.join(folder, "trial*", "ckpt", "step-*.complete"))
 
 
