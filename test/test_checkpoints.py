@@ -350,7 +350,7 @@ def test_unwritable_output_and_default_suffix_never_rereads_output(good_ckpt, tm
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["blocking", "async"])
 def test_kill_during_save_never_leaves_a_bad_file(tmp_path, mode):
-    """SIGKILL a saving process at random points (8 trials per mode): the file under the final name
+    """SIGKILL a saving process at random points (5 trials per mode): the file under the final name
     is always a complete checkpoint, the last one reported saved or a newer one, holding the values
     at its save (async: the parameters change while it is written), and no temp file is mistaken
     for a checkpoint."""
@@ -369,7 +369,7 @@ def test_kill_during_save_never_leaves_a_bad_file(tmp_path, mode):
     # they go to a folder of the test's own, removed with tmp_path
     env = dict(os.environ, TMPDIR=str(tmp_path.parent / f"{tmp_path.name}-saver-tmp"))
     os.makedirs(env["TMPDIR"])
-    for trial in range(8):
+    for trial in range(5):
         proc = subprocess.Popen([sys.executable, helper, prefix] + (["--async"] if mode == "async" else []),
                                 stdout=subprocess.PIPE, text=True, env=env)
         last = -1
