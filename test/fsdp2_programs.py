@@ -311,12 +311,19 @@ def tree_facts(model: nn.Module) -> Dict[str, Any]:
     facts = {"names": [n for n, _ in model.named_parameters()], "keys": list(model.state_dict()),
              "modules": [type(m).__name__.replace("FSDP", "") for m in model.modules()],
              "children": [n for n, _ in model.named_children()],
-             "dims": [p.dim() for p in model.parameters()]}
+             "dims": [p.dim() for p in model.parameters()], "shapes": [tuple(p.shape) for p in model.parameters()],
+             "numel": sum(p.numel() for p in model.parameters())}
+    # between steps the module's attribute is its registered (sharded) parameter, as in FSDP2
+    facts["attribute_is_registered"] = model.blocks[0].up.weight is model.blocks[0].up._parameters["weight"]
     # the module's call is nn.Module's, with the unit's forward pre- and post-hooks on it, as FSDP2's
     facts["forward_hooks"] = [type(m).__call__ is nn.Module.__call__ and bool(m._forward_pre_hooks)
                               and bool(m._forward_hooks) for m in (model, *model.blocks)]
-    # a reduction of a parameter attribute between steps: FSDP2's DTensor gives the whole tensor's; a plain
-    # shard would give its rows' alone, so xla_fsdp's stand-in refuses it, naming the parameter and the fix
+    # a norm of a parameter attribute between steps, through out-of-place ops: the whole tensor's (a plain
+    # shard would give its rows' alone); another reduction on XLA is refused, naming the parameter and the fix
+    try:
+        model.blocks[0].up.weight.sum()
+    except RuntimeError as e:
+        facts["sum_between_steps"] = str(e)
     try:
         facts["norm_between_steps"] = float(model.blocks[0].up.weight.detach().float().norm().full_tensor())
     except RuntimeError as e:
@@ -324,9 +331,11 @@ def tree_facts(model: nn.Module) -> Dict[str, Any]:
     model.blocks[0].scale = 3.0  # a plain attribute, set after sharding
     facts["attribute_is_the_modules_own"] = model.blocks[0].__dict__.get("scale") == 3.0
     del model.blocks[0].scale
-    # the state dict's tensors are the parameters themselves (shards: FSDP2's are DTensors), and load back
+    # the state dict's tensors are the parameters' shards (FSDP2's: the DTensors; xla_fsdp's: each rank's rows),
+    # and load back
     state = model.state_dict()
-    facts["state_is_parameters"] = all(state[n].shape == p.shape for n, p in model.named_parameters())
+    facts["state_is_parameters"] = all(state[n].shape == (p.rows() if hasattr(p, "rows") else p).shape
+                                       for n, p in model.named_parameters())
     model.load_state_dict(state)
     return facts
 
@@ -335,7 +344,8 @@ def unsharded_tree_facts() -> Dict[str, Any]:
     model = Net()
     return {"names": [n for n, _ in model.named_parameters()], "keys": list(model.state_dict()),
             "modules": [type(m).__name__ for m in model.modules()], "children": [n for n, _ in model.named_children()],
-            "dims": [p.dim() for p in model.parameters()]}
+            "dims": [p.dim() for p in model.parameters()], "shapes": [tuple(p.shape) for p in model.parameters()],
+            "numel": sum(p.numel() for p in model.parameters())}
 
 
 def train_unsharded(name: str, world_size: int) -> Dict[str, Any]:
@@ -374,7 +384,7 @@ def meta_init_facts(me: Rank) -> Dict[str, Any]:
     torch.manual_seed(0)
     init_weights(model)
     nn.init.normal_(model.blocks[0].down.weight)
-    facts["parameters_are_shards"] = sorted(tuple(p.shape) for p in model.parameters()) == sorted(
+    facts["parameters_are_shards"] = sorted(tuple(p.rows().shape) for p in model.parameters()) == sorted(
         (-(-p.shape[0] // world_size),) + tuple(p.shape[1:]) for p in Net(layers=1).parameters())
     before = full_state_dict(model)  # a state dict before the first forward
     model(x)

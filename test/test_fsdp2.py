@@ -191,24 +191,26 @@ def test_unshard_accumulation_and_root_resharding_act_on_xla(world_size):
 def test_the_module_keeps_its_class_place_names_and_tree(transport, world_size):
     """As with FSDP2, on either transport: the module keeps its class (FSDP<Class>) and place; its
     parameter names, state-dict keys, modules and children are the unsharded program's, and each parameter
-    has the original's number of dimensions; its call is nn.Module's, with the unit's forward pre- and
-    post-hooks (FSDP2's shape, not a __call__ of its own); an attribute set after sharding is the module's
-    own; ``state_dict()`` holds the parameters (the shards) and loads back. Between steps a parameter
-    attribute's reduction is the whole tensor's on FSDP2 (a DTensor) and refused on XLA (a stand-in naming
-    the parameter and the fix), never this rank's rows' alone."""
+    has the original's shape (``p.shape``, ``p.numel()``: the whole parameter's, as a DTensor reports); its
+    call is nn.Module's, with the unit's forward pre- and post-hooks (FSDP2's shape, not a __call__ of its
+    own); between steps the module's attribute is its registered parameter; an attribute set after sharding
+    is the module's own; ``state_dict()`` holds the shards and loads back. Between steps a parameter
+    attribute's norm (through ``detach().float()``) is the whole tensor's, on either transport, and on XLA a
+    reduction that is not a norm is refused, naming the parameter and the fix: never this rank's rows' alone."""
     ranks = _run(transport, world_size)["tutorial"]
     want = programs.unsharded_tree_facts()
     for r in ranks:
         assert r["class"] == "FSDPNet" and r["is_net"]
-        for key in ("names", "keys", "modules", "children", "dims"):
+        for key in ("names", "keys", "modules", "children", "dims", "shapes", "numel"):
             assert r["tree"][key] == want[key], (key, r["tree"][key], want[key])
         assert all(r["tree"]["forward_hooks"]), r["tree"]["forward_hooks"]
+        assert r["tree"]["attribute_is_registered"]
         norm = r["tree"]["norm_between_steps"]
+        full = ranks[0]["full"]["blocks.0.up.weight"]
+        assert isinstance(norm, float) and abs(norm - float(full.norm())) <= 1e-5 * float(full.norm()), norm
         if transport == "xla":
-            assert isinstance(norm, str) and "'up.weight' is sharded between forward passes" in norm, norm
-            assert "summon_full_params" in norm, norm
-        else:
-            assert isinstance(norm, float) and norm > 0, norm
+            refused = r["tree"]["sum_between_steps"]
+            assert "'up.weight' is sharded" in refused and "summon_full_params" in refused, refused
         assert r["tree"]["attribute_is_the_modules_own"] and r["tree"]["state_is_parameters"]
 
 

@@ -18,8 +18,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import sys
-import weakref
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -34,6 +33,7 @@ from .fully_sharded_data_parallel import XlaFullyShardedDataParallel
 from .unit import construction, freeing, gather_group, param_names, step, summon
 from .unit.base import UNIT_ATTR, is_unit
 from .unit.runtime import TrainingState
+from .unit.shard_param import ShardParam
 
 __all__ = ["CPUOffloadPolicy", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy", "UnshardHandle",
            "fully_shard"]
@@ -252,9 +252,22 @@ class _InPlaceModule(nn.Module):
             return nn.Module.apply(self, fn)  # nested converted modules summon their own
 
     def _apply(self, fn: Callable, recurse: bool = True) -> nn.Module:
-        """``.to(device)``, ``.float()``: host-offloaded shards stay where and what they are."""
-        with _state(self).shards_held_back():
-            return super()._apply(fn, recurse)
+        """``.to(device)``, ``.float()``: the buffers and the parameters of modules not sharded; the shards
+        stay where and what they are (host-offloaded ones on the host). A cast or a move of a shard
+        itself is refused: its ShardParam's dtype and device are the sharded parameter's for good."""
+        unit = _state(self)
+        with unit.shards_held_back():
+            out = super()._apply(fn, recurse)
+        if unit._runtime.offload is None:
+            for group in unit.gather_groups:
+                moved = fn(group.shard)
+                if (moved.dtype, moved.device) != (group.shard.dtype, group.shard.device):
+                    raise NotImplementedError(
+                        f"xla_fsdp.fully_shard on XLA: '{group.refs[0].fqn}' is sharded as {group.shard.dtype} on "
+                        f"{group.shard.device}; it cannot become {moved.dtype} on {moved.device} after fully_shard. "
+                        "Move or cast the model before fully_shard, or compute in another dtype with "
+                        "MixedPrecisionPolicy(param_dtype=...)")
+        return out
 
     def _fqn_modifiers(self) -> Dict[str, str]:
         return _state(self)._fqn_modifiers()  # PyTorch's state_dict functions: the unit's error naming ours
@@ -371,53 +384,46 @@ def _end_interrupted_calls(unit: "_FullyShardUnit") -> None:
 def _shard_in_place(module: nn.Module, options: Dict[str, Any], cast_forward_inputs: bool) -> nn.Module:
     unit = _FullyShardUnit(module, **options)
     for group in unit.gather_groups:
-        _give_dtensor_calls(group)
         group.sync_after_optimizer_step = True
     unit.cast_forward_inputs = cast_forward_inputs
     object.__setattr__(module, UNIT_ATTR, unit)  # a plain attribute: not a child, so not in the tree
     module.__class__ = _fsdp_class(type(module))
     module.register_forward_pre_hook(_pre_forward, prepend=True, with_kwargs=True)
     module.register_forward_hook(_post_forward, always_call=True)
+    module.register_state_dict_post_hook(_rows_in_state_dict)
+    module.register_load_state_dict_pre_hook(_rows_to_load)
     return module
 
 
-class _NoDeviceMesh:
-    """A shard's ``device_mesh``: XLA's per-device ranks have no DeviceMesh for DTensor, so any use
-    (``distribute_tensor(full, p.device_mesh, p.placements)`` first asks ``bool(mesh)``) is one
-    clear error naming the way to load full weights."""
-
-    def _refuse(self, *args: Any, **kwargs: Any) -> None:
-        raise NotImplementedError(
-            "xla_fsdp.fully_shard on XLA: parameters are shards, not DTensors, and have no device mesh "
-            "(distribute_tensor and load_state_dict(assign=True) cannot place them); load full weights with "
-            "xla_fsdp.checkpoints.state_dict_api.set_model_state_dict(model, full_state_dict, "
-            "options=StateDictOptions(full_state_dict=True))")
-
-    __bool__ = __len__ = __iter__ = _refuse
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__"):  # copy, pickle and the like look for optional dunders
-            raise AttributeError(name)
-        self._refuse()
-
-    def __repr__(self) -> str:
-        return "<no DeviceMesh: an xla_fsdp shard on XLA>"
+def _sharded_keys(module: nn.Module, prefix: str) -> Iterator[Tuple[str, Any]]:
+    """Each state-dict key of a ShardParam the module's unit registered (tied names included), with its group."""
+    for group in _state(module).gather_groups:
+        if group.in_place:
+            for ref in group.refs:
+                for name in [ref.fqn, *ref.aliases]:
+                    yield prefix + name, group
 
 
-_NO_DEVICE_MESH = _NoDeviceMesh()
+def _rows_in_state_dict(module: nn.Module, state_dict: Dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    """``state_dict()`` holds each rank's rows of its parameters (plain tensors, padded to equal rows), as the
+    checkpoint functions and ``torch.save`` take them (FSDP2's holds DTensors); ``keep_vars=True``: the shards."""
+    for key, _ in _sharded_keys(module, prefix):
+        value = state_dict.get(key)
+        if isinstance(value, ShardParam):
+            state_dict[key] = value.rows()
 
 
-def _give_dtensor_calls(group: Any) -> None:
-    """The calls FSDP2 programs make on a sharded parameter (a DTensor there), on the shard:
-    ``placements`` (``Shard(0)``), ``to_local()`` (this rank's rows, without the padding rows) and
-    ``full_tensor()`` (a collective, as DTensor's: every rank gets the whole parameter);
-    ``device_mesh`` is there and refuses every use, naming the supported way."""
-    from torch.distributed.tensor import Shard
-    shard, layout, rank = group.shard, group.layout, group.comms.rank
-    rows_each = layout.shard_shape[0]
-    own_rows = max(0, min(rows_each, layout.rows - rank * rows_each))
-    unit_group, param = weakref.ref(group), weakref.ref(shard)  # no reference cycle through the shard
-    shard.placements = (Shard(0),)
-    shard.device_mesh = _NO_DEVICE_MESH
-    shard.to_local = lambda: param()[:own_rows]
-    shard.full_tensor = lambda: gather_group.gather_values(unit_group())[0]
+def _rows_to_load(module: nn.Module, state_dict: Dict[str, Any], prefix: str, local_metadata: Dict[str, Any],
+                  *args: Any) -> None:
+    """``load_state_dict`` of what ``state_dict()`` gave (each rank's rows): each entry is taken as the rows of its
+    ShardParam, whose shape is the whole parameter's, so ``nn.Module`` compares and copies them as such."""
+    for key, group in _sharded_keys(module, prefix):
+        value = state_dict.get(key)
+        if not isinstance(value, torch.Tensor) or isinstance(value, ShardParam):
+            continue
+        if local_metadata.get("assign_to_params_buffers"):
+            raise NotImplementedError(
+                f"xla_fsdp.fully_shard on XLA: load_state_dict(assign=True) would replace '{key}', a sharded "
+                "parameter, with a plain tensor; load without assign=True (the values are copied into the shards)")
+        if tuple(value.shape) == tuple(group.shard.shape) != tuple(group.full_shape):
+            state_dict[key] = ShardParam(group, value)

@@ -15,11 +15,12 @@ from .files import CheckpointError
 from ..sharding import split_entry, stitch_entry
 from .metadata import full_optimizer_state_dict, param_order
 from ..unit.base import takes_root_unit
+from ..unit.shard_param import rows_of
 
 
 def _shard_of_layout(model):
     metadata = model.get_shard_metadata()
-    params = dict(model.named_parameters())
+    params = {name: rows_of(p) for name, p in model.named_parameters()}  # fully_shard's ShardParams: their rows
     return metadata, params
 
 

@@ -44,7 +44,7 @@ def shard_metadata(root) -> Dict[str, Any]:
         name_prefix = name_prefix + "." if name_prefix else ""
         shard_info[unit_path] = {}
         for _, group in unit.named_gather_groups():
-            shard_name = keys[id(group.shard)][len(key_prefix):]
+            shard_name = keys[id(group.param)][len(key_prefix):]
             if group.flat:
                 orig_name = f"{WRAPPED}.{group.flat_name}"
                 orig_size = torch.Size([group.layout.numel])

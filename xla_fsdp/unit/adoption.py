@@ -66,8 +66,9 @@ def adopt(shell: nn.Module, module: nn.Module, options: UnitOptions, settings: U
         name = path if in_place else SHARD_PREFIX + path.replace(".", SHARD_SEPARATOR)
         if not in_place:  # (in place: registered where the original was, see GatherGroup)
             shell.register_parameter(name, group.shard)
-        group.shard._orig_name = path
-        group.shard._name = name
+        for shard in {id(t): t for t in (group.shard, group.param)}.values():
+            shard._orig_name = path
+            shard._name = name
         names.append(name)
     cast = construction.cast_buffers(module, settings.buffer_dtype, "")
     buffer_info = {k: {"_orig_dtype": v} for k, v in cast.items()}
@@ -152,8 +153,6 @@ def build_group(refs: List[ParamRef], comms: Collectives, *, flat: bool, dim0: b
     for ref in refs:
         for module, attr in ref.slots:
             module._parameters.pop(attr, None)
-            if in_place and not flat:
-                module._parameters[attr] = shard
         ref.param._xla_fsdp_sharded = True
         # The shard is the only copy now: drop the original's data so every rank does not keep
         # the whole model in host memory (the object stays, marked, to catch sharing across units).
@@ -170,8 +169,8 @@ def _torch_xla_attributes(group: GatherGroup) -> None:
     (its ``_has_full_param`` kept by the group); ``_name`` is set by the unit, which names the shard.
     ``_xla_fsdp_reduced``: the shard's gradient is reduced by its unit, so torch_xla's all-reduce of
     every gradient (xm.optimizer_step, Accelerate's XLA path) leaves it out (collectives/xla_gradients.py)."""
-    shard = group.shard
-    shard._xla_fsdp_reduced = True
-    shard._is_sharded = True
-    shard._orig_size = torch.Size((group.layout.numel,) if group.flat else group.full_shape)
-    group.full._sharded_param = shard
+    for shard in {id(t): t for t in (group.shard, group.param)}.values():
+        shard._xla_fsdp_reduced = True
+        shard._is_sharded = True
+        shard._orig_size = torch.Size((group.layout.numel,) if group.flat else group.full_shape)
+    group.full._sharded_param = group.param

@@ -29,6 +29,7 @@ from .gradients import ForwardEdges
 from .member_slots import (FlatMembers, ParamRef, fingerprint, freed_stand_ins, hooks_kept_from, module_tensor,
                            set_module_tensor)
 from .offload import HostOffload
+from .shard_param import ShardParam
 
 
 class ShardedState(enum.Enum):
@@ -127,8 +128,14 @@ class GatherGroup:
         if not flat:
             for hook in hooks[0]:
                 self.full.register_hook(hook)  # ``full`` is the parameter the module computes with
-        #: fully_shard: the shard is registered in the original's place, shadowed by the plain attribute
+        #: fully_shard: FSDP2's sharded parameter (a ShardParam over ``shard``) is registered in the original's
+        #: places, and is the module's attribute between steps (a plain attribute shadows it while gathered)
         self.in_place = in_place and not flat
+        #: what the program sees of the shard (``parameters()``, the optimizer): that ShardParam, or the shard
+        self.param: torch.Tensor = ShardParam(self) if self.in_place else shard
+        if self.in_place:
+            for module, attr in refs[0].slots:
+                module._parameters[attr] = self.param
         self.slot_values: List[Optional[torch.Tensor]] = []  # what install last gave each member's places
         self.install()
 
@@ -236,9 +243,11 @@ class GatherGroup:
     def install(self, refill_saved: bool = False) -> None:
         """Point the module's attributes at the full data (the flat buffer's parameters if flattened)."""
         if self.state is not ShardedState.UNSHARDED and not self._aliases_shard():
-            shapes = [self.full_shape] if not self.flat else list(self.layout.shapes)
-            values = freed_stand_ins(self.refs, shapes, self.compute_dtype, self.full.device, self.shard,
-                                     self.in_place)
+            if self.in_place:  # the registered ShardParam shows through
+                values: List[Optional[torch.Tensor]] = [self.param]
+            else:
+                shapes = [self.full_shape] if not self.flat else list(self.layout.shapes)
+                values = freed_stand_ins(self.refs, shapes, self.compute_dtype, self.full.device, self.shard)
         elif self.members is not None:
             values = self.members.cut(self.full, self, refill_saved)
         else:
@@ -304,12 +313,13 @@ class GatherGroup:
 # assigned). The group itself (``gather_group.py``) holds the storage and moves it through a step.
 
 
-def gather_values(group: GatherGroup) -> List[torch.Tensor]:
+def gather_values(group: GatherGroup, rows: Optional[torch.Tensor] = None) -> List[torch.Tensor]:
     """Every member's full data in the shard's dtype, in tensors of their own (not ``full``):
-    a collective, which every rank of the group must call."""
-    source = group.shard.detach()
+    a collective, which every rank of the group must call. ``rows``: each rank's rows of other values
+    laid out as the shard (a ShardParam's ``full_tensor()``), in their own dtype."""
+    source = (group.shard if rows is None else rows).detach()
     if group.offload is not None:
-        source = group.offload.to_device(source, group.shard.dtype)
+        source = group.offload.to_device(source, source.dtype)
     padded = group.comms.all_gather(source.reshape(group.layout.shard_shape if group.dim0 else (-1,)),
                                    group.channel_forward)
     if group.dim0:
@@ -429,7 +439,7 @@ def reassigned_slot(group: GatherGroup) -> Optional[Tuple[str, torch.Tensor]]:
     for ref, installed in zip(group.refs, group.slot_values):
         for (module, attr), name in zip(ref.slots, [ref.fqn, *ref.aliases]):
             value = module_tensor(module, attr)
-            if value is installed or value is group.shard or not isinstance(value, torch.Tensor):
+            if value is installed or value is group.param or not isinstance(value, torch.Tensor):
                 continue  # (a plain tensor there may be another member's FreedParameter)
             return name, value
     return None

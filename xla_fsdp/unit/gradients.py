@@ -301,7 +301,7 @@ def _whole(args: Sequence[Any], kwargs: Dict[str, Any], position: int) -> bool:
     return dim is None or (isinstance(dim, (tuple, list)) and len(dim) == args[0].dim())
 
 
-def _combine(local: List[torch.Tensor], ords: List[float], sharding: List[Optional[Tuple[Collectives, int]]]
+def combine_norms(local: List[torch.Tensor], ords: List[float], sharding: List[Optional[Tuple[Collectives, int]]]
              ) -> List[torch.Tensor]:
     """Whole-parameter norms from per-rank shard norms: ``(sum |x|^p)^(1/p)`` over the ranks
     (max for inf, min for -inf, a sum of counts for 0), one all-gather per sharding group."""
@@ -331,7 +331,7 @@ def _combine(local: List[torch.Tensor], ords: List[float], sharding: List[Option
     return out
 
 
-def _ord_value(ord_: Any) -> float:
+def norm_order(ord_: Any) -> float:
     if ord_ is None or ord_ == "fro":
         return 2.0
     if isinstance(ord_, str):
@@ -356,8 +356,8 @@ def _whole_norm(what: str, ord_name: str) -> Callable[[Any, Sequence[Any], Dict[
             return result
         if not _whole(args, kwargs, 2):
             _refuse_partial(what)
-        p = _ord_value(_order(args, kwargs, 1, (ord_name,), 2))
-        return _combine([result], [p], [tensor._xla_fsdp_sharding])[0]
+        p = norm_order(_order(args, kwargs, 1, (ord_name,), 2))
+        return combine_norms([result], [p], [tensor._xla_fsdp_sharding])[0]
     return handler
 
 
@@ -371,15 +371,15 @@ def _linalg_norm(result: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> An
         _refuse_partial("torch.linalg.norm")
     ord_ = _order(args, kwargs, 1, ("ord",), None)
     if tensor.dim() == 2 and ord_ not in (None, "fro"):
-        _ord_value(str(ord_))
-    return _combine([result], [_ord_value(ord_)], [tensor._xla_fsdp_sharding])[0]
+        norm_order(str(ord_))
+    return combine_norms([result], [norm_order(ord_)], [tensor._xla_fsdp_sharding])[0]
 
 
 def _foreach_norm(result: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> Any:
     tensors = args[0]
-    p = _ord_value(_order(args, kwargs, 1, ("ord",), 2))
+    p = norm_order(_order(args, kwargs, 1, ("ord",), 2))
     sharding = [t._xla_fsdp_sharding if isinstance(t, ShardGrad) else None for t in tensors]
-    return tuple(_combine(list(result), [p] * len(result), sharding))
+    return tuple(combine_norms(list(result), [p] * len(result), sharding))
 
 
 def _non_finite_check(result: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> Any:

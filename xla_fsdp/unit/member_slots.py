@@ -135,26 +135,24 @@ class FlatMembers:
 
 
 def freed_stand_ins(refs: List[ParamRef], shapes: List[Tuple[int, ...]], dtype: torch.dtype, device: torch.device,
-                    shard: torch.Tensor, as_parameters: bool) -> List[torch.Tensor]:
+                    shard: torch.Tensor) -> List[torch.Tensor]:
     """What the members' places hold between gathers: stand-ins that know each member's shape and refuse
-    data access (see FreedParameter below). ``as_parameters`` (the shard registered in the original's place, as
-    fully_shard does): each counts as a Parameter (as FSDP2's DTensor does), so a program that ties
-    ``head.weight = emb.weight`` between steps gets the unit's refusal naming both at the next
-    forward, not torch's "cannot assign ... as parameter"."""
-    freed = [FreedParameter(shape, dtype, device, ref.fqn, shard) for ref, shape in zip(refs, shapes)]
-    if as_parameters:
-        for f in freed:
-            f._is_param = True
-    return freed
+    data access (see FreedParameter below). (fully_shard's places show its registered ShardParam instead.)"""
+    return [FreedParameter(shape, dtype, device, ref.fqn, shard) for ref, shape in zip(refs, shapes)]
 
 
 def set_module_tensor(module: nn.Module, attr: str, value: Optional[torch.Tensor]) -> None:
     """Give ``module`` a plain attribute ``attr`` (never a registered parameter: the unit's
-    ``parameters()`` are the shards). Recurrent layers compute from their own list of weights,
+    ``parameters()`` are the shards); fully_shard's registered ShardParam as ``value``: no plain attribute,
+    so the registered one shows. Recurrent layers compute from their own list of weights,
     which their ``__setattr__`` keeps current: kept current here too."""
-    if not getattr(getattr(module._parameters.get(attr), "_xla_fsdp_group", None), "in_place", False):
-        module._parameters.pop(attr, None)  # (fully_shard's shard stays registered, shadowed by ``value``)
-    object.__setattr__(module, attr, value)
+    registered = module._parameters.get(attr)
+    if value is not None and value is registered:
+        module.__dict__.pop(attr, None)
+    else:
+        if not getattr(getattr(registered, "_xla_fsdp_group", None), "in_place", False):
+            module._parameters.pop(attr, None)  # (fully_shard's ShardParam stays registered, shadowed by ``value``)
+        object.__setattr__(module, attr, value)
     names = getattr(module, "_flat_weights_names", None)
     if isinstance(module, nn.RNNBase) and names is not None and attr in names:
         module._flat_weights[names.index(attr)] = value

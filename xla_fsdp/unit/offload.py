@@ -174,14 +174,13 @@ def land_gradients(offloads: Iterable[HostOffload], sync: Callable[[], None]) ->
 @contextlib.contextmanager
 def shards_held_back(groups: List[Any], offload: Optional[HostOffload], own_places: List[Tuple[nn.Module, str]]
                      ) -> Iterator[None]:
-    """Inside, ``nn.Module._apply`` (``to``, ``cuda``, ``float``...) skips an offloading unit's own
-    shards: they stay host tensors of their dtype (the slots keep their order: state-dict and
-    optimizer order follow it). ``own_places``: (module, name) of the shards the unit registered as
-    its own; in place, each original parameter's places hold them."""
-    if offload is None:
-        yield
-        return
-    places = [(m, attr) for g in groups if g.in_place for r in g.refs for m, attr in r.slots] + list(own_places)
+    """Inside, ``nn.Module._apply`` (``to``, ``cuda``, ``float``...) skips fully_shard's registered
+    ShardParams (``_apply`` would replace each with a Parameter of what the function gives it) and an
+    offloading unit's own shards: they stay host tensors of their dtype (the slots keep their order:
+    state-dict and optimizer order follow it). ``own_places``: (module, name) of the shards the unit
+    registered as its own; in place, each original parameter's places hold them."""
+    places = [(m, attr) for g in groups if g.in_place for r in g.refs for m, attr in r.slots]
+    places += list(own_places) if offload is not None else []
     held = [(m, attr, m._parameters[attr]) for m, attr in places if m._parameters.get(attr) is not None]
     for m, attr, _ in held:
         m._parameters[attr] = None  # _apply skips empty slots

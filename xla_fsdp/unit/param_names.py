@@ -106,7 +106,7 @@ def optimizer_param_groups(root: ShardedUnit,
     groups: Dict[Any, Dict[str, Any]] = {}
     for prefix, unit in named_units(root):
         for group in unit.gather_groups:
-            setattr(group.shard, GROUPED_BY_ORIGINAL_NAME, True)
+            setattr(group.param, GROUPED_BY_ORIGINAL_NAME, True)
             names = [prefix + n for n in group.names]
             options = [options_fn(n) or {} for n in names]
             keys = [hashable(o) for o in options]
@@ -119,7 +119,7 @@ def optimizer_param_groups(root: ShardedUnit,
                     f"({pairs}); wrap with flatten_group_fn=lambda name, p: <the same rule> so they are "
                     "flattened separately, or use flatten_parameters=False")
             entry = groups.setdefault(keys[0], dict(options[0], params=[]))
-            entry["params"].append(group.shard)
+            entry["params"].append(group.param)
     return list(groups.values())
 
 
@@ -130,7 +130,7 @@ def shard_names_of(root: ShardedUnit, original_names: Iterable[str]) -> List[str
     found = []
     for prefix, unit in named_units(root):
         for group in unit.gather_groups:
-            setattr(group.shard, GROUPED_BY_ORIGINAL_NAME, True)
+            setattr(group.param, GROUPED_BY_ORIGINAL_NAME, True)
             names = [prefix + n for n in group.names]
             picked = [n in wanted for n in names]
             if len(set(picked)) > 1 and group.requires_grad:
@@ -140,6 +140,6 @@ def shard_names_of(root: ShardedUnit, original_names: Iterable[str]) -> List[str
                     f"xla_fsdp: one flattened shard holds parameters named ({inside}) and others not ({outside}): "
                     "no shard name stands for the named ones alone. Wrap with flatten_group_fn=lambda name, p: "
                     "<the same rule> so they are flattened separately, or use flatten_parameters=False")
-            if picked[0] and id(group.shard) in shard_name:
-                found.append(shard_name[id(group.shard)])
+            if picked[0] and id(group.param) in shard_name:
+                found.append(shard_name[id(group.param)])
     return found
