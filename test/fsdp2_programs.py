@@ -625,3 +625,112 @@ def ignored_checkpoint_facts(me: Rank, folder: str) -> Dict[str, Any]:
 
 def run_ignored_checkpoint_facts(world_size: int, folder: str) -> List[Dict[str, Any]]:
     return on_xla(ignored_checkpoint_facts, world_size, folder)
+
+
+# ----------------------------------------------------------------------------- the sharded parameter on XLA
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor, on the host: a DTensor-like's ``full_tensor()`` (a collective), or the tensor."""
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu()
+
+
+def _no_decay_by_dim(model: nn.Module) -> List[Dict[str, Any]]:
+    """nanoGPT's and torchtitan's recipe: matrices decay, vectors do not, read from ``p.dim()``; and parameters
+    of more than 100 elements get a lower learning rate, read from ``p.numel()`` (on a shard's rows alone the
+    recipe would split otherwise)."""
+    named = list(model.named_parameters())
+    return [{"params": [p for _, p in named if p.dim() >= 2 and p.numel() > 100], "weight_decay": 0.1, "lr": 5e-3},
+            {"params": [p for _, p in named if p.dim() >= 2 and p.numel() <= 100], "weight_decay": 0.1},
+            {"params": [p for _, p in named if p.dim() < 2], "weight_decay": 0.0}]
+
+
+def _between_steps(model: nn.Module, step: int) -> None:
+    """A program's own edits between steps, through the module's attributes: freezing and unfreezing, and
+    element-wise changes of values under no_grad (an init of one tensor, a rescale, a clamp, a fill)."""
+    if step == 1:
+        model.blocks[0].up.weight.requires_grad_(False)
+    if step == 3:
+        model.blocks[0].up.weight.requires_grad = True
+    if step == 2:
+        with torch.no_grad():
+            nn.init.zeros_(model.blocks[0].up.bias)
+            model.blocks[2].down.weight.mul_(0.5)
+            model.head.weight.clamp_(-0.05, 0.05)
+            model.embed.bias.fill_(0.01)
+
+
+def sharded_param_facts(me: Rank) -> Dict[str, Any]:
+    """An FSDP2 program's own uses of its parameters, on ``fully_shard``'s parameters on XLA and on the same
+    model unsharded in this rank (each step the same batch on every rank): optimizer groups by ``p.dim()`` and
+    ``p.numel()``, freezing and editing through module attributes between steps, a gradient hook registered on
+    a parameter, clipping, an EMA of ``p.detach()``, each parameter's norm; then what is refused (naming the
+    parameter), a state dict through ``torch.save`` and ``weights_only`` loads, a deep copy, a cast."""
+    import copy
+    import io
+    device = me.device
+    models = [build().to(device), build().to(device)]  # sharded, unsharded
+    model, ref = models
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    facts: Dict[str, Any] = {
+        "shapes": [(n, tuple(p.shape), p.numel(), p.dim()) for n, p in model.named_parameters()],
+        "want_shapes": [(n, tuple(p.shape), p.numel(), p.dim()) for n, p in ref.named_parameters()],
+        "attributes_are_registered": all(m._parameters[n] is getattr(m, n) for m in model.modules()
+                                         for n in m._parameters),
+        "is_parameter": all(isinstance(p, nn.Parameter) for p in model.parameters()),
+        "repr": repr(model.blocks[1].up.weight)}
+    opts = [torch.optim.AdamW(_no_decay_by_dim(m), lr=1e-2) for m in models]
+    for m in models:
+        m.blocks[1].up.weight.register_hook(lambda g: g * 0.5)
+    emas = [[p.detach().clone() for p in m.parameters()] for m in models]
+    losses, clip_norms = [], []  # (sharded, unsharded) per step, read at the end (one graph per step)
+    for step in range(4):
+        x, y = (t.to(device) for t in batch(step, 1))
+        got = []
+        for m, opt, ema in zip(models, opts, emas):
+            _between_steps(m, step)
+            loss = ((m(x) - y) ** 2).mean()
+            loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
+            opt.step()
+            opt.zero_grad()
+            with torch.no_grad():
+                for e, p in zip(ema, m.parameters()):
+                    e.mul_(0.9).add_(p.detach(), alpha=0.1)
+            got.append((loss.detach(), norm.detach()))
+        losses.append((got[0][0], got[1][0]))
+        clip_norms.append((got[0][1], got[1][1]))
+        me.sync()
+    param_norms = [(p.norm(), q.norm()) for p, q in zip(model.parameters(), ref.parameters())]
+    params = [(n, p.full_tensor(), q) for (n, p), q in zip(model.named_parameters(), ref.parameters())]
+    ema_pairs = [(e.full_tensor(), f) for e, f in zip(*emas)]
+    me.sync()  # the norms' and the full tensors' collectives in one graph, then read
+    for key, pairs in (("losses", losses), ("clip_norms", clip_norms), ("param_norms", param_norms)):
+        facts[key] = [(float(a), float(b)) for a, b in pairs]
+    facts["params"] = [(n, _whole(p), _whole(q)) for n, p, q in params]
+    facts["emas"] = [(_whole(e), _whole(f)) for e, f in ema_pairs]
+    weight = model.blocks[1].up.weight
+    facts["refused"] = {}
+    for name, call in (("sum", lambda: weight.sum()), ("index", lambda: weight[0]),
+                       ("normal_", lambda: nn.init.normal_(weight)), ("matmul", lambda: weight @ weight.T),
+                       ("view", lambda: weight.view(-1)), ("bfloat16", lambda: model.bfloat16()),
+                       ("data", lambda: setattr(weight, "data", torch.zeros(weight.shape, device=device)))):
+        try:
+            call()
+            facts["refused"][name] = "no error"
+        except (RuntimeError, NotImplementedError) as e:
+            facts["refused"][name] = str(e)
+    facts["dtype_after_cast"] = str(model.blocks[1].up.weight.dtype)
+    before = [_whole(p) for p in model.parameters()]
+    for keep_vars in (False, True):
+        buf = io.BytesIO()
+        torch.save(model.state_dict(keep_vars=keep_vars), buf)
+        buf.seek(0)
+        model.load_state_dict(torch.load(buf, weights_only=True))
+    facts["state_dict_round_trip"] = all(torch.equal(a, _whole(p)) for a, p in zip(before, model.parameters()))
+    facts["deepcopy"] = torch.equal(_whole(copy.deepcopy(weight)), _whole(weight))
+    return facts
+
+
+def run_sharded_param_facts(world_size: int) -> List[Dict[str, Any]]:
+    return on_xla(sharded_param_facts, world_size)

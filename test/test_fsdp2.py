@@ -451,3 +451,40 @@ def test_the_cut_after_a_meta_init_says_so_not_land_gradients():
     message = out["not_synced"][0]
     assert "the cut before the first forward that runs the meta-device init" in message, message
     assert "call torch_xla.sync() right after the init" in message and "land_gradients" not in message, message
+
+
+@pytest.mark.xla
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_sharded_parameters_act_as_fsdp2s_in_a_users_program(world_size):
+    """``fully_shard``'s parameters on XLA, as FSDP2's DTensors: the whole parameter's shape, numel and dim,
+    the module's attributes between steps, ``nn.Parameter``s. A program that groups them by ``p.dim()`` and
+    ``p.numel()``, freezes and edits them through module attributes between steps, hooks one's gradient,
+    clips, keeps an EMA of ``p.detach()`` and takes each one's norm trains as the same program on the model
+    unsharded in the same rank: losses, clip norms and parameter norms within 1e-5, parameters and EMAs
+    within 1e-5. What would see this rank's rows alone is refused on every rank, naming the parameter and
+    summon_full_params; a state dict goes through torch.save and a weights_only load in both forms."""
+    ranks = programs.run_sharded_param_facts(world_size)
+    for r in ranks:
+        assert [s[1:] for s in r["shapes"]] == [s[1:] for s in r["want_shapes"]]
+        assert [s[0] for s in r["shapes"]] == [s[0] for s in r["want_shapes"]]
+        assert r["attributes_are_registered"] and r["is_parameter"]
+        assert "ShardParam('blocks.1.up.weight'" in r["repr"] or "ShardParam('up.weight'" in r["repr"], r["repr"]
+        for what in ("losses", "clip_norms", "param_norms"):
+            for got, want in r[what]:
+                assert abs(got - want) <= 1e-5 * max(1.0, abs(want)), (what, got, want)
+        for name, got, want in r["params"]:
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-5, msg=name)
+        for got, want in r["emas"]:
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+        for call, message in r["refused"].items():
+            if call == "bfloat16":
+                assert "cannot become torch.bfloat16" in message and "MixedPrecisionPolicy" in message, message
+            elif call == "data":  # (one rank's rows are the whole parameter: assigning it is no error)
+                if world_size == 1:
+                    assert message == "no error", message
+                else:
+                    assert "cannot be replaced" in message and "summon_full_params" in message, message
+            else:
+                assert "'up.weight' is sharded" in message and "summon_full_params" in message, (call, message)
+        assert r["dtype_after_cast"] == "torch.float32"
+        assert r["state_dict_round_trip"] and r["deepcopy"]

@@ -270,8 +270,10 @@ def test_a_training_step_runs_through_six_unit_files():
 def test_a_fully_shard_step_on_xla_runs_through_the_same_six_files():
     """The same for FSDP2's recipe on 2 XLA:CPU devices (fully_shard's hooks in fsdp2.py call the same
     step); the module's own forward adds the weight-saving nn.Linear forward the unit installs on XLA
-    (patched_linear: the module's compute, not the unit's step)."""
+    (patched_linear: the module's compute, not the unit's step). The optimizer's own operations on the
+    parameters run through their type, fully_shard's ShardParam (shard_param: the parameter, not the step)."""
     from ranks import on_xla
     for files in on_xla(_files_one_step_runs, 2, "fully_shard"):
         assert set(files["step"]) == STEP_FILES | {"patched_linear.py"}, files["step"]
-        assert set(files["optimizer"]) - set(files["step"]) <= {"optimizer_check.py"}, files["optimizer"]
+        assert set(files["optimizer"]) - set(files["step"]) <= {"optimizer_check.py", "shard_param.py"}, \
+            files["optimizer"]

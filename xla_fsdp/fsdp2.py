@@ -256,18 +256,16 @@ class _InPlaceModule(nn.Module):
         stay where and what they are (host-offloaded ones on the host). A cast or a move of a shard
         itself is refused: its ShardParam's dtype and device are the sharded parameter's for good."""
         unit = _state(self)
+        for group in unit.gather_groups if unit._runtime.offload is None else ():
+            moved = fn(group.shard)  # (before anything changes: a refused call leaves the module as it was)
+            if (moved.dtype, moved.device) != (group.shard.dtype, group.shard.device):
+                raise NotImplementedError(
+                    f"xla_fsdp.fully_shard on XLA: '{group.refs[0].fqn}' is sharded as {group.shard.dtype} on "
+                    f"{group.shard.device}; it cannot become {moved.dtype} on {moved.device} after fully_shard. "
+                    "Move or cast the model before fully_shard, or compute in another dtype with "
+                    "MixedPrecisionPolicy(param_dtype=...)")
         with unit.shards_held_back():
-            out = super()._apply(fn, recurse)
-        if unit._runtime.offload is None:
-            for group in unit.gather_groups:
-                moved = fn(group.shard)
-                if (moved.dtype, moved.device) != (group.shard.dtype, group.shard.device):
-                    raise NotImplementedError(
-                        f"xla_fsdp.fully_shard on XLA: '{group.refs[0].fqn}' is sharded as {group.shard.dtype} on "
-                        f"{group.shard.device}; it cannot become {moved.dtype} on {moved.device} after fully_shard. "
-                        "Move or cast the model before fully_shard, or compute in another dtype with "
-                        "MixedPrecisionPolicy(param_dtype=...)")
-        return out
+            return super()._apply(fn, recurse)
 
     def _fqn_modifiers(self) -> Dict[str, str]:
         return _state(self)._fqn_modifiers()  # PyTorch's state_dict functions: the unit's error naming ours
@@ -406,10 +404,11 @@ def _sharded_keys(module: nn.Module, prefix: str) -> Iterator[Tuple[str, Any]]:
 
 def _rows_in_state_dict(module: nn.Module, state_dict: Dict[str, Any], prefix: str, local_metadata: Any) -> None:
     """``state_dict()`` holds each rank's rows of its parameters (plain tensors, padded to equal rows), as the
-    checkpoint functions and ``torch.save`` take them (FSDP2's holds DTensors); ``keep_vars=True``: the shards."""
-    for key, _ in _sharded_keys(module, prefix):
+    checkpoint functions and ``torch.save`` take them (FSDP2's holds DTensors); ``keep_vars=True``: the
+    parameters themselves (saved as their rows)."""
+    for key, group in _sharded_keys(module, prefix):
         value = state_dict.get(key)
-        if isinstance(value, ShardParam):
+        if isinstance(value, ShardParam) and value is not group.param:
             state_dict[key] = value.rows()
 
 

@@ -27,6 +27,7 @@ import torch
 import torch.nn as nn
 
 from ..shard_names import clean_name
+from ..unit.shard_param import rows_of
 from .files import CheckpointError, ModelMismatchError
 from .resized_load import entry_members, mismatch_line
 
@@ -326,7 +327,7 @@ def _unit_slots(model) -> Tuple[List[_Slot], Known]:
             start, end = max(lo, offset), min(hi, offset + numel)
             if start < end:
                 members.append((names, tuple(shape), start - offset, end - offset, start - lo))
-        slots.append(_Slot(state[key], members))
+        slots.append(_Slot(rows_of(state[key]), members))  # (fully_shard's ShardParam: the rows it holds)
     held = {n for names, _ in known for n in names}  # fully_shard's state_dict() names a tied alias again
     for key, value in state.items():
         if key not in layout and "_fsdp_shard" not in key and clean_name(key) not in held:

@@ -22,6 +22,7 @@ from .options import UnitOptions
 from .param_names import SHARD_PREFIX, SHARD_SEPARATOR, WRAPPED, flat_parts
 from .runtime import Rank0Buffer
 from .settings import UnitSettings
+from .shard_param import ShardParam
 
 
 @dataclasses.dataclass
@@ -158,7 +159,7 @@ def build_group(refs: List[ParamRef], comms: Collectives, *, flat: bool, dim0: b
         # the whole model in host memory (the object stays, marked, to catch sharing across units).
         ref.param.data = ref.param.data.new_empty(0)
     group = GatherGroup(refs, comms, layout, shard, initial, flat=flat, compute_dtype=compute_dtype, channel=channel,
-                        offload=offload, in_place=in_place)
+                        offload=offload, in_place=ShardParam if in_place else None)
     _torch_xla_attributes(group)
     return group
 

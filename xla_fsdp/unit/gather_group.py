@@ -29,7 +29,6 @@ from .gradients import ForwardEdges
 from .member_slots import (FlatMembers, ParamRef, fingerprint, freed_stand_ins, hooks_kept_from, module_tensor,
                            set_module_tensor)
 from .offload import HostOffload
-from .shard_param import ShardParam
 
 
 class ShardedState(enum.Enum):
@@ -75,9 +74,11 @@ class GatherGroup:
 
     def __init__(self, refs: List[ParamRef], comms: Collectives, layout: Union[FlatLayout, Dim0Layout],
                  shard: nn.Parameter, initial: InitialValues, *, flat: bool, compute_dtype: torch.dtype,
-                 channel: int, offload: Optional[HostOffload] = None, in_place: bool = False):
+                 channel: int, offload: Optional[HostOffload] = None,
+                 in_place: Optional[Callable[["GatherGroup"], torch.Tensor]] = None):
         """``shard`` is this rank's block, made (and the originals taken out of the module) by
-        ``adoption.build_group``."""
+        ``adoption.build_group``. ``in_place`` (fully_shard, not flat): what to register in the original's places
+        (``ShardParam``, made of the group)."""
         self.refs = refs
         self.comms = comms
         self.layout = layout
@@ -130,9 +131,9 @@ class GatherGroup:
                 self.full.register_hook(hook)  # ``full`` is the parameter the module computes with
         #: fully_shard: FSDP2's sharded parameter (a ShardParam over ``shard``) is registered in the original's
         #: places, and is the module's attribute between steps (a plain attribute shadows it while gathered)
-        self.in_place = in_place and not flat
+        self.in_place = in_place is not None and not flat
         #: what the program sees of the shard (``parameters()``, the optimizer): that ShardParam, or the shard
-        self.param: torch.Tensor = ShardParam(self) if self.in_place else shard
+        self.param: torch.Tensor = in_place(self) if self.in_place else shard
         if self.in_place:
             for module, attr in refs[0].slots:
                 module._parameters[attr] = self.param

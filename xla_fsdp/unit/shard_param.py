@@ -21,6 +21,7 @@ program sees. Its gradient, ``requires_grad`` and hooks are the shard's.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -63,39 +64,45 @@ class ShardParam(torch.Tensor):
 
     _xla_fsdp_group: Any
     _value: Optional[torch.Tensor]
+    #: ``p.data``: the shard itself, operated on without gradient (so an in-place write counts as one)
+    _detached: bool
     _is_param = True  # isinstance(p, nn.Parameter) holds, as for FSDP2's DTensor parameters
 
     @staticmethod
-    def __new__(cls, group: Any, value: Optional[torch.Tensor] = None) -> "ShardParam":
+    def __new__(cls, group: Any, value: Optional[torch.Tensor] = None, detached: bool = False) -> "ShardParam":
         rows = group.shard if value is None else value
         param = torch.Tensor._make_wrapper_subclass(cls, group.full_shape, dtype=rows.dtype, device=rows.device)
         param._xla_fsdp_group = group
         param._value = value
+        param._detached = detached
         return param
 
     def rows(self) -> torch.Tensor:
         """This rank's rows (padded): the plain tensor every operation runs on."""
         return self._xla_fsdp_group.shard if self._value is None else self._value
 
+    def _is_the_parameter(self) -> bool:
+        return self._value is None and not self._detached
+
     # --- what autograd and the optimizer read: the shard's
     @property
     def grad(self) -> Optional[torch.Tensor]:  # type: ignore[override]
         """The shard's gradient: this rank's block of the reduced gradient (its norms span the ranks)."""
-        return self._xla_fsdp_group.shard.grad if self._value is None else None
+        return self._xla_fsdp_group.shard.grad if self._is_the_parameter() else None
 
     @grad.setter
     def grad(self, value: Optional[torch.Tensor]) -> None:
-        if value is not None and self._value is not None:
-            raise RuntimeError("xla_fsdp: a gradient can be set on the parameter, not on its .data")
+        if not self._is_the_parameter():
+            raise RuntimeError("xla_fsdp: a gradient can be set on the parameter, not on a tensor made from it")
         self._xla_fsdp_group.shard.grad = value.rows() if isinstance(value, ShardParam) else value
 
     @grad.deleter
     def grad(self) -> None:
-        self._xla_fsdp_group.shard.grad = None
+        self.grad = None
 
     @property
     def requires_grad(self) -> bool:  # type: ignore[override]
-        return self._value is None and self._xla_fsdp_group.shard.requires_grad
+        return self._is_the_parameter() and self._xla_fsdp_group.shard.requires_grad
 
     @requires_grad.setter
     def requires_grad(self, value: bool) -> None:
@@ -104,15 +111,18 @@ class ShardParam(torch.Tensor):
     def requires_grad_(self, requires_grad: bool = True) -> "ShardParam":  # type: ignore[override]
         """Freezing or unfreezing the parameter freezes or unfreezes its shard (the unit follows it at
         the next gather)."""
-        if self._value is not None:
-            raise RuntimeError("xla_fsdp: set requires_grad on the parameter itself, not on its .data")
+        if not self._is_the_parameter():
+            raise RuntimeError("xla_fsdp: set requires_grad on the parameter itself, not on a tensor made from it")
         self._xla_fsdp_group.shard.requires_grad_(requires_grad)
         return self
 
     @property
     def data(self) -> "ShardParam":  # type: ignore[override]
-        """The parameter detached: the same rows, without gradient (writes reach the shard)."""
-        return ShardParam(self._xla_fsdp_group, self.rows().data)
+        """The parameter detached: the shard's rows, operated on without gradient (writes reach the shard,
+        and count as writes: the unit gathers again after one)."""
+        if self._is_the_parameter():
+            return ShardParam(self._xla_fsdp_group, detached=True)
+        return self
 
     @data.setter
     def data(self, value: torch.Tensor) -> None:
@@ -120,9 +130,9 @@ class ShardParam(torch.Tensor):
         group = self._xla_fsdp_group
         if tuple(rows.shape) != tuple(group.shard.shape) or rows.dtype != group.shard.dtype:
             raise RuntimeError(
-                f"xla_fsdp: .data of '{self.name}' (shape {tuple(self.shape)}, {self.dtype}, sharded on dim 0) "
-                f"cannot be replaced with a tensor of shape {tuple(value.shape)} and {value.dtype}: it is this rank's "
-                "rows of the parameter. Write full values inside `with XlaFullyShardedDataParallel."
+                f"xla_fsdp: .data of '{self._xla_fsdp_name}' (shape {tuple(self.shape)}, {self.dtype}, sharded on "
+                f"dim 0) cannot be replaced with a tensor of shape {tuple(value.shape)} and {value.dtype}: it is this "
+                "rank's rows of the parameter. Write full values inside `with XlaFullyShardedDataParallel."
                 "summon_full_params(model):`, or load them with xla_fsdp.checkpoints.state_dict_api."
                 "set_model_state_dict")
         group.shard.data = rows
@@ -154,7 +164,8 @@ class ShardParam(torch.Tensor):
 
     # --- Python's own protocols: answered here, without a torch function call
     @property
-    def name(self) -> str:  # type: ignore[override]
+    def _xla_fsdp_name(self) -> str:
+        """The parameter's name within its unit's module (as a FreedParameter's, read by the unit's errors)."""
         return self._xla_fsdp_group.refs[0].fqn
 
     def __hash__(self) -> int:
@@ -162,13 +173,15 @@ class ShardParam(torch.Tensor):
 
     def __repr__(self) -> str:  # type: ignore[override]
         group = self._xla_fsdp_group
-        return (f"ShardParam('{self.name}', shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device}: "
-                f"rank {group.comms.rank}'s {own_rows(group)} of {group.layout.rows} rows)")
+        return (f"ShardParam('{self._xla_fsdp_name}', shape={tuple(self.shape)}, dtype={self.dtype}, "
+                f"device={self.device}: rank {group.comms.rank}'s {own_rows(group)} of {group.layout.rows} rows)")
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        """Saved (``torch.save``, pickling) as the rows it holds, a plain tensor or Parameter, as the
-        shard was before: readable with ``weights_only=True``."""
-        return self.rows().__reduce_ex__(protocol)
+        """Saved (``torch.save``, pickling) as the rows it holds (a Parameter for the parameter itself),
+        without the unit's attributes: readable with ``weights_only=True``."""
+        rows = self.rows().detach()
+        plain = torch.nn.Parameter(rows, requires_grad=self.requires_grad) if self._is_the_parameter() else rows
+        return plain.__reduce_ex__(protocol)
 
     def __deepcopy__(self, memo: Dict[int, Any]) -> "ShardParam":
         """A copy of the rows, sharded alike (as a DTensor's copy): no longer the parameter, so without
@@ -179,8 +192,9 @@ class ShardParam(torch.Tensor):
     def __torch_function__(cls, func: Callable, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
         kind = _kind(func)
         if kind is _ON_ROWS or kind is _LIKE:
-            with _DisableSubclass():
-                out = func(*_rows_in(args), **(_rows_in_kwargs(kwargs) if kwargs else {}))
+            rows_args, detached = _rows_in(args)
+            with _DisableSubclass(), torch.no_grad() if detached else contextlib.nullcontext():
+                out = func(*rows_args, **(_rows_in_kwargs(kwargs) if kwargs else {}))
             first = args[0] if args else None
             if isinstance(first, ShardParam) and out is first.rows():
                 return first  # an in-place method gives its tensor back: the parameter, as on a DTensor
@@ -198,6 +212,14 @@ class ShardParam(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func: Callable, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
+        """An ATen op that reached the parameter below the torch functions (another tensor subclass's
+        ``__torch_function__`` ran it: a gradient's ``grad.add_(p)``), by the same rules."""
+        name = func._overloadpacket.__name__
+        if torch.Tag.pointwise in func.tags or name.startswith("_foreach_") or name in _DISPATCH_ROWS:
+            rows_args, _ = _rows_in(args)
+            out = func(*rows_args, **_rows_in_kwargs(kwargs or {}))
+            first = args[0] if args else None
+            return first if isinstance(first, ShardParam) and out is first.rows() else out
         _refuse(func, args, kwargs)
 
 
@@ -227,15 +249,18 @@ def _one_group(args: Sequence[Any], kwargs: Any) -> Any:
     return group
 
 
-def _rows_in(args: Sequence[Any]) -> List[Any]:
-    out = []
+def _rows_in(args: Sequence[Any]) -> Tuple[List[Any], bool]:
+    """``args`` with each ShardParam's rows in its place (in lists too), and whether one was a ``.data``."""
+    out, detached = [], False
     for a in args:
         if isinstance(a, ShardParam):
+            detached = detached or a._detached
             a = a.rows()
         elif type(a) in (list, tuple) and a and any(isinstance(t, ShardParam) for t in a):
+            detached = detached or any(getattr(t, "_detached", False) for t in a)
             a = [rows_of(t) for t in a]
         out.append(a)
-    return out
+    return out, detached
 
 
 def _rows_in_kwargs(kwargs: Dict[str, Any]) -> Dict[str, Any]:
@@ -261,6 +286,10 @@ _ROW_NAMES = frozenset((
 #: new tensors shaped as the rows (an optimizer's state): plain tensors of the rows' shape, as the state was
 _LIKE_NAMES = frozenset(("zeros_like", "ones_like", "empty_like", "full_like", "new_zeros", "new_ones", "new_empty",
                          "new_full"))
+#: what the dispatch-level fallback runs on the rows besides pointwise and foreach ops (ATen names)
+_DISPATCH_ROWS = frozenset(("copy_", "fill_", "zero_", "clone", "detach", "alias", "_to_copy", "zeros_like",
+                            "ones_like", "empty_like", "full_like", "new_zeros", "new_ones", "new_empty",
+                            "new_full", "masked_fill_", "masked_fill"))
 _NORM_FUNCS = {torch.norm: "p", torch.Tensor.norm: "p", torch.linalg.vector_norm: "ord",
                torch.linalg.norm: "ord", torch._foreach_norm: "ord"}
 _DUNDER = {"__iadd__": "add_", "__isub__": "sub_", "__imul__": "mul_", "__itruediv__": "div_",
@@ -367,8 +396,8 @@ def _refuse(func: Callable, args: Sequence[Any], kwargs: Any) -> None:
     from torch.utils._pytree import tree_flatten
     param = next(a for a in tree_flatten((args, kwargs or {}))[0] if isinstance(a, ShardParam))
     raise RuntimeError(
-        f"xla_fsdp.fully_shard: '{param.name}' is sharded (shape {tuple(param.shape)}, this rank holds some of its "
-        f"rows), and {_name(func) or func} on it would see this rank's rows only, not the whole parameter. "
+        f"xla_fsdp.fully_shard: '{param._xla_fsdp_name}' is sharded (shape {tuple(param.shape)}, this rank holds "
+        f"some of its rows), and {_name(func) or func} on it would see this rank's rows only, not the whole parameter. "
         "Operations that act element by element (an optimizer step, fills, copies, casts) and norms work on it; "
         "for anything else use the whole parameter: inside `with XlaFullyShardedDataParallel.summon_full_params("
         "model):` the module's attribute is the full tensor (changes are written back), p.full_tensor() gives a "
