@@ -714,6 +714,8 @@ def sharded_param_facts(me: Rank) -> Dict[str, Any]:
     for name, call in (("sum", lambda: weight.sum()), ("index", lambda: weight[0]),
                        ("normal_", lambda: nn.init.normal_(weight)), ("matmul", lambda: weight @ weight.T),
                        ("view", lambda: weight.view(-1)), ("bfloat16", lambda: model.bfloat16()),
+                       ("matrix_norm", lambda: torch.linalg.norm(weight, 2)),
+                       ("whole_shaped", lambda: weight + torch.ones(weight.shape, device=device)),
                        ("data", lambda: setattr(weight, "data", torch.zeros(weight.shape, device=device)))):
         try:
             call()

@@ -192,7 +192,7 @@ class ShardParam(torch.Tensor):
     def __torch_function__(cls, func: Callable, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
         kind = _kind(func)
         if kind is _ON_ROWS or kind is _LIKE:
-            rows_args, detached = _rows_in(args)
+            rows_args, detached = _rows_in(args, func)
             with _DisableSubclass(), torch.no_grad() if detached else contextlib.nullcontext():
                 out = func(*rows_args, **(_rows_in_kwargs(kwargs) if kwargs else {}))
             first = args[0] if args else None
@@ -216,7 +216,7 @@ class ShardParam(torch.Tensor):
         ``__torch_function__`` ran it: a gradient's ``grad.add_(p)``), by the same rules."""
         name = func._overloadpacket.__name__
         if torch.Tag.pointwise in func.tags or name.startswith("_foreach_") or name in _DISPATCH_ROWS:
-            rows_args, _ = _rows_in(args)
+            rows_args, _ = _rows_in(args, func)
             out = func(*rows_args, **_rows_in_kwargs(kwargs or {}))
             first = args[0] if args else None
             return first if isinstance(first, ShardParam) and out is first.rows() else out
@@ -249,17 +249,31 @@ def _one_group(args: Sequence[Any], kwargs: Any) -> Any:
     return group
 
 
-def _rows_in(args: Sequence[Any]) -> Tuple[List[Any], bool]:
-    """``args`` with each ShardParam's rows in its place (in lists too), and whether one was a ``.data``."""
-    out, detached = [], False
+def _rows_in(args: Sequence[Any], func: Callable) -> Tuple[List[Any], bool]:
+    """``args`` with each ShardParam's rows in its place (in lists too), and whether one was a ``.data``.
+    A ShardParam of another shape, or a plain tensor of the whole parameter's shape, beside one would
+    broadcast against the rows, not the whole parameter: refused."""
+    out, detached, shape = [], False, None
     for a in args:
         if isinstance(a, ShardParam):
             detached = detached or a._detached
+            if shape is None:
+                shape = a.shape
+            elif a.shape != shape:
+                _refuse(func, args, None, f"it is applied to sharded parameters of other shapes ({tuple(shape)}, "
+                                          f"{tuple(a.shape)}), which would broadcast row block against row block")
             a = a.rows()
         elif type(a) in (list, tuple) and a and any(isinstance(t, ShardParam) for t in a):
             detached = detached or any(getattr(t, "_detached", False) for t in a)
             a = [rows_of(t) for t in a]
         out.append(a)
+    if shape is not None:
+        for a in args:
+            if type(a) is not ShardParam and isinstance(a, torch.Tensor) and a.dim() and a.shape == shape:
+                rows = next(t for t in args if isinstance(t, ShardParam)).rows()
+                if a.shape != rows.shape:
+                    _refuse(func, args, None, "a tensor of the whole parameter's shape beside it would meet this "
+                                              "rank's rows, not the whole parameter")
     return out, detached
 
 
@@ -336,7 +350,11 @@ def _norm(func: Callable, args: Sequence[Any], kwargs: Dict[str, Any]) -> Any:
     dim = kwargs.get("dim", args[2] if len(args) > 2 and not foreach else None)
     if dim is not None and not (isinstance(dim, (tuple, list)) and len(dim) == args[0].dim()):
         _refuse(func, args, kwargs)
-    order = norm_order(kwargs.get(_NORM_FUNCS[func], args[1] if len(args) > 1 else None))
+    given = kwargs.get(_NORM_FUNCS[func], args[1] if len(args) > 1 else None)
+    matrix = func is torch.linalg.norm and args[0].dim() == 2 and given not in (None, "fro")
+    if matrix or isinstance(given, str) and given != "fro":
+        _refuse(func, args, kwargs, f"its order {given!r} is a matrix norm, which cannot be formed from row blocks")
+    order = norm_order(given)
     locals_ = [_own_part(t) if isinstance(t, ShardParam) else t for t in tensors]
     rest = dict(kwargs)
     rest.pop("dim", None)
@@ -392,12 +410,13 @@ def _own_part(param: ShardParam) -> torch.Tensor:
         return rows * mask.to(rows.dtype)
 
 
-def _refuse(func: Callable, args: Sequence[Any], kwargs: Any) -> None:
+def _refuse(func: Callable, args: Sequence[Any], kwargs: Any, why: str = "") -> None:
     from torch.utils._pytree import tree_flatten
     param = next(a for a in tree_flatten((args, kwargs or {}))[0] if isinstance(a, ShardParam))
+    why = why or "it would see this rank's rows only, not the whole parameter"
     raise RuntimeError(
         f"xla_fsdp.fully_shard: '{param._xla_fsdp_name}' is sharded (shape {tuple(param.shape)}, this rank holds "
-        f"some of its rows), and {_name(func) or func} on it would see this rank's rows only, not the whole parameter. "
+        f"some of its rows), and {_name(func) or func} on it is refused: {why}. "
         "Operations that act element by element (an optimizer step, fills, copies, casts) and norms work on it; "
         "for anything else use the whole parameter: inside `with XlaFullyShardedDataParallel.summon_full_params("
         "model):` the module's attribute is the full tensor (changes are written back), p.full_tensor() gives a "
