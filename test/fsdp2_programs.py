@@ -701,6 +701,23 @@ def sharded_param_facts(me: Rank) -> Dict[str, Any]:
         losses.append((got[0][0], got[1][0]))
         clip_norms.append((got[0][1], got[1][1]))
         me.sync()
+    # a step that raises (an lr the program set wrong) changes nothing; the next one trains as unsharded, and
+    # the optimizer holds the parameters and keys its state by them, as before (its steps take the shards)
+    x, y = (t.to(device) for t in batch(4, 1))
+    for m, opt in zip(models, opts):
+        ((m(x) - y) ** 2).mean().backward()
+        lr, opt.param_groups[0]["lr"] = opt.param_groups[0]["lr"], "wrong"
+        try:
+            opt.step()
+        except TypeError:
+            pass
+        opt.param_groups[0]["lr"] = lr
+        opt.step()
+        opt.zero_grad()
+    me.sync()
+    ids = {id(p) for p in model.parameters()}
+    facts["optimizer_holds_parameters"] = ({id(p) for g in opts[0].param_groups for p in g["params"]} == ids
+                                           and {id(p) for p in opts[0].state} == ids)
     param_norms = [(p.norm(), q.norm()) for p, q in zip(model.parameters(), ref.parameters())]
     params = [(n, p.full_tensor(), q) for (n, p), q in zip(model.named_parameters(), ref.parameters())]
     ema_pairs = [(e.full_tensor(), f) for e, f in zip(*emas)]

@@ -461,7 +461,8 @@ def test_sharded_parameters_act_as_fsdp2s_in_a_users_program(world_size):
     ``p.numel()``, freezes and edits them through module attributes between steps, hooks one's gradient,
     clips, keeps an EMA of ``p.detach()`` and takes each one's norm trains as the same program on the model
     unsharded in the same rank: losses, clip norms and parameter norms within 1e-5, parameters and EMAs
-    within 1e-5. What would see this rank's rows alone is refused on every rank, naming the parameter and
+    within 1e-5; a step that raised changes nothing, and the optimizer holds the parameters and keys its
+    state by them. What would see this rank's rows alone is refused on every rank, naming the parameter and
     summon_full_params; a state dict goes through torch.save and a weights_only load in both forms."""
     ranks = programs.run_sharded_param_facts(world_size)
     for r in ranks:
@@ -488,4 +489,4 @@ def test_sharded_parameters_act_as_fsdp2s_in_a_users_program(world_size):
             else:
                 assert "'up.weight' is sharded" in message and "summon_full_params" in message, (call, message)
         assert r["dtype_after_cast"] == "torch.float32"
-        assert r["state_dict_round_trip"] and r["deepcopy"]
+        assert r["state_dict_round_trip"] and r["deepcopy"] and r["optimizer_holds_parameters"]
