@@ -300,10 +300,8 @@ _ROW_NAMES = frozenset((
 #: new tensors shaped as the rows (an optimizer's state): plain tensors of the rows' shape, as the state was
 _LIKE_NAMES = frozenset(("zeros_like", "ones_like", "empty_like", "full_like", "new_zeros", "new_ones", "new_empty",
                          "new_full"))
-#: what the dispatch-level fallback runs on the rows besides pointwise and foreach ops (ATen names)
-_DISPATCH_ROWS = frozenset(("copy_", "fill_", "zero_", "clone", "detach", "alias", "_to_copy", "zeros_like",
-                            "ones_like", "empty_like", "full_like", "new_zeros", "new_ones", "new_empty",
-                            "new_full", "masked_fill_", "masked_fill"))
+#: what the dispatch-level fallback runs on the rows besides pointwise and foreach ops (ATen names among these)
+_DISPATCH_ROWS = _ROW_NAMES | _LIKE_NAMES | {"alias"}
 _NORM_FUNCS = {torch.norm: "p", torch.Tensor.norm: "p", torch.linalg.vector_norm: "ord",
                torch.linalg.norm: "ord", torch._foreach_norm: "ord"}
 _DUNDER = {"__iadd__": "add_", "__isub__": "sub_", "__imul__": "mul_", "__itruediv__": "div_",
