@@ -656,6 +656,7 @@ def _between_steps(model: nn.Module, step: int) -> None:
             model.blocks[2].down.weight.mul_(0.5)
             model.head.weight.clamp_(-0.05, 0.05)
             model.embed.bias.fill_(0.01)
+        model.blocks[1].down.weight.data.mul_(0.9)  # through .data, as older init code writes
 
 
 def sharded_param_facts(me: Rank) -> Dict[str, Any]:
@@ -732,6 +733,7 @@ def sharded_param_facts(me: Rank) -> Dict[str, Any]:
                        ("normal_", lambda: nn.init.normal_(weight)), ("matmul", lambda: weight @ weight.T),
                        ("view", lambda: weight.view(-1)), ("bfloat16", lambda: model.bfloat16()),
                        ("matrix_norm", lambda: torch.linalg.norm(weight, 2)),
+                       ("assign", lambda: model.load_state_dict(model.state_dict(), assign=True)),
                        ("whole_shaped", lambda: weight + torch.ones(weight.shape, device=device)),
                        ("data", lambda: setattr(weight, "data", torch.zeros(weight.shape, device=device)))):
         try:

@@ -458,12 +458,13 @@ def test_the_cut_after_a_meta_init_says_so_not_land_gradients():
 def test_sharded_parameters_act_as_fsdp2s_in_a_users_program(world_size):
     """``fully_shard``'s parameters on XLA, as FSDP2's DTensors: the whole parameter's shape, numel and dim,
     the module's attributes between steps, ``nn.Parameter``s. A program that groups them by ``p.dim()`` and
-    ``p.numel()``, freezes and edits them through module attributes between steps, hooks one's gradient,
-    clips, keeps an EMA of ``p.detach()`` and takes each one's norm trains as the same program on the model
+    ``p.numel()``, freezes and edits them through module attributes (and ``.data``) between steps, hooks one's
+    gradient, clips, keeps an EMA of ``p.detach()`` and takes each one's norm trains as the same program on the model
     unsharded in the same rank: losses, clip norms and parameter norms within 1e-5, parameters and EMAs
     within 1e-5; a step that raised changes nothing, and the optimizer holds the parameters and keys its
     state by them. What would see this rank's rows alone is refused on every rank, naming the parameter and
-    summon_full_params; a state dict goes through torch.save and a weights_only load in both forms."""
+    summon_full_params (load_state_dict(assign=True) naming the way without it); a state dict goes through
+    torch.save and a weights_only load in both forms."""
     ranks = programs.run_sharded_param_facts(world_size)
     for r in ranks:
         assert [s[1:] for s in r["shapes"]] == [s[1:] for s in r["want_shapes"]]
@@ -480,6 +481,8 @@ def test_sharded_parameters_act_as_fsdp2s_in_a_users_program(world_size):
         for call, message in r["refused"].items():
             if call == "bfloat16":
                 assert "cannot become torch.bfloat16" in message and "MixedPrecisionPolicy" in message, message
+            elif call == "assign":
+                assert "load_state_dict(assign=True)" in message and "without assign=True" in message, message
             elif call in ("data", "whole_shaped"):  # (one rank's rows are the whole parameter: no error)
                 if world_size == 1:
                     assert message == "no error", message
