@@ -573,3 +573,69 @@ def test_construction_time_settings_are_read_only_and_step_time_ones_take_effect
     model.fp32_reduce_scatter = True
     model.gradient_predivide_factor = 1.0
     assert model.settings.fp32_reduce_scatter and model.settings.gradient_predivide_factor == 1.0
+
+
+def _unit_names(root: nn.Module):
+    return sorted(n for n, m in root.named_modules() if isinstance(m, FSDP) and m is not root)
+
+
+def test_wrap_policies_written_for_pytorchs_fsdp_are_taken_as_they_are(gloo):
+    """PyTorch's FSDP calls a policy ``policy(module, recurse, nonwrapped_numel)`` and also takes policy
+    objects; PEFT's ``fsdp_auto_wrap_policy`` is ``_or_policy`` over two such functions. Each form gives
+    the units the same rule gives in torch_xla's form, and a ``CustomPolicy``'s dict sets that unit's
+    keywords. Before: ``_or_policy() got an unexpected keyword argument 'unwrapped_params'``."""
+    import torch.distributed.fsdp.wrap as torch_wrap
+    from xla_fsdp.wrap import lambda_auto_wrap_policy, transformer_auto_wrap_policy
+
+    def model():
+        torch.manual_seed(0)
+        return models.make_model("lm")
+
+    block = models.Block
+    ours = _unit_names(FSDP(model(), auto_wrap_policy=functools.partial(transformer_auto_wrap_policy,
+                                                                       transformer_layer_cls={block})))
+    assert ours == ["_fsdp_wrapped_module.blocks.0", "_fsdp_wrapped_module.blocks.1"], ours
+    forms = {
+        "transformer": functools.partial(torch_wrap.transformer_auto_wrap_policy, transformer_layer_cls={block}),
+        "lambda": functools.partial(torch_wrap.lambda_auto_wrap_policy, lambda_fn=lambda m: isinstance(m, block)),
+        "or": functools.partial(torch_wrap._or_policy, policies=[
+            functools.partial(torch_wrap.lambda_auto_wrap_policy, lambda_fn=lambda m: False),
+            functools.partial(torch_wrap.transformer_auto_wrap_policy, transformer_layer_cls={block})]),
+        "module_wrap_policy": torch_wrap.ModuleWrapPolicy({block}),
+        "custom": torch_wrap.CustomPolicy(lambda m: isinstance(m, block)),
+    }
+    for name, policy in forms.items():
+        assert _unit_names(FSDP(model(), auto_wrap_policy=policy)) == ours, name
+    ours_lambda = _unit_names(FSDP(model(), auto_wrap_policy=functools.partial(
+        lambda_auto_wrap_policy, lambda_fn=lambda m: isinstance(m, nn.Linear))))
+    theirs_lambda = _unit_names(FSDP(model(), auto_wrap_policy=functools.partial(
+        torch_wrap.lambda_auto_wrap_policy, lambda_fn=lambda m: isinstance(m, nn.Linear))))
+    assert ours_lambda == theirs_lambda and len(ours_lambda) > len(ours)
+    sized = _unit_names(FSDP(model(), auto_wrap_policy=functools.partial(
+        torch_wrap.size_based_auto_wrap_policy, min_num_params=200)))
+    assert sized == _unit_names(FSDP(model(), auto_wrap_policy=functools.partial(
+        size_based_auto_wrap_policy, min_num_params=200))) and sized
+    plain = model()
+    root = FSDP(plain, auto_wrap_policy=torch_wrap.CustomPolicy(
+        lambda m: {"flatten_parameters": True} if m is plain.blocks[1] else isinstance(m, block)))
+    flat = {n: bool(m.flatten_parameters) for n, m in root.named_modules() if isinstance(m, FSDP) and m is not root}
+    assert flat == {ours[0]: False, ours[1]: True}, flat
+    with pytest.raises(TypeError, match="auto_wrap_policy must be a callable"):
+        FSDP(model(), auto_wrap_policy="TRANSFORMER_BASED_WRAP")
+
+
+def test_a_check_that_only_warns_never_stops_a_wrap(gloo):
+    """A model whose config ties its embeddings but whose get_input_embeddings raises (not the
+    AttributeError the check expects): the untied-embeddings check fails; the wrap goes on, with one
+    warning naming the check and the error. Before: the wrap raised from inside the check."""
+    from xla_fsdp.advice import AdviceCheckFailed
+
+    class Odd(nn.Linear):
+        config = type("Config", (), {"tie_word_embeddings": True})()
+
+        def get_input_embeddings(self):
+            raise RuntimeError("no embeddings here")
+
+    with pytest.warns(AdviceCheckFailed, match=r"warn_untied_embeddings .*RuntimeError: no embeddings here"):
+        wrapped = FSDP(Odd(3, 3))
+    wrapped(torch.ones(2, 3)).sum().backward()

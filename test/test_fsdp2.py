@@ -493,3 +493,92 @@ def test_sharded_parameters_act_as_fsdp2s_in_a_users_program(world_size):
                 assert "'up.weight' is sharded" in message and "summon_full_params" in message, (call, message)
         assert r["dtype_after_cast"] == "torch.float32"
         assert r["state_dict_round_trip"] and r["deepcopy"] and r["optimizer_holds_parameters"]
+
+
+class _SameShapeBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(16, 32), nn.Linear(32, 16)  # up.weight (32, 16): the embedding's shape
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class _SameShapeLM(nn.Module):
+    def __init__(self, tie: bool):
+        super().__init__()
+        self.emb = nn.Embedding(32, 16)
+        self.blocks = nn.ModuleList([_SameShapeBlock(), _SameShapeBlock()])
+        self.head = nn.Linear(16, 32, bias=False)
+        if tie:
+            self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+_BUILD_LOCK = __import__("threading").Lock()  # the device threads share one CPU generator
+
+
+def _same_shape_as_a_sharded_block(me) -> Dict[str, Any]:
+    """fully_shard in FSDP2's order (blocks, then the root) on a model whose embedding has the shape of a
+    sharded block's weight; tied and moved to the device first (the untied-by-a-move warning's case), and
+    not. The warnings, and 2 SGD steps' losses on every rank's same batch."""
+    import warnings
+
+    from xla_fsdp import fully_shard
+    out: Dict[str, Any] = {}
+    for tie in (False, True):
+        with _BUILD_LOCK:
+            torch.manual_seed(0)
+            model = _SameShapeLM(tie)
+        model = model.to(me.device)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for block in model.blocks:
+                fully_shard(block)
+            fully_shard(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        for step in range(2):
+            ids = torch.arange(8).reshape(2, 4).add(step).remainder(32).to(me.device)
+            loss = model(ids).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            me.sync()
+            losses.append(loss.item())
+        out[tie] = {"warnings": [str(w.message) for w in caught if "xla_fsdp" in str(w.message)], "losses": losses}
+    return out
+
+
+@pytest.mark.xla
+def test_a_block_weight_of_the_embeddings_shape_does_not_stop_the_root_from_sharding():
+    """Before: fully_shard(root) after its blocks raised from the untied-by-a-move warning's check, which
+    compared the embedding with a block's sharded weight of the same shape (refused on a ShardParam). Now
+    the check passes sharded weights by (they hold rows only), still names an untied pair at the root, and
+    training equals unsharded (2 SGD steps, 1e-5)."""
+    got = on_xla(_same_shape_as_a_sharded_block, 2)
+    for tie in (False, True):
+        torch.manual_seed(0)
+        plain = _SameShapeLM(tie)
+        if tie:  # what .to(xla_device) does to the tie: two parameters of one value
+            plain.head.weight = nn.Parameter(plain.emb.weight.detach().clone())
+        opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+        want = []
+        for step in range(2):
+            loss = plain(torch.arange(8).reshape(2, 4).add(step).remainder(32)).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            want.append(loss.item())
+        for rank in got:
+            assert rank[tie]["losses"] == pytest.approx(want, abs=1e-5), (tie, rank[tie]["losses"], want)
+            if tie:
+                assert len(rank[tie]["warnings"]) == 1, rank[tie]["warnings"]
+                assert "'head.weight' and 'emb.weight' hold the same values" in rank[tie]["warnings"][0]
+            else:
+                assert rank[tie]["warnings"] == [], rank[tie]["warnings"]

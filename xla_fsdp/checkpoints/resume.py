@@ -22,6 +22,7 @@ from typing import Any, Dict, List, Mapping, Optional
 
 import torch
 
+from ..advice import only_warns
 from .files import CheckpointError, ModelMismatchError, atomic_write, load_rank_file, rank_path
 from .folder_lock import claim
 from .sharded import (LoadedCheckpoint, every_rank_calls, load_sharded_checkpoint, save_sharded_checkpoint,
@@ -208,6 +209,7 @@ def _prune(ckpt_dir: str, newest: int, keep: int) -> None:
                 os.unlink(path)
 
 
+@only_warns
 def _warn_if_restarts_share_the_store(model) -> None:
     """torchrun restarts with its rendezvous store shared (the default) can hand a restarted rank
     its peers' addresses from the failed attempt (pytorch/pytorch#135712): the restart then fails

@@ -9,7 +9,9 @@ from typing import Callable, Dict, List, Optional, Set, Tuple
 import torch
 import torch.nn as nn
 
+from ..advice import only_warns
 from .member_slots import ParamRef
+from .shard_param import ShardParam
 from .tied import LeftSlot
 from .base import is_unit, unit_of
 
@@ -26,6 +28,7 @@ def validate_module(module: nn.Module) -> None:
             "its elements, or the module that calls them, instead.")
 
 
+@only_warns
 def warn_untied_embeddings(module: nn.Module) -> bool:
     """A Hugging Face model whose config ties the output embedding to the input embedding, but whose
     two weights are separate parameters: ``model.to(xla_device)`` gives each module a new parameter
@@ -53,15 +56,18 @@ def warn_untied_embeddings(module: nn.Module) -> bool:
     return True
 
 
+@only_warns
 def warn_embeddings_untied_by_a_move(module: nn.Module) -> None:
     """Any model (not only a Hugging Face one, which says it ties in its config): an embedding's
     weight and another embedding or linear weight of its shape that hold the same values but are two
     parameters, on an XLA device. ``model.to(xla_device)`` unties a tied pair that way (a new tensor
     per module), and a separate pair never starts equal unless it was copied. Said once, at wrap
-    time, naming both, with the fix; a few equality checks on the device (one per such pair)."""
-    params = dict(module.named_parameters())
+    time, naming both, with the fix; a few equality checks on the device (one per such pair). Weights a
+    nested unit already sharded (``fully_shard`` on the blocks first) hold rows only and are not compared."""
+    params = {n: p for n, p in module.named_parameters() if not _sharded(p)}
     embeddings = [(f"{n}.weight" if n else "weight", m.weight) for n, m in module.named_modules()
-                  if isinstance(m, nn.Embedding) and isinstance(m.weight, nn.Parameter)]
+                  if isinstance(m, nn.Embedding) and isinstance(m.weight, nn.Parameter)
+                  and not _sharded(m.weight)]
     if not embeddings or embeddings[0][1].device.type != "xla":
         return
     weights = {id(m.weight) for m in module.modules()
@@ -82,6 +88,11 @@ def warn_embeddings_untied_by_a_move(module: nn.Module) -> None:
                 "train as two matrices. Wrap the model on the CPU (xla_fsdp moves it to the device and keeps the "
                 f"tie), or tie them again after moving it (model.{other_name} = model.{name}).", stacklevel=3)
             return
+
+
+def _sharded(p: nn.Parameter) -> bool:
+    """A nested unit's shard (the wrapper's) or a ``fully_shard`` block's sharded parameter."""
+    return isinstance(p, ShardParam) or getattr(p, "_xla_fsdp_sharded", False)
 
 
 def owned_modules(root: nn.Module):

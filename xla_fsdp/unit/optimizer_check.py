@@ -10,6 +10,8 @@ from typing import Any, List, Optional, Tuple
 
 import torch
 
+from ..advice import only_warns
+
 #: set on every shard of a model whose groups the program built from original names (optimizer_param_groups,
 #: shard_names_of): its groups are not taken for a no-decay recipe applied to shards, whatever split they make
 GROUPED_BY_ORIGINAL_NAME = "_xla_fsdp_grouped_by_original_name"
@@ -18,6 +20,7 @@ GROUPED_BY_ORIGINAL_NAME = "_xla_fsdp_grouped_by_original_name"
 _SHAPE_DEPENDENT = ("Adafactor", "LBFGS", "Lamb", "LAMB", "Lars", "LARS", "Shampoo", "Muon")
 
 
+@only_warns
 def _warn_if_shape_dependent(optimizer: torch.optim.Optimizer) -> None:
     """An optimizer that factors a matrix by its rows and columns (Adafactor), scales a whole
     parameter by its norm (LAMB, LARS) or works on whole matrices (Shampoo, Muon) sees 1-D (or dim-0)
