@@ -181,11 +181,18 @@ def pytest_testnodedown(node, error):
 # What the session spends, printed at its end (make test prints both environments' lines): the next
 # change sees the budget (30 min for make test on 2 cores, both environments) and where it goes.
 _CLOCK = {"start": time.monotonic(), "files": collections.defaultdict(float), "tests": 0}
+# Drawn programs that need a CPU kernel this machine lacks (test_differential records them as the
+# user property "not_applicable_here"): printed at the end with their count, never counted as passed.
+_NOT_APPLICABLE = []
 
 
 def pytest_runtest_logreport(report):
-    """Seconds per test file (setup, call and teardown; on the controller, its workers' reports)."""
+    """Seconds per test file (setup, call and teardown; on the controller, its workers' reports), and
+    the programs a test found not applicable here."""
     _CLOCK["files"][report.nodeid.split("::")[0]] += report.duration
+    if report.when == "call":
+        _NOT_APPLICABLE.extend((report.nodeid, value) for name, value in report.user_properties
+                               if name == "not_applicable_here")
     if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
         _CLOCK["tests"] += 1
 
@@ -209,8 +216,19 @@ def _report_time(terminalreporter) -> None:
             f"({compile_s / max(wall_s, 1e-9):.0%}; {cpu_s:.0f} CPU s)")
 
 
+def _report_not_applicable(terminalreporter) -> None:
+    if getattr(terminalreporter.config, "workerinput", None) is not None or not _NOT_APPLICABLE:
+        return
+    total = sum(value["programs"] for _, value in _NOT_APPLICABLE)
+    terminalreporter.write_line(f"not applicable on this machine: {total} drawn programs need a CPU kernel it "
+                                f"lacks (not run, not passed; others were drawn in their place, docs/testing.md):")
+    for nodeid, value in _NOT_APPLICABLE:
+        terminalreporter.write_line(f"  {value['programs']:3d}  {nodeid}: {value['reason']}")
+
+
 def pytest_terminal_summary(terminalreporter):
     _report_time(terminalreporter)
+    _report_not_applicable(terminalreporter)
     figures = _equivalence_figures() or _RELAYED
     if figures["deviations"]:
         terminalreporter.write_line("largest deviation from unsharded training, per transport:")

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from hypothesis import strategies as st
 
 import xla_fsdp
+import cpu_kernels
 from training_program import Run
 from xla_fsdp import XlaFullyShardedDataParallel as FSDP, checkpoint_module
 from xla_fsdp.checkpoints import (full_optim_state_dict, full_state_dict, load_full_optim_state_dict,
@@ -209,7 +210,8 @@ class Program:
                     metadata=root_unit(model).get_shard_metadata())
 
 
-def programs(world_size: int) -> st.SearchStrategy[Program]:
+def programs(world_size: int, device_type: str = "cpu") -> st.SearchStrategy[Program]:
+    """The drawn programs of the module docstring that run on ``device_type`` here (see runs_here)."""
     strategies = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"]
     if world_size >= 4:
         strategies += ["HYBRID_SHARD", "HYBRID_SHARD_ZERO2"]
@@ -229,7 +231,32 @@ def programs(world_size: int) -> st.SearchStrategy[Program]:
         clamp=st.sampled_from([False, False, True]), inner_ckpt=st.booleans(),
         autocast=st.sampled_from([False, False, True]), recipe=st.sampled_from(["api", "name", "dim"]),
         drop_empty=st.booleans(), teacher=st.sampled_from([False, False, True]))
-    return program.filter(functools.partial(_exact, world_size=world_size))
+    return program.filter(functools.partial(_exact, world_size=world_size)).filter(
+        functools.partial(runs_here, device_type=device_type))
+
+
+#: programs drawn and not run because this machine cannot run them unsharded either: the kernel's
+#: reason -> the programs (each once, however often hypothesis offers it)
+NOT_APPLICABLE: Dict[str, set] = {}
+
+
+def kernels_needed(p: Program, device_type: str) -> List[str]:
+    """The CPU kernels of ``cpu_kernels.PROBES`` that the program runs, unsharded as sharded."""
+    if device_type != "cpu":
+        return []  # XLA compiles its own kernels
+    return ["nn.LSTM under CPU bf16 autocast"] if p.rnn and p.autocast else []
+
+
+def runs_here(p: Program, device_type: str) -> bool:
+    """False for a program that needs a kernel this machine's CPU lacks (the unsharded program fails
+    the same way, with no FSDP anywhere): it is noted in NOT_APPLICABLE, and hypothesis draws another in
+    its place. A program the unsharded reference can run is always drawn: if the sharded run cannot,
+    that is a failure."""
+    reasons = [f"{kernel}: {why}" for kernel in kernels_needed(p, device_type)
+               if (why := cpu_kernels.missing(kernel)) is not None]
+    for reason in reasons:
+        NOT_APPLICABLE.setdefault(reason, set()).add(p)
+    return not reasons
 
 
 def fully_shard_programs(world_size: int) -> st.SearchStrategy[Program]:
@@ -244,7 +271,7 @@ def fully_shard_programs(world_size: int) -> st.SearchStrategy[Program]:
         zero2 = p.strategy == "SHARD_GRAD_OP"
         return dataclasses.replace(p, wrap="fully_shard", layout="dim0", tied="none", int_reshard=int_reshard,
                                    strategy="SHARD_GRAD_OP" if zero2 else "FULL_SHARD", prefetch=prefetch)
-    return st.tuples(programs(world_size), st.booleans(), st.booleans()).map(as_fsdp2).filter(
+    return st.tuples(programs(world_size, "xla"), st.booleans(), st.booleans()).map(as_fsdp2).filter(
         functools.partial(_exact, world_size=world_size))
 
 

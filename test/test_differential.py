@@ -11,7 +11,8 @@ import os
 import pytest
 from hypothesis import HealthCheck, Phase, given, seed, settings
 
-from differential import Program, compare, fully_shard_programs, programs, refused
+import cpu_kernels
+from differential import NOT_APPLICABLE, Program, compare, fully_shard_programs, programs, refused
 from ranks import GlooPool
 from training_program import on_rank, reference, run_sharded
 
@@ -54,8 +55,8 @@ def _check(program: Program, world_size: int, sharded, transport: str = "gloo") 
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
-def test_random_programs_match_unsharded_on_gloo(ranks, world_size):
-    count = []
+def test_random_programs_match_unsharded_on_gloo(ranks, world_size, record_property):
+    count, before = [], {reason: set(drawn) for reason, drawn in NOT_APPLICABLE.items()}
 
     @_given(programs(world_size), EXAMPLES[world_size])
     def check(program):
@@ -64,6 +65,17 @@ def test_random_programs_match_unsharded_on_gloo(ranks, world_size):
 
     check()
     assert len(count) >= EXAMPLES[world_size] // 2, f"only {len(count)} programs ran"
+    _report_not_applicable(record_property, before)
+
+
+def _report_not_applicable(record_property, before) -> None:
+    """The programs this test drew that need a kernel this CPU lacks (differential.runs_here), for the
+    session's summary (conftest prints them): not run, not passed, replaced by other draws."""
+    for reason, drawn in NOT_APPLICABLE.items():
+        new = len(drawn - before.get(reason, set()))
+        if new:
+            record_property("not_applicable_here", {"reason": f"{reason} ({cpu_kernels.cpu_description()})",
+                                                    "programs": new})
 
 
 def _draw(strategy, n: int):
@@ -228,7 +240,7 @@ KNOWN_XLA = {"autocast_tied_inner_ckpt": Program(scalar=False, tied="late", wrap
 def xla_results():
     """The regressions and drawn lists of programs (the wrapper's, FSDP2-style), in one launch of 2
     XLA:CPU devices."""
-    drawn = _draw(programs(2).filter(_xla_exact), XLA_EXAMPLES)
+    drawn = _draw(programs(2, "xla").filter(_xla_exact), XLA_EXAMPLES)
     fsdp2 = _draw(fully_shard_programs(2).filter(_xla_exact), FULLY_SHARD_EXAMPLES)
     listed = list(REGRESSIONS.values()) + drawn + fsdp2 + list(KNOWN_XLA.values())
     names = (list(REGRESSIONS) + [f"drawn{i}" for i in range(len(drawn))]
