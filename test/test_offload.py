@@ -8,6 +8,7 @@ copies of shards, and (XLA) no step after the first compiles a graph. Checkpoint
 offloading and device-resident models, at the same and at another world size. Every offload
 configuration of a (transport, world size) trains in one launch (harness.OFFLOAD).
 """
+import copy
 import pytest
 import torch
 import torch.nn as nn
@@ -216,8 +217,30 @@ def test_bad_offload_input_names_the_fix(gloo):
         FSDP(nn.Linear(2, 2), cpu_offload=1)
     with pytest.raises(ValueError, match=r"param_storage_dtype must be torch.float32 .* or torch.bfloat16.*compute_"):
         FSDP(nn.Linear(2, 2), cpu_offload=True, param_storage_dtype=torch.float16)
-    with pytest.raises(TypeError, match="only float32 parameters.*param_storage_dtype=torch.bfloat16"):
-        FSDP(nn.Linear(2, 2).to(torch.bfloat16), cpu_offload=True)
+    with pytest.raises(TypeError, match=r"float64; parameters are sharded as float32, bfloat16 or float16"):
+        FSDP(nn.Linear(2, 2).double(), cpu_offload=True)
+
+
+def test_a_bf16_model_offloads_as_it_is(gloo):
+    """A model loaded in bf16 (no param_storage_dtype): its host shards, gradients and AdamW state are bf16,
+    as the unsharded model's would be, and its inputs are not cast (nothing asked for a compute dtype)."""
+    torch.manual_seed(0)
+    plain = nn.Linear(4, 4).to(torch.bfloat16)
+    model = FSDP(copy.deepcopy(plain), cpu_offload=True)
+    assert model.compute_dtype is torch.bfloat16 and not model.cast_forward_inputs
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x = torch.ones(2, 4, dtype=torch.bfloat16)
+    model(x).float().sum().backward()
+    opt.step()
+    for p in model.parameters():
+        assert p.device.type == "cpu" and p.dtype == p.grad.dtype == torch.bfloat16
+        assert all(v.dtype == torch.bfloat16 for k, v in opt.state[p].items() if k != "step")
+    ref_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    plain(x).float().sum().backward()
+    ref_opt.step()
+    from xla_fsdp.checkpoints import full_state_dict
+    for name, value in full_state_dict(model, rank0_only=False).items():
+        assert torch.equal(value, plain.state_dict()[name]), name
 
 
 def test_bf16_storage_without_offload_and_from_a_bf16_model(gloo):

@@ -188,7 +188,8 @@ def fully_shard(module: Union[nn.Module, List[nn.Module]], *, mesh: Optional[Any
         options["param_init_fn"] = construction.storage_only
     for p in ignored_params or ():
         p._xla_fsdp_ignored = True
-    module = _shard_in_place(module, options, mp_policy.cast_forward_inputs)
+    # FSDP2 casts floating inputs to param_dtype only where one is set
+    module = _shard_in_place(module, options, mp_policy.cast_forward_inputs and mp_policy.param_dtype is not None)
     unit = _state(module)
     unit.awaiting_to_empty = on_meta
     if post_forward_size is not None:

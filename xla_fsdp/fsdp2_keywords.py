@@ -57,14 +57,15 @@ def unit_options(module: nn.Module, mesh: Any, reshard_after_forward: Any, shard
         reshard_after_forward = _int_reshard(reshard_after_forward, _world_size(mesh))
         if not isinstance(reshard_after_forward, bool):
             post_forward_size, reshard_after_forward = reshard_after_forward, True
-    param_dtype = mp_policy.param_dtype or torch.float32
-    reduce_dtype = mp_policy.reduce_dtype or param_dtype
-    for name, dtype in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype),
+    # param_dtype None (FSDP2's default): each parameter computes in its own dtype, bf16 ones in bf16
+    param_dtype = mp_policy.param_dtype
+    reduce_dtype = mp_policy.reduce_dtype
+    for name, dtype in (("param_dtype", param_dtype or torch.float32), ("reduce_dtype", reduce_dtype or torch.float32),
                         ("output_dtype", mp_policy.output_dtype or torch.float32)):
         if dtype not in _FLOAT_DTYPES:
             raise ValueError(f"xla_fsdp.fully_shard: MixedPrecisionPolicy.{name} must be float32, bfloat16 or "
                              f"float16, got {dtype}")
-    if reduce_dtype not in (param_dtype, torch.float32):
+    if reduce_dtype not in (None, param_dtype, torch.float32):
         raise NotImplementedError(
             f"xla_fsdp.fully_shard on XLA: reduce_dtype={reduce_dtype} with param_dtype={param_dtype} is not "
             "supported; reduce in param_dtype (reduce_dtype=None) or in float32")

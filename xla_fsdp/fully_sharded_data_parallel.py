@@ -117,13 +117,14 @@ class XlaFullyShardedDataParallel(ShardedUnit):
         comms = shared_collectives(transport, groups, shard_rank, shard_size,
                                    options.pin_layout_in_collective_ops, replica_groups)
         self.comms = comms
-        settings = self._settings(resolve_settings(options, comms, strategy, reshard_after_forward,
-                                                   on_tpu(comms)))
         if auto_wrap_policy is not None:
             with tied.tied_ownership(module):  # tied parameters go to their closest common unit
                 recursive_wrap(module, auto_wrap_policy=auto_wrap_policy,
                                wrapper_cls=auto_wrapper_callable or XlaFullyShardedDataParallel,
                                only_wrap_children=True, **options.for_children())
+        # (after the children took theirs: the dtype of what this unit holds)
+        settings = self._settings(resolve_settings(options, comms, strategy, reshard_after_forward,
+                                                   on_tpu(comms), construction.unit_dtype(module)))
         offload = HostOffload(comms.device, settings.pin_memory) if settings.cpu_offload else None
         adopted = adopt(self, module, options, settings, comms, offload, self.shards_in_place)
         self._fsdp_wrapped_module = module

@@ -107,11 +107,14 @@ def _build_groups(refs: List[Any], settings: UnitSettings, comms: Any, offload: 
 
 
 def build_group(refs: List[ParamRef], comms: Collectives, *, flat: bool, dim0: bool, pad_multiple: int,
-                compute_dtype: torch.dtype, channel: int, offload: Optional[HostOffload] = None,
-                storage_dtype: torch.dtype = torch.float32, sync_from_rank_0: bool = False,
+                compute_dtype: Optional[torch.dtype], channel: int, offload: Optional[HostOffload] = None,
+                storage_dtype: Optional[torch.dtype] = None, sync_from_rank_0: bool = False,
                 in_place: bool = False) -> GatherGroup:
     """The gather group of ``refs``: this rank's block of their values as the shard, the originals
-    taken out of the module (their data dropped: the shard is the only copy)."""
+    taken out of the module (their data dropped: the shard is the only copy). ``storage_dtype`` and
+    ``compute_dtype`` None: the parameters' own dtype (one per group, param_names.flat_parts)."""
+    storage_dtype = storage_dtype or refs[0].param.dtype
+    compute_dtype = compute_dtype or storage_dtype
     if dim0 and (flat or len(refs) != 1):
         raise ValueError("dim-0 sharding applies to one unflattened parameter at a time")
     ws = comms.world_size

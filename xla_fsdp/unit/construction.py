@@ -186,12 +186,13 @@ def param_attrs(module: nn.Module) -> Dict[nn.Module, Tuple[str, ...]]:
     return {m: tuple(n for n, p in m._parameters.items() if p is not None) for _, m in owned_modules(module)}
 
 
-def collect_params(module: nn.Module, leave: Set[int] = frozenset(), storage_dtype: torch.dtype = torch.float32
+def collect_params(module: nn.Module, leave: Set[int] = frozenset(), storage_dtype: Optional[torch.dtype] = None
                    ) -> Tuple[List[ParamRef], List[LeftSlot]]:
     """The parameters this unit owns, each once, with all the places that refer to it; and the
     places of the parameters it leaves to an enclosing unit (ids in ``leave``: tied to modules
     outside, see tied.py). Places that nested units left are owned here unless they escape too.
-    Parameters must be float32, or already in ``storage_dtype`` (``param_storage_dtype``)."""
+    Parameters must be float32, bfloat16 or float16; with ``storage_dtype`` (``param_storage_dtype``),
+    float32 or that dtype."""
     refs: "OrderedDict[int, ParamRef]" = OrderedDict()
     left: List[LeftSlot] = []
 
@@ -253,7 +254,23 @@ def nested_units(module: nn.Module):
                 yield f"{prefix}{name}.", unit_of(child)
 
 
-def _check_shardable(p: nn.Parameter, fqn: str, storage_dtype: torch.dtype = torch.float32) -> None:
+#: the dtypes a parameter is sharded in as it is (FSDP2 shards any; gradients are divided in float32, which
+#: would round a float64 one)
+SHARDED_AS_THEY_ARE = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def unit_dtype(module: nn.Module) -> Optional[torch.dtype]:
+    """The one dtype of the floating parameters a unit built on ``module`` takes (float32 when it takes
+    none), or None where they differ (each parameter is then kept and computed in its own)."""
+    dtypes = {p.dtype for _, m in owned_modules(module) for p in m._parameters.values()
+              if p is not None and p.is_floating_point() and not getattr(p, "_xla_fsdp_ignored", False)
+              and not _sharded(p)}
+    if not dtypes:
+        return torch.float32
+    return dtypes.pop() if len(dtypes) == 1 else None
+
+
+def _check_shardable(p: nn.Parameter, fqn: str, storage_dtype: Optional[torch.dtype] = None) -> None:
     if getattr(p, "_xla_fsdp_sharded", False):
         raise RuntimeError(
             f"xla_fsdp: parameter '{fqn}' is shared with another FSDP unit. Tied parameters must live "
@@ -269,14 +286,17 @@ def _check_shardable(p: nn.Parameter, fqn: str, storage_dtype: torch.dtype = tor
             "complex in forward (torch.view_as_complex).")
     if not p.is_floating_point():
         raise TypeError(
-            f"xla_fsdp: parameter '{fqn}' has dtype {p.dtype}; only float32 parameters can "
-            "be sharded. Register non-trainable integer tensors as buffers instead.")
-    if p.dtype not in (torch.float32, storage_dtype):
+            f"xla_fsdp: parameter '{fqn}' has dtype {p.dtype}; only floating-point parameters (float32, bfloat16, "
+            "float16) can be sharded. Register non-trainable integer tensors as buffers instead.")
+    if p.dtype not in SHARDED_AS_THEY_ARE:
         raise TypeError(
-            f"xla_fsdp: parameter '{fqn}' is {p.dtype}; only float32 parameters are "
-            "supported (they are the master copy). Call module.float() before wrapping "
-            "and use compute_dtype=torch.bfloat16 for low-precision compute (or keep bf16 master "
-            "parameters with param_storage_dtype=torch.bfloat16).")
+            f"xla_fsdp: parameter '{fqn}' is {p.dtype}; parameters are sharded as float32, bfloat16 or float16. "
+            "Cast it before wrapping (module.float(), module.bfloat16()).")
+    if storage_dtype is not None and p.dtype not in (torch.float32, storage_dtype):
+        raise TypeError(
+            f"xla_fsdp: parameter '{fqn}' is {p.dtype}, and param_storage_dtype={storage_dtype} takes float32 "
+            "parameters or parameters of that dtype. Leave param_storage_dtype unset (each parameter is then "
+            "sharded in its own dtype) or cast the module to it before wrapping.")
 
 
 def cast_buffers(module: nn.Module, buffer_dtype: Optional[torch.dtype], module_prefix: str) -> Dict[str, torch.dtype]:

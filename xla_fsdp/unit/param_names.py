@@ -26,6 +26,7 @@ def flat_parts(
     """Parameters split by ``flatten_group_fn`` (one flat shard per key, so optimizer groups can be
     formed by name), trainable ones first, frozen ones in shards of their own split the same way.
     Names as torch_xla: ``flat_param_0`` (trainable), ``flat_param_1`` (frozen), then 2, 3...
+    Parameters of different dtypes (a bf16 base with fp32 LoRA weights) never share a flat shard.
 
     Vectors (norm scales, biases) never share a flat shard with matrices: on XLA the fused
     normalization that backward recomputes reads its scale straight from the gathered buffer, which
@@ -38,7 +39,8 @@ def flat_parts(
     for r in refs:
         key = flatten_group_fn(r.fqn, r.param) if flatten_group_fn else None
         into = keyed if r.param.requires_grad else frozen_keyed
-        into.setdefault((r.param.dim() > 1, hashable(key)), []).append(r)
+        # one dtype per flat shard: parameters kept in their own dtypes (no param_storage_dtype) do not mix
+        into.setdefault((r.param.dim() > 1, hashable(key), r.param.dtype), []).append(r)
     parts, names = [], []
     for index, part in enumerate(keyed.values()):
         parts.append(part)

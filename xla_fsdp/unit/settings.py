@@ -38,9 +38,10 @@ class UnitSettings:
     #: FULL_SHARD, SHARD_GRAD_OP, NO_SHARD or a hybrid (``xla_fsdp.strategy.ShardingStrategy``)
     sharding_strategy: Any = fixed()
     #: master shards, gathered parameters / floating inputs, floating buffers (None: left as they are),
-    #: floating outputs (None: not cast)
-    param_storage_dtype: torch.dtype = fixed()
-    compute_dtype: torch.dtype = fixed()
+    #: floating outputs (None: not cast). Storage and compute default to the parameters' own dtype (None
+    #: where a unit's parameters differ: each group then keeps its own)
+    param_storage_dtype: Optional[torch.dtype] = fixed()
+    compute_dtype: Optional[torch.dtype] = fixed()
     buffer_dtype: Optional[torch.dtype] = fixed()
     output_dtype: Optional[torch.dtype] = step()
     #: cast floating forward inputs to ``compute_dtype`` (FSDP2's ``cast_forward_inputs``)
@@ -74,10 +75,14 @@ class UnitSettings:
 
 
 def resolve(options: UnitOptions, comms: Any, strategy: Any, reshard_after_forward: bool,
-            on_tpu: bool) -> UnitSettings:
-    """The settings a unit built with ``options`` on ``comms`` runs with."""
+            on_tpu: bool, param_dtype: Optional[torch.dtype] = torch.float32) -> UnitSettings:
+    """The settings a unit built with ``options`` on ``comms`` runs with; ``param_dtype``: the one dtype
+    of the parameters it takes (``construction.unit_dtype``), None where they differ. Without
+    ``param_storage_dtype`` or ``compute_dtype`` the parameters are kept and computed in their own dtypes,
+    as FSDP2 does, and inputs are not cast."""
     from ..sharding import default_predivide_factor
-    storage = options.param_storage_dtype or torch.float32
+    storage = options.param_storage_dtype or param_dtype
+    asked = options.compute_dtype is not None or options.param_storage_dtype is not None
     offload, pin_memory = offload_requested(options.cpu_offload)
     dim0 = options.shard_param_on_dim_0 and not options.flatten_parameters
     multiple = options._shard_size_multiple
@@ -97,7 +102,7 @@ def resolve(options: UnitOptions, comms: Any, strategy: Any, reshard_after_forwa
         compute_dtype=options.compute_dtype or storage,
         buffer_dtype=options.buffer_dtype or options.compute_dtype or options.param_storage_dtype,
         output_dtype=options.output_dtype,
-        cast_forward_inputs=True,
+        cast_forward_inputs=asked,
         flatten_parameters=options.flatten_parameters,
         flatten_group_fn=options.flatten_group_fn,
         shard_param_on_dim_0=dim0,

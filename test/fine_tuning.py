@@ -1,0 +1,151 @@
+"""Fine-tuning programs as users run them: a small Llama (transformers), in fp32 or loaded in bf16, fully
+trained or with LoRA through PEFT (r=4 on q_proj and v_proj, PEFT's fp32 adapter weights beside a bf16
+base), sharded by the wrapper (per parameter, flat or dim 0; auto-wrapped by decoder layer or by PEFT's
+own policy) or by ``fully_shard`` (XLA), and the same program unsharded in one process (test_fine_tuning).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Dict, List
+
+import torch
+import torch.nn as nn
+
+from training_program import Run
+
+VOCAB, PER_RANK, SEQ = 64, 2, 8
+
+
+def llama_config():
+    import transformers
+    return transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=32,
+                                    attn_implementation="eager", tie_word_embeddings=False)
+
+
+def lora_config():
+    from peft import LoraConfig
+    return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+
+
+def build_model(dtype: str, lora: bool) -> nn.Module:
+    """The model every run starts from (seeded): bf16 as ``from_pretrained(torch_dtype=torch.bfloat16)``
+    gives it; LoRA's B starts at zero, so it is set to small values that make every adapter weight move."""
+    import transformers
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(llama_config())
+    if dtype == "bf16":
+        model = model.to(torch.bfloat16)
+    if lora:
+        from peft import get_peft_model
+        model = get_peft_model(model, lora_config())
+        g = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    return model
+
+
+def batch(step: int, rank: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randint(0, VOCAB, (PER_RANK, SEQ), generator=g)
+
+
+def decoder_layer_policy():
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    from xla_fsdp.wrap import transformer_auto_wrap_policy
+    return functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={LlamaDecoderLayer})
+
+
+@dataclasses.dataclass(frozen=True)
+class FineTune:
+    """One program. ``wrap``: param | flat | dim0 (the wrapper, auto-wrapped by decoder layer) |
+    peft_policy (the wrapper with ``peft.utils.other.fsdp_auto_wrap_policy``) | fully_shard (each decoder
+    layer, then the root: XLA only)."""
+    wrap: str = "param"
+    dtype: str = "fp32"
+    lora: bool = True
+    optimizer: str = "sgd"     # sgd (momentum: every gradient's size shows) | adamw (PEFT's recipe)
+    steps: int = 3
+    #: the unsharded run of a program on one XLA device stands for this many ranks (their batches'
+    #: mean loss), so bf16 is compared with the same compiler's rounding; 0: as many as the run has
+    global_ranks: int = 0
+
+    def build(self, run: Run) -> nn.Module:
+        return build_model(self.dtype, self.lora)
+
+    def shard(self, model: nn.Module, run: Run) -> nn.Module:
+        from xla_fsdp import XlaFullyShardedDataParallel as FSDP
+        if self.wrap == "none":
+            return model.to(run.device)
+        if self.wrap == "fully_shard":
+            from xla_fsdp import fully_shard
+            model = model.to(run.device)
+            for layer in _decoder_layers(model):
+                fully_shard(layer)
+            fully_shard(model)
+            return model
+        if self.wrap == "peft_policy":
+            from peft.utils.other import fsdp_auto_wrap_policy
+            return FSDP(model, auto_wrap_policy=fsdp_auto_wrap_policy(model))
+        return FSDP(model, auto_wrap_policy=decoder_layer_policy(), flatten_parameters=self.wrap == "flat",
+                    shard_param_on_dim_0=self.wrap == "dim0")
+
+    def start(self, run: Run) -> None:
+        # PEFT's recipe: the optimizer over the trainable parameters only
+        trainable = [p for p in run.model.parameters() if p.requires_grad]
+        run.optimizer = (torch.optim.AdamW(trainable, lr=1e-2) if self.optimizer == "adamw"
+                         else torch.optim.SGD(trainable, lr=0.5, momentum=0.9))
+
+    def around_steps(self, run: Run) -> Any:
+        import contextlib
+        return contextlib.nullcontext()
+
+    def step(self, run: Run, step: int) -> None:
+        model, opt = run.model, run.optimizer
+        if self.global_ranks:
+            ranks = range(self.global_ranks)
+            loss = torch.stack([_loss(model, batch(step, r).to(run.device)) for r in ranks]).mean()
+        else:
+            loss = run.mean_over_ranks(lambda r: _loss(model, batch(step, r).to(run.device)))
+        loss.backward()
+        run.sync()
+        if step == 0:
+            run.notes["grads"] = _grad_facts(model)
+        opt.step()
+        opt.zero_grad()
+        run.sync()
+        run.losses.append(loss.item())
+
+    def result(self, run: Run) -> Dict[str, Any]:
+        model = run.model
+        if run.sharded and self.wrap != "none":
+            from xla_fsdp.checkpoints import full_state_dict
+            full = full_state_dict(model, rank0_only=False)
+        else:
+            full = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        out = dict(losses=run.losses, full={k: v.cpu() for k, v in full.items()}, **run.notes)
+        out["optimizer_bytes"] = sum(t.numel() * t.element_size() for s in run.optimizer.state.values()
+                                     for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
+        out["dtypes"] = sorted({str(p.dtype) for p in model.parameters()})
+        return out
+
+
+def _loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=ids, labels=ids).loss.float()
+
+
+def _decoder_layers(model: nn.Module) -> List[nn.Module]:
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+    return [m for m in model.modules() if isinstance(m, LlamaDecoderLayer)]
+
+
+def _grad_facts(model: nn.Module) -> Dict[str, Any]:
+    """After the first backward: the bytes of gradients this rank holds, and whether a frozen
+    parameter has one."""
+    params = list(model.parameters())
+    return {"bytes": sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None),
+            "frozen_with_grad": sum(1 for p in params if not p.requires_grad and p.grad is not None)}
