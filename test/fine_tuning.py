@@ -73,9 +73,14 @@ class FineTune:
     #: the unsharded run of a program on one XLA device stands for this many ranks (their batches'
     #: mean loss), so bf16 is compared with the same compiler's rounding; 0: as many as the run has
     global_ranks: int = 0
+    #: a folder: the sharded run saves its adapter there with PEFT's save_pretrained, from the full state
+    #: dict (``full_state_dict/``) and inside summon_full_params (``summon/``), as users write both
+    save_to: str = ""
 
     def build(self, run: Run) -> nn.Module:
-        return build_model(self.dtype, self.lora)
+        model = build_model(self.dtype, self.lora)
+        run.notes["peft_model"] = model  # the object PEFT's save_pretrained is called on, wrapped or not
+        return model
 
     def shard(self, model: nn.Module, run: Run) -> nn.Module:
         from xla_fsdp import XlaFullyShardedDataParallel as FSDP
@@ -127,7 +132,14 @@ class FineTune:
             full = full_state_dict(model, rank0_only=False)
         else:
             full = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        out = dict(losses=run.losses, full={k: v.cpu() for k, v in full.items()}, **run.notes)
+        full = {k: v.cpu() for k, v in full.items()}
+        peft_model = run.notes.pop("peft_model")
+        with torch.no_grad():
+            run.notes["eval_loss"] = _loss(model, batch(99, 0).to(run.device)).item()
+        run.sync()
+        if self.save_to and run.sharded and self.wrap != "none":
+            _save_adapters(peft_model, model, full, self.save_to, run)
+        out = dict(losses=run.losses, full=full, **run.notes)
         out["optimizer_bytes"] = sum(t.numel() * t.element_size() for s in run.optimizer.state.values()
                                      for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
         out["dtypes"] = sorted({str(p.dtype) for p in model.parameters()})
@@ -149,3 +161,24 @@ def _grad_facts(model: nn.Module) -> Dict[str, Any]:
     params = list(model.parameters())
     return {"bytes": sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None),
             "frozen_with_grad": sum(1 for p in params if not p.requires_grad and p.grad is not None)}
+
+
+def _save_adapters(peft_model: nn.Module, model: nn.Module, full: Dict[str, torch.Tensor], folder: str, run: Run) -> None:
+    """PEFT's save_pretrained as a hand-written loop calls it on rank 0: given the full state dict, and
+    inside summon_full_params (a collective: every rank enters it)."""
+    import os
+
+    from xla_fsdp import XlaFullyShardedDataParallel as FSDP
+    if run.rank == 0:
+        peft_model.save_pretrained(os.path.join(folder, "full_state_dict"), state_dict=full)
+    with FSDP.summon_full_params(model, writeback=False):
+        if run.device.type == "xla":  # PEFT writes host tensors only (as unsharded on XLA): every rank runs
+            state = peft_model.state_dict()  # the gathers' graph (a sync), then rank 0 reads its copy
+            run.sync()
+            if run.rank == 0:
+                peft_model.save_pretrained(os.path.join(folder, "summon"),
+                                           state_dict={k: v.cpu() for k, v in state.items()})
+        elif run.rank == 0:
+            peft_model.save_pretrained(os.path.join(folder, "summon"))
+    run.sync()
+    run.barrier()

@@ -153,12 +153,18 @@ def _mp_fn(index, flags):
     counter = CountSteps()
     trainer_class = ShardedDecayTrainer if flags.weight_decay else Trainer
     model = on_meta(flags.init_from) if flags.init_from else initial_model(flags.model)
+    if flags.lora:  # PEFT's LoRA on the attention projections, as its docs and the Trainer run it
+        from peft import LoraConfig, get_peft_model
+        targets = ["q_proj", "v_proj"] if flags.model == "llama" else ["c_attn"]
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0))
     trainer = trainer_class(model=model, args=args, train_dataset=Tokens(256, 0), eval_dataset=eval_data(),
                             callbacks=[counter])
     if flags.init_from:
         trainer.add_callback(LoadPretrained(trainer, flags.init_from, flags.resume))
     trainer.train(resume_from_checkpoint=flags.resume)
     metrics = trainer.evaluate()
+    if flags.lora:  # every rank: the Trainer's XLA FSDP save is collective
+        trainer.save_model(os.path.join(flags.out, "adapter"))
     if xr.global_ordinal() == 0:
         losses = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
         result = {
@@ -186,6 +192,7 @@ if __name__ == "__main__":
                         help="the Trainer's weight decay, its groups kept through ShardedDecayTrainer")
     parser.add_argument("--init_from", default=None, help="a save_pretrained folder, loaded the low-memory way")
     parser.add_argument("--plain", action="store_true", help="no FSDP: the Trainer on one device, unwrapped")
+    parser.add_argument("--lora", action="store_true", help="LoRA through PEFT; the adapter saved by save_model")
     parser.add_argument("--v2", action="store_true", help="the Trainer's FSDPv2 path: SPMD, one process for "
                         "all devices (the global batch is the one process's batch)")
     flags = parser.parse_args()

@@ -327,17 +327,17 @@ def test_next_unit_is_gathered_while_this_one_computes(gloo, monkeypatch, prefet
     torch.manual_seed(0)
     root = FSDP(models.TinyLM(layers=3), auto_wrap_policy=harness.BLOCK_POLICY, prefetch=prefetch,
                 compute_dtype=torch.bfloat16)
-    blocks = {f"_fsdp_wrapped_module.blocks.{i}" for i in range(3)}
+    blocks = {f"blocks.{i}" for i in range(3)}
     x, y = models.batch("lm", 0, 0)
     models.loss_fn("lm", root(x), y).backward()  # step 1 records the order
     events = _gather_events(monkeypatch, root)
     models.loss_fn("lm", root(x), y).backward()
-    forward_end = events.index(("finish", "_fsdp_wrapped_module.blocks.2"))
+    forward_end = events.index(("finish", "blocks.2"))
     forward, backward = events[:forward_end + 1], events[forward_end + 1:]
     assert _overlapped(forward) == (blocks if prefetch else set())
     # backward: block 2 ended forward last and kept its parameters (no gather); block 1's gather is
     # started when block 2's backward begins and block 0's before block 1 computes
-    b0, b1 = "_fsdp_wrapped_module.blocks.0", "_fsdp_wrapped_module.blocks.1"
+    b0, b1 = "blocks.0", "blocks.1"
     assert backward == ([("start", b1), ("start", b0), ("finish", b1), ("finish", b0)] if prefetch else
                         [("start", b1), ("finish", b1), ("start", b0), ("finish", b0)])
     assert all(not u.unshard_pending for u in root.modules() if isinstance(u, FSDP))
@@ -594,7 +594,7 @@ def test_wrap_policies_written_for_pytorchs_fsdp_are_taken_as_they_are(gloo):
     block = models.Block
     ours = _unit_names(FSDP(model(), auto_wrap_policy=functools.partial(transformer_auto_wrap_policy,
                                                                        transformer_layer_cls={block})))
-    assert ours == ["_fsdp_wrapped_module.blocks.0", "_fsdp_wrapped_module.blocks.1"], ours
+    assert ours == ["blocks.0", "blocks.1"], ours
     forms = {
         "transformer": functools.partial(torch_wrap.transformer_auto_wrap_policy, transformer_layer_cls={block}),
         "lambda": functools.partial(torch_wrap.lambda_auto_wrap_policy, lambda_fn=lambda m: isinstance(m, block)),

@@ -406,7 +406,13 @@ def _sharded_keys(module: nn.Module, prefix: str) -> Iterator[Tuple[str, Any]]:
 def _rows_in_state_dict(module: nn.Module, state_dict: Dict[str, Any], prefix: str, local_metadata: Any) -> None:
     """``state_dict()`` holds each rank's rows of its parameters (plain tensors, padded to equal rows), as the
     checkpoint functions and ``torch.save`` take them (FSDP2's holds DTensors); ``keep_vars=True``: the
-    parameters themselves (saved as their rows)."""
+    parameters themselves (saved as their rows). Inside ``summon_full_params``: the whole tensors the module
+    shows (what a save made there, PEFT's ``save_pretrained``, must hold)."""
+    if summon.is_summoned(_state(module)):
+        for key, group in _sharded_keys(module, prefix):
+            if key in state_dict:
+                state_dict[key] = gather_group.module_values(group)[0].detach()
+        return
     for key, group in _sharded_keys(module, prefix):
         value = state_dict.get(key)
         if isinstance(value, ShardParam) and value is not group.param:

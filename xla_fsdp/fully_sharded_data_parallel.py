@@ -27,7 +27,7 @@ import torch.nn as nn
 from .checkpoints.files import CheckpointError
 from .collectives import resolve_transport, shared_collectives
 from .strategy import plan_for_unit, resolve_torch_group_keywords
-from .unit import construction, freeing, param_names, root_setup, step, summon, tied
+from .unit import construction, freeing, param_names, root_setup, step, summon, tied, tree_names
 from .unit.adoption import adopt
 from .unit.base import ShardedUnit
 from .unit.options import SOLO_NUMEL
@@ -128,6 +128,8 @@ class XlaFullyShardedDataParallel(ShardedUnit):
         offload = HostOffload(comms.device, settings.pin_memory) if settings.cpu_offload else None
         adopted = adopt(self, module, options, settings, comms, offload, self.shards_in_place)
         self._fsdp_wrapped_module = module
+        if not self.shards_in_place:  # (fully_shard's module holds its unit's parameters itself: fsdp2.py)
+            module.register_state_dict_post_hook(functools.partial(summon.add_summoned_values, weakref.ref(self)))
         self._adopted = adopted
         self._module_view: Optional[nn.Module] = None
         self._channels = comms.allocate_channels(3)  # norms, control collectives, their replica sums
@@ -300,6 +302,28 @@ class XlaFullyShardedDataParallel(ShardedUnit):
             if name == WRAPPED:
                 raise
             return getattr(self._fsdp_wrapped_module, name)
+
+    def state_dict(self, *args: Any, destination: Optional[Dict[str, Any]] = None, prefix: str = "",
+                   keep_vars: bool = False) -> Dict[str, Any]:
+        """torch_xla's state dict of shards; inside ``summon_full_params`` the full tensors the module shows,
+        under the unwrapped model's names (``unit/summon.py``)."""
+        if summon.is_summoned(self) and WRAPPED in self._modules and not args:  # (the module's hook adds them)
+            return self._fsdp_wrapped_module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+        return super().state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
+
+    def named_modules(self, memo: Optional[set] = None, prefix: str = "", remove_duplicate: bool = True):
+        """The unwrapped model's module names, each unit at its module's (``unit/tree_names.py``). Under
+        ``fully_shard`` (no wrapped child) the module's own."""
+        if WRAPPED not in self._modules:
+            return super().named_modules(memo, prefix, remove_duplicate)
+        return tree_names.unwrapped_named_modules(self, memo, prefix, remove_duplicate)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        """torch_xla's names (``state_dict()``'s), whatever ``named_modules()`` answers."""
+        return tree_names.named_members(self, lambda m: m._parameters.items(), prefix, recurse, remove_duplicate)
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        return tree_names.named_members(self, lambda m: m._buffers.items(), prefix, recurse, remove_duplicate)
 
     def __getitem__(self, key: int) -> nn.Module:
         return self._fsdp_wrapped_module.__getitem__(key)

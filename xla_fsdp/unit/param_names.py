@@ -56,12 +56,30 @@ def flat_parts(
     return parts, names
 
 
+def wrapped_tree(module: nn.Module, prefix: str = "", remove_duplicate: bool = True
+                 ) -> Iterator[Tuple[str, nn.Module]]:
+    """(path, module) over ``module``'s tree as torch walks ``_modules``, every ``_fsdp_wrapped_module``
+    step named (a unit's ``named_modules()`` leaves its own out: ``unit/tree_names.py``)."""
+    memo: set = set()
+    stack = [(prefix, module)]
+    while stack:
+        path, m = stack.pop()
+        if m in memo:
+            continue
+        if remove_duplicate:
+            memo.add(m)
+        yield path, m
+        children = [(path + ("." if path else "") + name, child) for name, child in m._modules.items()
+                    if child is not None]
+        stack.extend(reversed(children))
+
+
 def unit_paths(root: nn.Module) -> Iterator[Tuple[str, ShardedUnit]]:
     """(path in ``root`` of the unit's module, unit) for every unit in ``root``'s tree, each once: a
     wrapper's module is its ``_fsdp_wrapped_module``; a module ``fully_shard`` converted holds its unit
     outside the tree (``unit_of``)."""
     seen = set()
-    for name, m in root.named_modules():
+    for name, m in wrapped_tree(root):
         unit = unit_of(m)
         if unit is None or id(unit) in seen:
             continue

@@ -11,7 +11,8 @@ assigned) is written back to each rank's shard, and the module gets its sharded 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, List
+import weakref
+from typing import Any, Dict, Iterator, List, Optional
 
 import torch.nn as nn
 
@@ -19,6 +20,14 @@ from . import freeing, gather_group
 from .base import is_unit, unit_of
 from .param_names import named_units
 from .runtime import TrainingState
+
+
+#: the units inside summon_full_params now (written only by it)
+_SUMMONED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+
+
+def is_summoned(unit: nn.Module) -> bool:
+    return unit in _SUMMONED
 
 
 def units_under(module: nn.Module, recurse: bool = True) -> List[nn.Module]:
@@ -46,11 +55,30 @@ def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool 
     gathered = [gather_group.gather_values(g) for g in groups]  # the same order on every rank
     for group, values in zip(groups, gathered):
         group.set_module_values(values)
+    _SUMMONED.update(units)
     try:
         yield
     finally:
+        for unit in units:
+            _SUMMONED.discard(unit)
         for group in groups:
             if writeback:
                 gather_group.write_back(group, gather_group.module_values(group))
                 freeing.after_write_back(group)
             group.install()  # what the module holds between steps, again
+
+
+
+def add_summoned_values(unit_ref: "weakref.ref[nn.Module]", module: nn.Module, state_dict: Dict[str, Any],
+                        prefix: str, local_metadata: Any) -> None:
+    """The state-dict hook of a unit's module: inside summon_full_params, the full tensors the module shows
+    (written back at exit) under its own names. So ``state_dict()`` there (the unit's, its module's, or a
+    parent's: PEFT's ``save_pretrained``) holds whole tensors under the unwrapped model's names; outside
+    it the module's parameters are the unit's shards and the unit's state dict holds those."""
+    unit = unit_ref()
+    if unit is None or not is_summoned(unit):
+        return
+    for group in unit.gather_groups:
+        for ref, value in zip(group.refs, gather_group.module_values(group)):
+            for name in [ref.fqn] + ref.aliases:
+                state_dict[prefix + name] = value.detach()
