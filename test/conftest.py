@@ -108,7 +108,8 @@ def pytest_sessionfinish(session, exitstatus):
 # Measured: `python tools/test_times.py` after make test (both environments, 2026-11-29, stop 76).
 SLOWEST_FILES = ["test_checkpoints.py", "test_llama_fsdp2_example.py", "test_docs.py", "test_examples.py",
                  "test_hf_trainer.py", "test_benchmarks.py", "test_fsdp2.py", "test_lm_example.py",
-                 "test_differential.py", "test_fine_tuning.py", "test_preemption.py", "test_spmd.py", "test_torchtitan.py",
+                 "test_differential.py", "test_fine_tuning.py", "test_preemption.py", "test_spmd.py",
+                 "test_torchtitan.py",
                  "test_output_rule.py", "test_user_programs.py", "test_user_collectives.py",
                  "test_checkpoint_safety.py", "test_patches.py", "test_install.py", "test_dcp.py",
                  "test_pretrained.py", "test_cross_version.py", "test_compat.py",

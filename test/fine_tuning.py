@@ -163,7 +163,8 @@ def _grad_facts(model: nn.Module) -> Dict[str, Any]:
             "frozen_with_grad": sum(1 for p in params if not p.requires_grad and p.grad is not None)}
 
 
-def _save_adapters(peft_model: nn.Module, model: nn.Module, full: Dict[str, torch.Tensor], folder: str, run: Run) -> None:
+def _save_adapters(peft_model: nn.Module, model: nn.Module, full: Dict[str, torch.Tensor], folder: str,
+                   run: Run) -> None:
     """PEFT's save_pretrained as a hand-written loop calls it on rank 0: given the full state dict, and
     inside summon_full_params (a collective: every rank enters it)."""
     import os

@@ -37,7 +37,7 @@ def test_misuse_errors(gloo):
     m.register_parameter("counts", nn.Parameter(torch.zeros(2, dtype=torch.int64), requires_grad=False))
     with pytest.raises(TypeError, match="'counts' has dtype torch.int64.*buffers"):
         FSDP(m)
-    with pytest.raises(TypeError, match=r"float64; parameters are sharded as float32, bfloat16 or float16.*module.float"):
+    with pytest.raises(TypeError, match=r"float64; parameters are sharded as float32, bfloat16 or float16.*\.float"):
         FSDP(nn.Linear(2, 2).double())
     with pytest.raises(ValueError, match="give all three or none"):
         FSDP(nn.Linear(2, 2), sharding_groups=[[0]])

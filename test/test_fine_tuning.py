@@ -33,7 +33,8 @@ def _runs(transport: str, world_size: int, folder):
     key = (transport, world_size)
     if key not in _RUNS:
         programs = XLA_AT[world_size] if transport == "xla" else GLOO
-        saving = [dataclasses.replace(p, save_to=str(folder / str(i)) if p.lora else "") for i, p in enumerate(programs)]
+        saving = [dataclasses.replace(p, save_to=str(folder / str(i)) if p.lora else "")
+                  for i, p in enumerate(programs)]
         launch = {} if transport == "xla" else {"hard_exit": True, "weights_only": True}
         _RUNS[key] = dict(zip(programs, run_sharded(saving, world_size, transport, **launch)))
     return _RUNS[key]
@@ -129,3 +130,19 @@ def test_fine_tuning_on_xla_equals_unsharded(world_size, tmp_path):
         if program.lora:
             _check_lora_facts(program, ranks)
             _check_saved_adapters(program, ranks, tmp_path / str(index))
+
+
+def test_merging_lora_into_sharded_weights_is_refused_outside_summon_and_exact_inside(gloo):
+    """PEFT's merge_adapter on the wrapped model between steps: one line naming the parameter and
+    summon_full_params; inside it, the merged model's logits equal the same merge unsharded (bit-equal)."""
+    from xla_fsdp import XlaFullyShardedDataParallel as FSDP
+    peft_model, plain = build_model("fp32", True), build_model("fp32", True)
+    wrapped = FSDP(peft_model, auto_wrap_policy=fine_tuning.decoder_layer_policy())
+    with pytest.raises(RuntimeError, match=r"parameter '.*lora_B.default.weight' is sharded .*summon_full_params"):
+        peft_model.merge_adapter()
+    with FSDP.summon_full_params(wrapped):
+        peft_model.merge_adapter()
+    plain.merge_adapter()
+    ids = fine_tuning.batch(0, 0)
+    with torch.no_grad():
+        assert torch.equal(wrapped(input_ids=ids).logits, plain(input_ids=ids).logits)

@@ -95,7 +95,7 @@ LAYERS = [
     ("checkpoints", ["xla_fsdp.checkpoints"]),
     ("unit life cycle", ["xla_fsdp.unit"]),
     ("transports, sharding math, names", ["xla_fsdp.collectives", "xla_fsdp.sharding", "xla_fsdp.shard_names",
-                                         "xla_fsdp._exit_cleanup", "xla_fsdp._version",
+                                         "xla_fsdp.advice", "xla_fsdp._exit_cleanup", "xla_fsdp._version",
                                          "xla_fsdp.patches"]),
 ]
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List
 
 import torch.nn as nn
 
