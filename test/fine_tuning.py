@@ -35,8 +35,8 @@ def build_model(dtype: str, lora: bool) -> nn.Module:
     import transformers
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(llama_config())
-    if dtype == "bf16":
-        model = model.to(torch.bfloat16)
+    if dtype in ("bf16", "fp16"):
+        model = model.to(torch.bfloat16 if dtype == "bf16" else torch.float16)
     if lora:
         from peft import get_peft_model
         model = get_peft_model(model, lora_config())
@@ -66,7 +66,7 @@ class FineTune:
     peft_policy (the wrapper with ``peft.utils.other.fsdp_auto_wrap_policy``) | fully_shard (each decoder
     layer, then the root: XLA only)."""
     wrap: str = "param"
-    dtype: str = "fp32"
+    dtype: str = "fp32"        # fp32 | bf16 | fp16: the dtype the model is loaded in
     lora: bool = True
     optimizer: str = "sgd"     # sgd (momentum: every gradient's size shows) | adamw (PEFT's recipe)
     steps: int = 3
