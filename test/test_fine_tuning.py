@@ -1,6 +1,6 @@
 """Fine-tuning as users run it (fine_tuning.py): a small Llama, fp32 or loaded in bf16 (one in fp16), LoRA
-through PEFT or fully trained, sharded by the wrapper (per parameter, flat, dim 0, PEFT's own wrap policy) on 2 and 4 gloo
-ranks and by the wrapper and ``fully_shard`` on 2 and 4 XLA:CPU devices, equals the same program unsharded:
+through PEFT or fully trained, sharded by the wrapper (per parameter, flat, dim 0, PEFT's own wrap policy)
+on 2 and 4 gloo ranks and by the wrapper and ``fully_shard`` on 2 and 4 XLA:CPU devices, equals the same program unsharded:
 losses and every tensor of the full state dict within 1e-5 in fp32; in bf16 within bf16's tolerance
 against eager (losses 2e-3; tensors rtol 1.6e-2, atol 2**-9), and within 1e-5 against the same program
 unsharded on one XLA device (same compiler: measured bit-equal). With LoRA the frozen base weights are
