@@ -1,11 +1,13 @@
-"""Fine-tuning as users run it (fine_tuning.py): a small Llama, fp32 or loaded in bf16 (one in fp16), LoRA
-through PEFT or fully trained, sharded by the wrapper (per parameter, flat, dim 0, PEFT's own wrap policy)
-on 2 and 4 gloo ranks and by the wrapper and ``fully_shard`` on 2 and 4 XLA:CPU devices, equals the same program unsharded:
-losses and every tensor of the full state dict within 1e-5 in fp32; in bf16 within bf16's tolerance
-against eager (losses 2e-3; tensors rtol 1.6e-2, atol 2**-9), and within 1e-5 against the same program
-unsharded on one XLA device (same compiler: measured bit-equal). With LoRA the frozen base weights are
-bit-unchanged, no frozen parameter has a gradient on any rank, and gradients and optimizer state are the
-adapter's only (per-rank bytes against full fine-tuning in the assertion messages)."""
+"""Fine-tuning as users run it (fine_tuning.py): a small Llama, fp32 or loaded in bf16 (one in fp16),
+LoRA through PEFT or fully trained, sharded by the wrapper (per parameter, flat, dim 0, PEFT's own wrap
+policy) on 2 and 4 gloo ranks and by the wrapper and ``fully_shard`` on 2 and 4 XLA:CPU devices, equals the
+same program unsharded: losses and every tensor of the full state dict within 1e-5 in fp32; in bf16 within
+bf16's tolerance (losses 2e-3; tensors rtol 1.6e-2, atol 2**-9), on XLA against the same program unsharded
+on one XLA device (eager and XLA:CPU round bf16 apart by about that much themselves). With LoRA the frozen
+base weights are bit-unchanged, no frozen parameter has a gradient on any rank, gradients are the adapter's
+only (under 1/20 of full fine-tuning's bytes per rank) and so is AdamW's state (this rank's rows of the 8
+LoRA tensors); the adapter PEFT's save_pretrained writes, from the full state dict and inside
+summon_full_params, holds the trained LoRA tensors and reloads to the sharded model's eval loss."""
 from __future__ import annotations
 
 import dataclasses
