@@ -577,8 +577,10 @@ def test_a_block_weight_of_the_embeddings_shape_does_not_stop_the_root_from_shar
             want.append(loss.item())
         for rank in got:
             assert rank[tie]["losses"] == pytest.approx(want, abs=1e-5), (tie, rank[tie]["losses"], want)
+            # (the device threads share the warnings module: a thread's record can hold its peer's same warning)
+            said = set(rank[tie]["warnings"])
             if tie:
-                assert len(rank[tie]["warnings"]) == 1, rank[tie]["warnings"]
-                assert "'head.weight' and 'emb.weight' hold the same values" in rank[tie]["warnings"][0]
+                assert len(said) == 1, said
+                assert "'head.weight' and 'emb.weight' hold the same values" in said.pop()
             else:
-                assert rank[tie]["warnings"] == [], rank[tie]["warnings"]
+                assert said == set(), said
