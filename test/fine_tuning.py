@@ -24,14 +24,16 @@ def llama_config():
                                     attn_implementation="eager", tie_word_embeddings=False)
 
 
-def lora_config():
+def lora_config(modules_to_save: bool = False):
     from peft import LoraConfig
-    return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
+                      modules_to_save=["lm_head"] if modules_to_save else None)
 
 
-def build_model(dtype: str, lora: bool) -> nn.Module:
+def build_model(dtype: str, lora: bool, modules_to_save: bool = False) -> nn.Module:
     """The model every run starts from (seeded): bf16 as ``from_pretrained(torch_dtype=torch.bfloat16)``
-    gives it; LoRA's B starts at zero, so it is set to small values that make every adapter weight move."""
+    gives it; LoRA's B starts at zero, so it is set to small values that make every adapter weight move.
+    ``modules_to_save``: PEFT also trains a copy of ``lm_head`` (and saves it in the adapter)."""
     import transformers
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(llama_config())
@@ -39,7 +41,7 @@ def build_model(dtype: str, lora: bool) -> nn.Module:
         model = model.to(torch.bfloat16 if dtype == "bf16" else torch.float16)
     if lora:
         from peft import get_peft_model
-        model = get_peft_model(model, lora_config())
+        model = get_peft_model(model, lora_config(modules_to_save))
         g = torch.Generator().manual_seed(1)
         with torch.no_grad():
             for name, p in model.named_parameters():
@@ -68,6 +70,10 @@ class FineTune:
     wrap: str = "param"
     dtype: str = "fp32"        # fp32 | bf16 | fp16: the dtype the model is loaded in
     lora: bool = True
+    modules_to_save: bool = False  # LoRA, and PEFT's trained copy of lm_head
+    #: the adapter's weights are zeroed before wrapping and loaded after it, inside summon_full_params, with
+    #: PEFT's set_peft_model_state_dict (as ``load_adapter`` does); unsharded, the same load
+    load_after_wrapping: bool = False
     optimizer: str = "sgd"     # sgd (momentum: every gradient's size shows) | adamw (PEFT's recipe)
     steps: int = 3
     #: the unsharded run of a program on one XLA device stands for this many ranks (their batches'
@@ -78,11 +84,29 @@ class FineTune:
     save_to: str = ""
 
     def build(self, run: Run) -> nn.Module:
-        model = build_model(self.dtype, self.lora)
+        model = build_model(self.dtype, self.lora, self.modules_to_save)
         run.notes["peft_model"] = model  # the object PEFT's save_pretrained is called on, wrapped or not
         return model
 
     def shard(self, model: nn.Module, run: Run) -> nn.Module:
+        if not self.load_after_wrapping:
+            return self._shard(model, run)
+        from peft import get_peft_model_state_dict, set_peft_model_state_dict
+
+        from xla_fsdp import XlaFullyShardedDataParallel as FSDP
+        adapter = {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if p.requires_grad:
+                    p.zero_()
+        model = self._shard(model, run)
+        with FSDP.summon_full_params(model):  # (unsharded: no units, nothing to gather)
+            result = set_peft_model_state_dict(run.notes["peft_model"], adapter)
+        run.notes["load"] = {"missing": sorted(result.missing_keys), "unexpected": sorted(result.unexpected_keys),
+                             "adapter": len(adapter)}
+        return model
+
+    def _shard(self, model: nn.Module, run: Run) -> nn.Module:
         from xla_fsdp import XlaFullyShardedDataParallel as FSDP
         if self.wrap == "none":
             return model.to(run.device)

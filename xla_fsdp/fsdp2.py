@@ -422,11 +422,20 @@ def _rows_in_state_dict(module: nn.Module, state_dict: Dict[str, Any], prefix: s
 def _rows_to_load(module: nn.Module, state_dict: Dict[str, Any], prefix: str, local_metadata: Dict[str, Any],
                   *args: Any) -> None:
     """``load_state_dict`` of what ``state_dict()`` gave (each rank's rows): each entry is taken as the rows of its
-    ShardParam, whose shape is the whole parameter's, so ``nn.Module`` compares and copies them as such."""
+    ShardParam, whose shape is the whole parameter's, so ``nn.Module`` compares and copies them as such. Inside
+    ``summon_full_params``: the whole tensors (what ``state_dict()`` gives there), copied into the ones the module
+    shows, which become the rows at exit; between steps a whole tensor beside this rank's rows is refused."""
+    unit = _state(module)
     for key, group in _sharded_keys(module, prefix):
         value = state_dict.get(key)
         if not isinstance(value, torch.Tensor) or isinstance(value, ShardParam):
             continue
+        if summon.is_summoned(unit):
+            if summon.copy_into_shown(unit, key, value, gather_group.module_values(group)[0]):
+                state_dict[key] = group.param  # (its own rows: nn.Module's copy changes nothing)
+            continue
+        if tuple(value.shape) == tuple(group.full_shape) != tuple(group.shard.shape):
+            raise summon.full_load_refused(f"the whole tensor '{key}'")
         if local_metadata.get("assign_to_params_buffers"):
             raise NotImplementedError(
                 f"xla_fsdp.fully_shard on XLA: load_state_dict(assign=True) would replace '{key}', a sharded "

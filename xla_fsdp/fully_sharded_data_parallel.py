@@ -129,7 +129,10 @@ class XlaFullyShardedDataParallel(ShardedUnit):
         adopted = adopt(self, module, options, settings, comms, offload, self.shards_in_place)
         self._fsdp_wrapped_module = module
         if not self.shards_in_place:  # (fully_shard's module holds its unit's parameters itself: fsdp2.py)
-            module.register_state_dict_post_hook(functools.partial(summon.add_summoned_values, weakref.ref(self)))
+            summon.show_summoned_values(self, adopted.groups)
+            module.register_load_state_dict_pre_hook(functools.partial(summon.load_full_values, weakref.ref(self)))
+            self.register_load_state_dict_pre_hook(summon.route_into_module)
+            self.register_load_state_dict_post_hook(summon.unwrapped_load_names)
         self._adopted = adopted
         self._module_view: Optional[nn.Module] = None
         self._channels = comms.allocate_channels(3)  # norms, control collectives, their replica sums

@@ -8,12 +8,14 @@ and the root's backward ends in ``_finalize_backward``. The root's set-up at its
 ``root_setup.py``'s."""
 from __future__ import annotations
 
-from typing import Any, List, NamedTuple, Optional, Set, Tuple
+from typing import Any, Iterator, List, NamedTuple, Optional, Set, Tuple
 
 import torch
+import torch.nn as nn
 from torch.autograd import Variable
 
 from . import freeing, gather_group
+from .base import is_unit
 from .gather_group import GatherGroup
 from .gradients import GradientPlan, map_tensors, modules_of, reachable_edges, tensors_in, used_members
 from .offload import land_gradients
@@ -62,6 +64,7 @@ def before_forward(rt: UnitRuntime, args: Any, kwargs: Any) -> Tuple[Any, Any, F
         else:
             if rt.state.is_root:
                 _refuse_reassigned_parameters(rt)
+                _refuse_parameters_added_after_wrapping(rt)
                 # Parameters frozen or unfrozen since the last step: every rank must do the same.
                 if any([unit.follow_requires_grad() for unit in rt.root.units]):
                     find_trainable_groups(rt)
@@ -97,6 +100,31 @@ def _refuse_reassigned_parameters(rt: UnitRuntime) -> None:
                 f"shard of '{prefix}{name}': training would ignore the assignment. To tie parameters (tie_weights(), "
                 "post_init), tie them before wrapping: tied parameters then share one shard. To give a parameter "
                 "new values, assign or copy them inside `with XlaFullyShardedDataParallel.summon_full_params(model):`.")
+
+
+def _refuse_parameters_added_after_wrapping(rt: UnitRuntime) -> None:
+    """A parameter registered in a unit's module after wrapping (PEFT's ``add_adapter``, ``load_adapter`` under a
+    new name, a new layer) is no unit's: it would train unsharded with its gradient never averaged over the
+    ranks, so the ranks' copies would part. Refused at the root's next forward, on every rank."""
+    for prefix, unit in zip(rt.root.prefixes, rt.root.units):
+        own = {id(g.param) for g in unit.groups}
+        for name, module in _modules_down_to_units(unit.module, ""):
+            for attr, p in module._parameters.items():
+                if p is None or id(p) in own or getattr(p, "_xla_fsdp_ignored", False):
+                    continue
+                raise RuntimeError(
+                    f"xla_fsdp: '{prefix}{name}{attr}' is a parameter added after wrapping (PEFT's add_adapter or "
+                    "load_adapter under a new name, a new layer): no unit shards it, so its gradient would not be "
+                    "averaged over the ranks. Add adapters and layers before wrapping (get_peft_model or "
+                    "PeftModel.from_pretrained, then XlaFullyShardedDataParallel or fully_shard)")
+
+
+def _modules_down_to_units(module: nn.Module, prefix: str) -> Iterator[Tuple[str, nn.Module]]:
+    """``module`` and its submodules down to (not into) the units inside it, with their name prefixes."""
+    yield prefix, module
+    for name, child in module._modules.items():
+        if child is not None and not is_unit(child):
+            yield from _modules_down_to_units(child, prefix + name + ".")
 
 
 def find_trainable_groups(rt: UnitRuntime) -> None:
