@@ -15,7 +15,7 @@ import torch.nn as nn
 from torch.autograd import Variable
 
 from . import freeing, gather_group
-from .base import is_unit
+from .base import UNIT_ATTR, is_unit
 from .gather_group import GatherGroup
 from .gradients import GradientPlan, map_tensors, modules_of, reachable_edges, tensors_in, used_members
 from .offload import land_gradients
@@ -107,6 +107,8 @@ def _refuse_parameters_added_after_wrapping(rt: UnitRuntime) -> None:
     new name, a new layer) is no unit's: it would train unsharded with its gradient never averaged over the
     ranks, so the ranks' copies would part. Refused at the root's next forward, on every rank."""
     for prefix, unit in zip(rt.root.prefixes, rt.root.units):
+        if UNIT_ATTR in unit.module.__dict__:  # (fully_shard's module keeps its own parameters registered)
+            continue
         own = {id(g.param) for g in unit.groups}
         for name, module in _modules_down_to_units(unit.module, ""):
             for attr, p in module._parameters.items():
