@@ -96,7 +96,7 @@ class FineTune:
         from xla_fsdp import XlaFullyShardedDataParallel as FSDP
         adapter = {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}
         with torch.no_grad():
-            for name, p in model.named_parameters():
+            for p in model.parameters():
                 if p.requires_grad:
                     p.zero_()
         model = self._shard(model, run)

@@ -25,7 +25,8 @@ GLOO = [FineTune(wrap=w) for w in ("param", "dim0")] + [
     FineTune(wrap="param", optimizer="adamw"), FineTune(wrap="param", lora=False),
     FineTune(wrap="param", dtype="bf16"), FineTune(wrap="flat", dtype="bf16", optimizer="adamw"),
     FineTune(wrap="dim0", dtype="bf16", lora=False), FineTune(wrap="flat", dtype="fp16", lora=False)]
-XLA = [FineTune(wrap="fully_shard", modules_to_save=True, load_after_wrapping=True), FineTune(wrap="fully_shard", dtype="bf16", optimizer="adamw"),
+XLA = [FineTune(wrap="fully_shard", modules_to_save=True, load_after_wrapping=True),
+       FineTune(wrap="fully_shard", dtype="bf16", optimizer="adamw"),
        FineTune(wrap="param", dtype="bf16"), FineTune(wrap="flat", dtype="bf16", lora=False)]
 XLA_AT = {2: XLA, 4: [XLA[1]]}  # (XLA:CPU runs are mostly compiling: 4 devices run one of them)
 _RUNS = {}
