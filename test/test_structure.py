@@ -259,10 +259,12 @@ def _files_one_step_runs(rank, api="wrapper"):
 
 def test_a_training_step_runs_through_six_unit_files():
     """Forward, backward and the reduce-scatters of a step (2 gloo ranks, flat and per-parameter units,
-    coalesced collectives) enter exactly the six files of STEP_FILES; the optimizer's step adds one."""
+    coalesced collectives) enter exactly the six files of STEP_FILES, and base.py's ``is_unit``: the root's
+    forward walks the wrapper's modules down to its units for parameters added after wrapping (fully_shard's
+    units, whose modules keep their parameters, are not walked). The optimizer's step adds one."""
     from ranks import on_gloo
     for files in on_gloo(_files_one_step_runs, 2):
-        assert set(files["step"]) == STEP_FILES, files["step"]
+        assert set(files["step"]) == STEP_FILES | {"base.py"}, files["step"]
         assert set(files["optimizer"]) - set(files["step"]) <= {"optimizer_check.py"}, files["optimizer"]
 
 
