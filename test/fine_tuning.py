@@ -113,7 +113,7 @@ class FineTune:
         if self.wrap == "fully_shard":
             from xla_fsdp import fully_shard
             model = model.to(run.device)
-            for layer in _decoder_layers(model):
+            for layer in decoder_layers(model):
                 fully_shard(layer)
             fully_shard(model)
             return model
@@ -174,7 +174,7 @@ def _loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return model(input_ids=ids, labels=ids).loss.float()
 
 
-def _decoder_layers(model: nn.Module) -> List[nn.Module]:
+def decoder_layers(model: nn.Module) -> List[nn.Module]:
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
     return [m for m in model.modules() if isinstance(m, LlamaDecoderLayer)]
 

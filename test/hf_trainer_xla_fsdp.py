@@ -14,6 +14,7 @@ the model built with its parameters on the meta device, each unit given storage 
 wraps it, and ``LoadPretrained`` filling the shards when training starts, each rank reading its own rows.
 """
 import argparse
+import inspect
 import json
 import os
 import threading
@@ -51,8 +52,16 @@ BLOCKS = {"gpt2": "GPT2Block", "llama": "LlamaDecoderLayer"}
 INITIAL_STATES = {kind: build_model(kind).state_dict() for kind in BLOCKS}
 
 
+# accelerate's init_empty_weights patches nn.Module.register_parameter for the whole process while it
+# runs: XLA:CPU device threads build one at a time, and none wraps until all have built (on TPU the
+# devices are processes and need neither).
+_BUILDING = threading.Lock()
+_BUILT = threading.Barrier(int(os.environ.get("CPU_NUM_DEVICES", "1")))
+
+
 def initial_model(kind: str = "gpt2") -> PreTrainedModel:
-    model = build_model(kind)
+    with _BUILDING:  # (its constructor's draws would land between another thread's seed and its LoRA draws)
+        model = build_model(kind)
     model.load_state_dict(INITIAL_STATES[kind])
     return model
 
@@ -76,13 +85,6 @@ def eval_data() -> Tokens:
     return Tokens(32, 1)
 
 
-# accelerate's init_empty_weights patches nn.Module.register_parameter for the whole process while it
-# runs: XLA:CPU device threads build one at a time, and none wraps until all have built (on TPU the
-# devices are processes and need neither).
-_BUILDING = threading.Lock()
-_BUILT = threading.Barrier(int(os.environ.get("CPU_NUM_DEVICES", "1")))
-
-
 def on_meta(folder: str) -> PreTrainedModel:
     """A ``save_pretrained`` folder's model with no values yet: parameters on the meta device, buffers
     (computed by the constructor) real, the config's ties made."""
@@ -90,6 +92,19 @@ def on_meta(folder: str) -> PreTrainedModel:
     with _BUILDING, init_empty_weights():
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
     model.tie_weights()
+    _BUILT.wait()
+    return model
+
+
+def with_lora(model: PreTrainedModel, kind: str) -> torch.nn.Module:
+    """PEFT's LoRA on the attention projections, as its docs and the Trainer run it. Its A matrices are
+    drawn from the generator the device threads share: seeded and drawn by one thread at a time, and no
+    thread goes on (its Trainer re-seeds) until all have drawn, so every rank draws the 1-device run's."""
+    from peft import LoraConfig, get_peft_model
+    targets = ["q_proj", "v_proj"] if kind == "llama" else ["c_attn"]
+    with _BUILDING:
+        torch.manual_seed(0)
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0))
     _BUILT.wait()
     return model
 
@@ -135,6 +150,11 @@ class ShardedDecayTrainer(Trainer):
         return super().get_decay_parameter_names(model)
 
 
+# The Trainer's checkpoints as pickles, which test_hf_trainer reads the 4.x way (5.x has only safetensors).
+_PICKLED_CHECKPOINTS = ({"save_safetensors": False}
+                        if "save_safetensors" in inspect.signature(TrainingArguments.__init__).parameters else {})
+
+
 def _mp_fn(index, flags):
     import torch_xla.runtime as xr
     world_size = xr.world_size()
@@ -149,14 +169,13 @@ def _mp_fn(index, flags):
         output_dir=flags.out, max_steps=flags.steps, per_device_train_batch_size=flags.global_batch // world_size,
         per_device_eval_batch_size=4, learning_rate=3e-3, logging_steps=1, save_steps=flags.save_steps,
         fsdp="" if flags.plain else "full_shard", fsdp_config=None if flags.plain else fsdp_config, report_to=[],
-        seed=0, dataloader_drop_last=True, save_safetensors=False, optim="adamw_torch", weight_decay=flags.weight_decay)
+        seed=0, dataloader_drop_last=True, optim="adamw_torch", weight_decay=flags.weight_decay,
+        **_PICKLED_CHECKPOINTS)
     counter = CountSteps()
     trainer_class = ShardedDecayTrainer if flags.weight_decay else Trainer
     model = on_meta(flags.init_from) if flags.init_from else initial_model(flags.model)
-    if flags.lora:  # PEFT's LoRA on the attention projections, as its docs and the Trainer run it
-        from peft import LoraConfig, get_peft_model
-        targets = ["q_proj", "v_proj"] if flags.model == "llama" else ["c_attn"]
-        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0))
+    if flags.lora:
+        model = with_lora(model, flags.model)
     trainer = trainer_class(model=model, args=args, train_dataset=Tokens(256, 0), eval_dataset=eval_data(),
                             callbacks=[counter])
     if flags.init_from:

@@ -11,6 +11,8 @@ summon_full_params, holds the trained LoRA tensors and reloads to the sharded mo
 from __future__ import annotations
 
 import dataclasses
+import re
+import threading
 
 import pytest
 import torch
@@ -216,3 +218,47 @@ def test_an_adapter_loads_into_the_wrapped_model_inside_summon_with_unsharded_re
     peft_model.add_adapter("other", fine_tuning.lora_config())
     with pytest.raises(RuntimeError, match=r"'.*q_proj.lora_A.other.weight' is a parameter added after wrapping"):
         wrapped(input_ids=ids)
+
+
+
+_BUILDING = threading.Lock()
+
+
+def _add_after_fully_shard(rank):
+    """One XLA device's run of the test below: what each forward raised (None: nothing)."""
+    import torch_xla
+    from xla_fsdp import fully_shard
+    outcomes = []
+    for reshard in (True, False):
+        with _BUILDING:  # (XLA:CPU device threads: one import of transformers' lazy modules, one CPU generator)
+            torch.manual_seed(0)
+            peft_model = build_model("fp32", True).to(torch_xla.device())
+        for layer in fine_tuning.decoder_layers(peft_model):
+            fully_shard(layer, reshard_after_forward=reshard)
+        fully_shard(peft_model, reshard_after_forward=reshard)
+        ids = fine_tuning.batch(0, 0).to(torch_xla.device())
+        with torch.no_grad():
+            peft_model(input_ids=ids)
+            peft_model(input_ids=ids)
+        peft_model(input_ids=ids).logits.sum().backward()
+        peft_model.add_adapter("other", fine_tuning.lora_config())
+        try:
+            peft_model(input_ids=ids)
+            outcomes.append(None)
+        except RuntimeError as e:
+            outcomes.append(str(e))
+    return outcomes
+
+
+@pytest.mark.xla
+def test_a_parameter_added_after_fully_shard_is_refused_at_the_next_forward():
+    """fully_shard's modules keep their parameters registered (its ShardParams): forwards of the sharded model
+    (2 XLA:CPU devices), resharded after each or not, pass the check; a parameter PEFT's add_adapter registers
+    afterwards is refused at the next forward, naming it, as in the wrapper."""
+    from ranks import on_xla
+    for outcomes in on_xla(_add_after_fully_shard, 2):
+        assert len(outcomes) == 2
+        for message in outcomes:
+            assert message is not None and re.search(
+                r"'.*layers.0.self_attn.q_proj.lora_A.other.weight' is a parameter added after wrapping", message), \
+                message

@@ -38,7 +38,7 @@ pytestmark = pytest.mark.xla  # every test here runs on XLA:CPU devices
 
 
 def _launch(out, devices, wrap, grad_ckpt, init_from=None, resume=None, model="gpt2", v2=False, weight_decay=0.0,
-            plain=False, lora=False):
+            plain=False, lora=False, packages=None):
     cmd = [sys.executable, "-m", "xla_fsdp.compat", os.path.join(HERE, "hf_trainer_xla_fsdp.py"), str(out),
            "--steps", str(STEPS), "--save_steps", str(SAVE_STEPS), "--wrap", wrap, "--model", model,
            "--weight_decay", str(weight_decay)]
@@ -55,6 +55,8 @@ def _launch(out, devices, wrap, grad_ckpt, init_from=None, resume=None, model="g
     if init_from:
         cmd += ["--init_from", str(init_from)]
     env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(devices))
+    if packages:  # a folder of packages that come before the environment's own
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(packages), env.get("PYTHONPATH")) if p)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(os.path.join(out, "result.json")) as f:
@@ -230,3 +232,38 @@ def test_trainer_with_a_peft_model_saves_the_adapter_that_trained(tmp_path):
     assert abs(eval_loss - sharded["eval_loss"]) <= EVAL_TOL, (eval_loss, sharded["eval_loss"])
     untrained = _plain_eval_loss(harness.INITIAL_STATES["llama"], "llama")
     assert abs(untrained - sharded["eval_loss"]) > 10 * EVAL_TOL, (untrained, sharded["eval_loss"])
+
+
+#: The Trainer as pip installs it today, beside the test extra's pinned 4.57: transformers 5 with the
+#: Accelerate and huggingface_hub it needs, installed for this test only, into a folder put first on
+#: PYTHONPATH (no dependency resolution: torch, peft and the rest are the environment's).
+TRANSFORMERS_5 = ["transformers==5.24.0", "accelerate==1.15.0", "huggingface_hub==2.4.0", "tokenizers==0.23.1",
+                  "typer==0.29.2", "httpx2==2.16.2", "httpcore2==2.16.2", "truststore==0.10.5"]
+
+
+def test_the_trainer_of_transformers_5_trains_a_peft_model_as_the_plain_trainer(tmp_path):
+    """transformers 5's Trainer no longer makes the model its XLA FSDP path wrapped its ``self.model``, so
+    it never built the optimizer it delays for FSDP: the first step failed with "'NoneType' object has no
+    attribute 'param_groups'" (torch_xla's FSDP too). Under ``python -m xla_fsdp.compat`` it builds it
+    on the wrapped model (integrations/hf_trainer_wrap.py): a PEFT model (tiny Llama, LoRA on q_proj and
+    v_proj) on 2 devices logs the plain Trainer's losses and eval loss on 1 device without FSDP, and
+    ``save_model`` writes an adapter whose 8 LoRA tensors equal the plain run's (1e-5)."""
+    from safetensors.torch import load_file
+    packages = tmp_path / "packages"
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(packages),
+                           *TRANSFORMERS_5], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = {name: _launch(tmp_path / name, devices, "transformer", False, model="llama", lora=True, plain=plain,
+                          packages=packages)
+            for name, devices, plain in (("plain", 1, True), ("sharded", 2, False))}
+    plain, sharded = runs["plain"], runs["sharded"]
+    assert sharded["fsdp_class"] == "xla_fsdp.fully_sharded_data_parallel.XlaFullyShardedDataParallel", sharded
+    assert sorted(sharded["losses"]) == sorted(plain["losses"]) == list(range(1, STEPS + 1))
+    for step, loss in plain["losses"].items():
+        assert abs(sharded["losses"][step] - loss) <= LOSS_TOL, (step, sharded["losses"], plain["losses"])
+    assert abs(sharded["eval_loss"] - plain["eval_loss"]) <= EVAL_TOL, (sharded, plain)
+    adapters = {name: load_file(tmp_path / name / "adapter" / "adapter_model.safetensors") for name in runs}
+    assert len(adapters["sharded"]) == 8 and sorted(adapters["sharded"]) == sorted(adapters["plain"])
+    for key, value in adapters["plain"].items():
+        assert (adapters["sharded"][key] - value).abs().max() <= 1e-5, key
+    assert any(v.abs().max() > 0 for k, v in adapters["sharded"].items() if "lora_B" in k)  # B starts at 0

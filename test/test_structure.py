@@ -210,8 +210,9 @@ def test_other_modules_use_a_unit_only_through_its_declared_interface():
 #: param -> collectives): the hooks (step), the runtime with its step state and the collectives of several
 #: groups (runtime), the gather groups and their values (gather_group), where members sit in the module
 #: (member_slots), which groups get gradients and the shard gradient's type (gradients), what is freed when
-#: (freeing). The optimizer's step adds the check of what it was given (optimizer_check).
-STEP_FILES = {"step.py", "runtime.py", "gather_group.py", "member_slots.py", "gradients.py", "freeing.py"}
+#: (freeing), which modules are units (base: the root's forward walks its modules down to the units for
+#: parameters added after wrapping). The optimizer's step adds the check of what it was given (optimizer_check).
+STEP_FILES = {"step.py", "runtime.py", "gather_group.py", "member_slots.py", "gradients.py", "freeing.py", "base.py"}
 
 
 _BUILDING = threading.Lock()
@@ -257,19 +258,17 @@ def _files_one_step_runs(rank, api="wrapper"):
     return {k: sorted(v) for k, v in seen.items()}
 
 
-def test_a_training_step_runs_through_six_unit_files():
+def test_a_training_step_runs_through_the_step_files():
     """Forward, backward and the reduce-scatters of a step (2 gloo ranks, flat and per-parameter units,
-    coalesced collectives) enter exactly the six files of STEP_FILES, and base.py's ``is_unit``: the root's
-    forward walks the wrapper's modules down to its units for parameters added after wrapping (fully_shard's
-    units, whose modules keep their parameters, are not walked). The optimizer's step adds one."""
+    coalesced collectives) enter exactly the files of STEP_FILES; the optimizer's step adds one."""
     from ranks import on_gloo
     for files in on_gloo(_files_one_step_runs, 2):
-        assert set(files["step"]) == STEP_FILES | {"base.py"}, files["step"]
+        assert set(files["step"]) == STEP_FILES, files["step"]
         assert set(files["optimizer"]) - set(files["step"]) <= {"optimizer_check.py"}, files["optimizer"]
 
 
 @pytest.mark.xla
-def test_a_fully_shard_step_on_xla_runs_through_the_same_six_files():
+def test_a_fully_shard_step_on_xla_runs_through_the_same_files():
     """The same for FSDP2's recipe on 2 XLA:CPU devices (fully_shard's hooks in fsdp2.py call the same
     step); the module's own forward adds the weight-saving nn.Linear forward the unit installs on XLA
     (patched_linear: the module's compute, not the unit's step). The optimizer's own operations on the

@@ -137,7 +137,7 @@ class XlaFullyShardedDataParallel(ShardedUnit):
         self._module_view: Optional[nn.Module] = None
         self._channels = comms.allocate_channels(3)  # norms, control collectives, their replica sums
         self._runtime = UnitRuntime(module, comms, settings, adopted.groups, offload, self._module_call(),
-                                    adopted.rank_0_buffers, step.on_full_grad_ready)
+                                    adopted.rank_0_buffers, adopted.param_attrs, step.on_full_grad_ready)
         self._runtime.follow_requires_grad()
         if settings.sync_module_states and not comms.ranks_share_a_process:
             self._runtime.take_deferred_values()

@@ -10,7 +10,8 @@ the code that needs it, through this module, with its reason:
 - the first XLA unit built: torch_xla's ``xm.optimizer_step`` must not all-reduce FSDP shard gradients
   again (``XLA_FSDP_PATCH_TORCH_XLA=0`` keeps it out);
 - the first unit built: one optimizer step pre-hook that refuses an optimizer built before wrapping;
-- ``replace_torch_xla_fsdp()``: Accelerate's and the HF Trainer's XLA FSDP paths.
+- ``replace_torch_xla_fsdp()``: Accelerate's and the HF Trainer's XLA FSDP paths (the Trainer's once the
+  program imports it: :func:`after_import`).
 - the first unit on XLA: plain ``nn.Linear`` modules it takes get a forward of their own, per instance
   (``unit/patched_linear.py``; ``_use_xla_patched_linear=False`` keeps it out), listed once, undone
   for every such instance;
@@ -38,7 +39,10 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import importlib.abc
+import importlib.util
 import os
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, List, Optional
@@ -159,6 +163,61 @@ def record(target: str, undo: Callable[[], None], reason: str) -> bool:
         if _find(target) is not None:
             return False
         _INSTALLED.append(Patch(target, reason, undo))
+        return True
+
+
+class _ThenApply(importlib.abc.Loader):
+    """A module's own loader, followed by ``apply(module)`` once the module has run."""
+
+    def __init__(self, loader: Any, apply: Callable[[Any], Any]):
+        self.loader, self.apply = loader, apply
+
+    def create_module(self, spec: Any) -> Any:
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        self.loader.exec_module(module)
+        self.apply(module)
+
+    def __getattr__(self, name: str) -> Any:  # get_source, get_code, ... for whoever reads the module
+        return getattr(self.loader, name)
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """First on ``sys.meta_path``: finds ``name`` through the other finders, and gives its spec a loader
+    that calls ``apply`` after the module's own code; answers nothing for any other module."""
+
+    def __init__(self, name: str, apply: Callable[[Any], Any]):
+        self.name, self.apply, self.finding = name, apply, False
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname != self.name or self.finding:
+            return None
+        self.finding = True
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            self.finding = False
+        if spec is not None and spec.loader is not None:
+            spec.loader = _ThenApply(spec.loader, self.apply)
+        return spec
+
+
+def after_import(module: str, apply: Callable[[Any], Any], reason: str) -> bool:
+    """``apply(module)`` now if ``module`` is imported, else right after its import (a finder on
+    ``sys.meta_path``, taken out again by :func:`uninstall`): for changes to a library the program may
+    import later. ``apply`` lists its own changes. Returns whether it was not listed yet."""
+    target = f"after import: {module}"
+    with _LOCK:
+        if _find(target) is not None:
+            return False
+        finder = _AfterImport(module, apply)
+        _INSTALLED.append(Patch(target, reason, lambda: sys.meta_path.remove(finder) if finder in sys.meta_path
+                                else None))
+        if module in sys.modules:
+            apply(sys.modules[module])
+        else:
+            sys.meta_path.insert(0, finder)
         return True
 
 

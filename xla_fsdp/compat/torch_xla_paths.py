@@ -15,6 +15,7 @@ from ..checkpoints.shard_merge import consolidate_sharded_state_dicts
 from ..fully_sharded_data_parallel import XlaFullyShardedDataParallel
 from ..integrations.accelerate_clipping import patch_accelerate_clipping
 from ..integrations.hf_trainer_spmd import patch_trainer_for_spmd
+from ..integrations.hf_trainer_wrap import patch_trainer_wrap
 from ..remat import checkpoint_module
 from . import torch_xla_utils
 
@@ -65,8 +66,9 @@ def torch_xla_modules() -> Dict[str, types.ModuleType]:
 
 def replace_torch_xla_fsdp() -> None:
     """Make ``torch_xla.distributed.fsdp`` (and its modules) resolve to xla_fsdp in this process,
-    and route Accelerate's gradient clipping of an xla_fsdp model to the model's own (see
-    :func:`patch_accelerate_clipping`)."""
+    route Accelerate's gradient clipping of an xla_fsdp model to the model's own (see
+    :func:`patch_accelerate_clipping`), and let the HF Trainer build its optimizer on the model it wrapped
+    (:func:`patch_trainer_wrap`, once the program imports the Trainer)."""
     import torch_xla.distributed
     import torch_xla.experimental
     why = "torch_xla's FSDP names served by xla_fsdp (replace_torch_xla_fsdp)"
@@ -76,6 +78,8 @@ def replace_torch_xla_fsdp() -> None:
     patches.replace(torch_xla.experimental, "spmd_fully_sharded_data_parallel",
                     sys.modules["torch_xla.experimental.spmd_fully_sharded_data_parallel"], why)
     patch_accelerate_clipping()
+    patches.after_import("transformers.trainer", patch_trainer_wrap,
+                         "the HF Trainer's XLA FSDP path builds its optimizer on the model it wrapped")
     # Such programs build their model in every device thread from the CPU generator the threads of
     # one process share (XLA:CPU), so their models differ at random: the threads take rank 0's.
     from ..unit import options

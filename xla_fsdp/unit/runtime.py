@@ -142,7 +142,7 @@ class UnitRuntime:
 
     def __init__(self, module: nn.Module, comms: Any, settings: UnitSettings, groups: List[GatherGroup],
                  offload: Optional[HostOffload], run_module: Callable[..., Any],
-                 rank_0_buffers: List[Rank0Buffer],
+                 rank_0_buffers: List[Rank0Buffer], param_attrs: Dict[nn.Module, Tuple[str, ...]],
                  on_grad_ready: Callable[["UnitRuntime", GatherGroup, torch.Tensor], None]) -> None:
         #: the wrapped module (its call, ``run_module``, is the unit's forward with parameters gathered)
         self.module = module
@@ -166,6 +166,8 @@ class UnitRuntime:
         #: groups that train, which a coalescing transport reduces together
         self.num_grad_groups = 0
         self._rank_0_buffers = rank_0_buffers
+        #: the parameter attributes each module the unit owns held at wrapping (a later one is no unit's)
+        self.param_attrs = param_attrs
         #: the step's post-accumulate-grad hook on a training group's full parameter (``step.on_full_grad_ready``)
         self._on_grad_ready = on_grad_ready
         self._watched: Set[int] = set()  # ids of groups whose full parameter has the gradient hook

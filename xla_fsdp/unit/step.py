@@ -15,7 +15,7 @@ import torch.nn as nn
 from torch.autograd import Variable
 
 from . import freeing, gather_group
-from .base import UNIT_ATTR, is_unit
+from .base import is_unit
 from .gather_group import GatherGroup
 from .gradients import GradientPlan, map_tensors, modules_of, reachable_edges, tensors_in, used_members
 from .offload import land_gradients
@@ -105,14 +105,14 @@ def _refuse_reassigned_parameters(rt: UnitRuntime) -> None:
 def _refuse_parameters_added_after_wrapping(rt: UnitRuntime) -> None:
     """A parameter registered in a unit's module after wrapping (PEFT's ``add_adapter``, ``load_adapter`` under a
     new name, a new layer) is no unit's: it would train unsharded with its gradient never averaged over the
-    ranks, so the ranks' copies would part. Refused at the root's next forward, on every rank."""
+    ranks, so the ranks' copies would part. Refused at the root's next forward, on every rank. What each
+    module held at wrapping is the unit's ``param_attrs``; a module (re)assigned since holds none."""
     for prefix, unit in zip(rt.root.prefixes, rt.root.units):
-        if UNIT_ATTR in unit.module.__dict__:  # (fully_shard's module keeps its own parameters registered)
-            continue
-        own = {id(g.param) for g in unit.groups}
+        attrs = unit.param_attrs
         for name, module in _modules_down_to_units(unit.module, ""):
+            known = attrs.get(module, ())
             for attr, p in module._parameters.items():
-                if p is None or id(p) in own or getattr(p, "_xla_fsdp_ignored", False):
+                if p is None or attr in known:
                     continue
                 raise RuntimeError(
                     f"xla_fsdp: '{prefix}{name}{attr}' is a parameter added after wrapping (PEFT's add_adapter or "
