@@ -232,3 +232,37 @@ def test_units_on_xla_cpu_device_threads_without_the_launcher_say_what_to_call(t
     assert len(result) == 2
     for message in result:
         assert "xla_fsdp.launch(fn, args)" in message and "xla_fsdp.enable_xla_cpu_devices()" in message, message
+
+
+@pytest.mark.fast
+def test_a_change_to_a_module_imported_later_is_applied_after_its_code_listed_and_undone(tmp_path):
+    """``patches.after_import``: for a module the program imports later (the HF Trainer under
+    ``python -m xla_fsdp.compat``), the change is applied right after the module's own code ran, once,
+    and listed; ``uninstall`` takes the finder out and undoes what the change listed."""
+    (tmp_path / "later_module.py").write_text("VALUE = 'its own'\n")
+    script = textwrap.dedent(f"""
+        import json, sys
+        sys.path.insert(0, {str(tmp_path)!r})
+        from xla_fsdp import patches
+        seen = []
+        def apply(module):
+            seen.append(module.VALUE)
+            patches.replace(module, "VALUE", "changed", "a test change")
+        patches.after_import("later_module", apply, "a test")
+        finders = len(sys.meta_path)
+        import later_module
+        out = dict(seen=seen, value=later_module.VALUE, listed=[p.target for p in patches.installed()],
+                   source=later_module.__loader__.get_source("later_module"))
+        patches.uninstall()
+        out.update(after=later_module.VALUE, finders_removed=finders - len(sys.meta_path),
+                   again=patches.after_import("later_module", apply, "a test"), seen_again=seen)
+        print(json.dumps(out))
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["value"] == "changed" and out["after"] == "its own", out
+    assert out["listed"] == ["after import: later_module", "later_module.VALUE"], out
+    assert out["source"] == "VALUE = 'its own'\n" and out["finders_removed"] == 1, out
+    # listed again after uninstall: the module is imported now, so the change applies at once
+    assert out["again"] is True and out["seen_again"] == ["its own", "its own"], out
