@@ -195,7 +195,10 @@ def _save_adapters(peft_model: nn.Module, model: nn.Module, full: Dict[str, torc
 
     from xla_fsdp import XlaFullyShardedDataParallel as FSDP
     if run.rank == 0:
-        peft_model.save_pretrained(os.path.join(folder, "full_state_dict"), state_dict=full)
+        try:
+            peft_model.save_pretrained(os.path.join(folder, "full_state_dict"), state_dict=full)
+        except RuntimeError as e:  # (the wrapper's modules_to_save copies: refused, naming summon_full_params)
+            run.notes["full_state_dict_save"] = str(e)
     with FSDP.summon_full_params(model, writeback=False):
         if run.device.type == "xla":  # PEFT writes host tensors only (as unsharded on XLA): every rank runs
             state = peft_model.state_dict()  # the gathers' graph (a sync), then rank 0 reads its copy

@@ -90,9 +90,18 @@ def show_summoned_values(unit: nn.Module, groups: List[Any]) -> None:
 def _add_summoned_values(unit_ref: "weakref.ref[nn.Module]", names: Tuple[str, ...], module: nn.Module,
                          state_dict: Dict[str, Any], prefix: str, local_metadata: Any) -> None:
     unit = unit_ref()
-    if unit is not None and is_summoned(unit):
+    if unit is None:
+        return
+    if is_summoned(unit):
         for name in names:
             state_dict[prefix + name] = module_tensor(module, name).detach()
+    elif not prefix:  # asked of this module itself (a parent's state_dict() names it by its prefix)
+        raise RuntimeError(
+            f"xla_fsdp: state_dict() of a {type(module).__name__} inside a sharded unit, outside summon_full_params: "
+            f"the unit holds its {', '.join(names)} as shards, so it would leave them out. Take it inside `with "
+            "XlaFullyShardedDataParallel.summon_full_params(model):` (PEFT's save_pretrained and "
+            "get_peft_model_state_dict too: they ask it of modules_to_save copies), or take the model's full "
+            "state dict (xla_fsdp.checkpoints.full_state_dict(model))")
 
 
 def full_load_refused(what: str) -> RuntimeError:
