@@ -241,7 +241,8 @@ def _add_after_fully_shard(rank):
             peft_model(input_ids=ids)
             peft_model(input_ids=ids)
         peft_model(input_ids=ids).logits.sum().backward()
-        peft_model.add_adapter("other", fine_tuning.lora_config())
+        with _BUILDING:  # (its LoRA draws, off the other thread's seeded build)
+            peft_model.add_adapter("other", fine_tuning.lora_config())
         try:
             peft_model(input_ids=ids)
             outcomes.append(None)
