@@ -180,6 +180,8 @@ class _ThenApply(importlib.abc.Loader):
         self.apply(module)
 
     def __getattr__(self, name: str) -> Any:  # get_source, get_code, ... for whoever reads the module
+        if name == "loader":  # (not set yet: a copy being built)
+            raise AttributeError(name)
         return getattr(self.loader, name)
 
 
