@@ -468,7 +468,7 @@ def host_residency(root: FSDP, opt: torch.optim.Optimizer, barrier: Callable[[],
 
 def _collective_split(root: FSDP) -> List[Tuple[int, int]]:
     """Per unit: (groups gathered and reduced alone, groups sharing one collective)."""
-    from xla_fsdp.unit.runtime import split_for_coalescing
+    from xla_fsdp.unit.group_comms import split_for_coalescing
     splits = []
     for unit in root.modules():
         if isinstance(unit, FSDP) and unit.gather_groups:

@@ -12,7 +12,7 @@ import harness
 from ranks import run_multiprocess, xla_cpu_devices
 from training_program import BUILD_LOCK
 from xla_fsdp import XlaFullyShardedDataParallel as FSDP
-from xla_fsdp.unit import runtime, step
+from xla_fsdp.unit import group_comms, runtime
 from xla_fsdp.wrap import lambda_auto_wrap_policy
 
 
@@ -83,8 +83,8 @@ def test_fp32_reduce_scatter_reduces_in_fp32(gloo, monkeypatch, fp32_reduce_scat
     hands back (here at one rank, where the reduction is the identity) is in that dtype."""
     model = FSDP(nn.Linear(4, 4), compute_dtype=torch.bfloat16, fp32_reduce_scatter=fp32_reduce_scatter)
     seen = []
-    original = runtime.shard_grad_of
-    for module in (runtime, step):  # (the reduce-scatter's, and one rank's, where nothing is reduced)
+    original = group_comms.shard_grad_of
+    for module in (group_comms, runtime):  # (the reduce-scatter's, and one rank's, where nothing is reduced)
         monkeypatch.setattr(module, "shard_grad_of",
                             lambda group, reduced, post: seen.append(reduced.dtype) or original(group, reduced, post))
     model(torch.ones(2, 4)).float().sum().backward()

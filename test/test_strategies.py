@@ -121,7 +121,7 @@ def test_only_small_groups_share_a_collective():
     from types import SimpleNamespace
 
     from xla_fsdp.unit.options import SOLO_NUMEL
-    from xla_fsdp.unit.runtime import split_for_coalescing
+    from xla_fsdp.unit.group_comms import split_for_coalescing
 
     def groups(sizes, coalesces=True):
         comms = SimpleNamespace(coalesces=coalesces)

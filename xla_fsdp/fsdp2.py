@@ -71,7 +71,7 @@ class FSDPModule(metaclass=abc.ABCMeta):  # noqa: B024 - an ABC for register(), 
         """``False``: backward accumulates unsharded gradients locally, with no reduce-scatter
         (gradient accumulation); the first backward after ``True`` reduces the sum."""
         for unit in _units(self, recurse):
-            unit.step_state.require_backward_grad_sync = requires_gradient_sync
+            unit._runtime.set_requires_gradient_sync(requires_gradient_sync)
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Whether forward frees the full parameters (re-gathered in backward)."""
@@ -120,7 +120,7 @@ class FSDPModule(metaclass=abc.ABCMeta):  # noqa: B024 - an ABC for register(), 
         grows across steps until the program's own cut."""
         for unit in _units(self, recurse):
             for group in unit.gather_groups:
-                group.sync_after_optimizer_step = bool(enabled)
+                group.set_sync_after_optimizer_step(enabled)
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Accepted. xla_fsdp finishes every backward's reduction within that backward, so there is
@@ -383,7 +383,7 @@ def _end_interrupted_calls(unit: "_FullyShardUnit") -> None:
 def _shard_in_place(module: nn.Module, options: Dict[str, Any], cast_forward_inputs: bool) -> nn.Module:
     unit = _FullyShardUnit(module, **options)
     for group in unit.gather_groups:
-        group.sync_after_optimizer_step = True
+        group.set_sync_after_optimizer_step(True)
     unit.cast_forward_inputs = cast_forward_inputs
     object.__setattr__(module, UNIT_ATTR, unit)  # a plain attribute: not a child, so not in the tree
     module.__class__ = _fsdp_class(type(module))

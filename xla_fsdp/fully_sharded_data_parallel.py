@@ -10,8 +10,8 @@ A unit owns the parameters of its module that no nested unit owns, split into
 The wrapper is a shell with torch_xla's names: its constructor plans the transport and strategy,
 resolves the settings (``unit/settings.py``), takes the module's parameters as gather groups
 (``unit/adoption.py``) and builds the unit's runtime (``unit/runtime.py``), which holds the groups,
-the step state and the root context. A step reads top to bottom in ``unit/step.py``, functions of
-that runtime (the root's first forward sets up in ``unit/root_setup.py``).
+its step state and the root context. A step's hooks are ``unit/step.py``'s, which call the runtime's
+step methods (the root's first forward sets up in ``unit/root_setup.py``).
 """
 from __future__ import annotations
 
@@ -137,7 +137,7 @@ class XlaFullyShardedDataParallel(ShardedUnit):
         self._module_view: Optional[nn.Module] = None
         self._channels = comms.allocate_channels(3)  # norms, control collectives, their replica sums
         self._runtime = UnitRuntime(module, comms, settings, adopted.groups, offload, self._module_call(),
-                                    adopted.rank_0_buffers, adopted.param_attrs, step.on_full_grad_ready)
+                                    adopted.rank_0_buffers, adopted.param_attrs)
         self._runtime.follow_requires_grad()
         if settings.sync_module_states and not comms.ranks_share_a_process:
             self._runtime.take_deferred_values()
@@ -245,10 +245,6 @@ class XlaFullyShardedDataParallel(ShardedUnit):
     def training_state(self) -> TrainingState:
         """Where the unit is in its step (torch_xla's attribute)."""
         return self._runtime.state.training_state
-
-    @training_state.setter
-    def training_state(self, state: TrainingState) -> None:
-        self._runtime.state.training_state = state
 
     def assert_state(self, state: Any) -> None:
         """Raise ValueError unless the unit is in ``state`` (one state or a list; this package's
@@ -391,12 +387,12 @@ class XlaFullyShardedDataParallel(ShardedUnit):
             raise RuntimeError("xla_fsdp: no_sync() must be called on the root unit")
         old = [(u, u.state.require_backward_grad_sync) for u in self._runtime.root.units]
         for unit, _ in old:
-            unit.state.require_backward_grad_sync = False
+            unit.set_requires_gradient_sync(False)
         try:
             yield
         finally:
             for unit, value in old:
-                unit.state.require_backward_grad_sync = value
+                unit.set_requires_gradient_sync(value)
 
     def set_gradient_divide_factors(self, pre: float, post: float, recursive: bool = True) -> None:
         """Divide gradients by ``pre`` before and ``post`` after the reduce-scatter; the product

@@ -100,8 +100,7 @@ def _build_groups(refs: List[Any], settings: UnitSettings, comms: Any, offload: 
                             pad_multiple=settings.shard_size_multiple, compute_dtype=settings.compute_dtype,
                             channel=channel + GatherGroup.CHANNELS * i, offload=offload,
                             storage_dtype=settings.param_storage_dtype, sync_from_rank_0=settings.sync_module_states,
-                            in_place=in_place)
-        group.flat_name = flat_name
+                            in_place=in_place, flat_name=flat_name)
         groups.append(group)
     return groups
 
@@ -109,7 +108,7 @@ def _build_groups(refs: List[Any], settings: UnitSettings, comms: Any, offload: 
 def build_group(refs: List[ParamRef], comms: Collectives, *, flat: bool, dim0: bool, pad_multiple: int,
                 compute_dtype: Optional[torch.dtype], channel: int, offload: Optional[HostOffload] = None,
                 storage_dtype: Optional[torch.dtype] = None, sync_from_rank_0: bool = False,
-                in_place: bool = False) -> GatherGroup:
+                in_place: bool = False, flat_name: Optional[str] = None) -> GatherGroup:
     """The gather group of ``refs``: this rank's block of their values as the shard, the originals
     taken out of the module (their data dropped: the shard is the only copy). ``storage_dtype`` and
     ``compute_dtype`` None: the parameters' own dtype (one per group, param_names.flat_parts)."""
@@ -162,7 +161,7 @@ def build_group(refs: List[ParamRef], comms: Collectives, *, flat: bool, dim0: b
         # the whole model in host memory (the object stays, marked, to catch sharing across units).
         ref.param.data = ref.param.data.new_empty(0)
     group = GatherGroup(refs, comms, layout, shard, initial, flat=flat, compute_dtype=compute_dtype, channel=channel,
-                        offload=offload, in_place=ShardParam if in_place else None)
+                        offload=offload, in_place=ShardParam if in_place else None, flat_name=flat_name)
     _torch_xla_attributes(group)
     return group
 

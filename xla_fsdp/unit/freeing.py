@@ -5,16 +5,14 @@ A unit's :class:`FreeingPolicy` is frozen and made here only: from the settings 
 :func:`effective`) and by the setters (:func:`with_after_forward` and the others), so what a unit shows
 is what it does. The unit's forward and backward ask the functions below what to do at each point of
 a step, and do what they answer; the hand-offs between units of one root (a unit freed when the next
-starts, the last one kept for backward, what a prefetch list gathered) are done here, on the root's
-context (``runtime.RootContext``).
+starts, the last one kept for backward, what a prefetch list gathered) are the root context's
+(``root_context.RootContext``), which asks the same rules.
 """
 from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Any, List, Optional
-
-import torch
+from typing import Any, Optional
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,7 +116,7 @@ def at_backward_end(policy: FreeingPolicy, reduces_gradients: bool) -> bool:
     return policy.after_backward and (reduces_gradients or policy.after_forward)
 
 
-# ---------------------------------------------------------------- hand-offs between a root's units
+# ---------------------------------------------------------------- outside a step, and between a root's units
 def after_write_back(group: Any) -> None:
     """The shard was written outside a step (``summon_full_params(writeback=True)``, the program's init
     after ``to_empty``): a full copy kept gathered (ZeRO-2, the root, ``after_backward=False``) holds the
@@ -133,60 +131,3 @@ def keeps_last_unit(compiles_step: bool) -> bool:
     one unit's full parameters more at the peak (ResNet-18 on 4 XLA:CPU devices: 87 MiB of buffers per
     device instead of 78)."""
     return not compiles_step
-
-
-def root_forward_starts(root: Any) -> None:
-    """A new forward of the root: a unit kept for a backward that never ran is freed now."""
-    root.prefetched = []
-    unit, root.kept_for_backward = root.kept_for_backward, None
-    if unit is not None:
-        unit.reshard()
-
-
-def unit_forward_starts(root: Any, unit: Any) -> None:
-    """``unit`` starts forward: the unit waiting to be freed when the next one starts is freed (not
-    ``unit`` itself, called again: it keeps what its first call gathered)."""
-    if root.free_when_next_starts is not unit:
-        _free_waiting(root)
-
-
-def free_when_next_starts(root: Any, unit: Any) -> None:
-    """``unit`` has ended forward (:attr:`AfterForward.FREE_WHEN_NEXT_STARTS`): free the one before it,
-    whose successor has now run, and let ``unit`` wait for its own."""
-    if root.free_when_next_starts is unit:  # the same unit ran twice in a row: it stays gathered
-        return
-    _free_waiting(root)
-    root.free_when_next_starts = unit
-
-
-def root_forward_ends(root: Any, units: List[Any], compiles_step: bool) -> None:
-    """The root's forward has returned (its schedule holds the order): the last unit kept or freed,
-    gathers started for units that did not run after all finished and freed, and units gathered by a
-    prefetch list freed as their policy says."""
-    if keeps_last_unit(compiles_step):
-        root.kept_for_backward, root.free_when_next_starts = root.free_when_next_starts, None
-    else:
-        _free_waiting(root)
-    grad_enabled = torch.is_grad_enabled()
-    for unit in units:
-        if unit.unshard_pending:
-            unit.finish_unshard()
-            if after_unused_gather(unit.freeing, grad_enabled):
-                unit.reshard()
-    prefetched, root.prefetched = root.prefetched, []
-    for unit in prefetched:  # gathered by a prefetch list after their forward, or without one
-        if unit is root.kept_for_backward or not any(g.is_unsharded() for g in unit.groups):
-            continue
-        unit.free_after_forward(after_listed_prefetch(unit.freeing, grad_enabled, root.schedule.ran_forward(unit)))
-
-
-def forward_abandoned(root: Any) -> None:
-    """The root's forward raised (every unit was freed): nothing waits or is kept."""
-    root.prefetched = []
-    root.free_when_next_starts = root.kept_for_backward = None
-
-
-def _free_waiting(root: Any) -> None:
-    unit, root.free_when_next_starts = root.free_when_next_starts, None
-    if unit is not None:
-        unit.reshard_for_backward()

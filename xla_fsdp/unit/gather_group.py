@@ -9,7 +9,7 @@ module sees ``full`` (or views of it) through plain attributes that replace its 
 The group is storage with states (``ShardedState``): it gathers and frees its data when its unit's
 runtime says so (``runtime.py``, which asks ``freeing.py``). Around it: ``adoption.build_group`` makes
 it (layout, shard, torch_xla's attributes); ``member_slots.py`` is how its members sit in the module;
-``runtime.py`` takes a gradient to the shard; ``gradients.py`` records which members a forward used.
+``group_comms.py`` takes a gradient to the shard; ``gradients.py`` records which members a forward used.
 After the class, this file holds the group's values as the program sees them (``summon_full_params``,
 deferred init, rank 0's values, fingerprints, in-place edits in forward), as functions of a group.
 """
@@ -75,10 +75,10 @@ class GatherGroup:
     def __init__(self, refs: List[ParamRef], comms: Collectives, layout: Union[FlatLayout, Dim0Layout],
                  shard: nn.Parameter, initial: InitialValues, *, flat: bool, compute_dtype: torch.dtype,
                  channel: int, offload: Optional[HostOffload] = None,
-                 in_place: Optional[Callable[["GatherGroup"], torch.Tensor]] = None):
+                 in_place: Optional[Callable[["GatherGroup"], torch.Tensor]] = None, flat_name: Optional[str] = None):
         """``shard`` is this rank's block, made (and the originals taken out of the module) by
         ``adoption.build_group``. ``in_place`` (fully_shard, not flat): what to register in the original's places
-        (``ShardParam``, made of the group)."""
+        (``ShardParam``, made of the group). ``flat_name``: a flattened group's name in the unit."""
         self.refs = refs
         self.comms = comms
         self.layout = layout
@@ -111,18 +111,18 @@ class GatherGroup:
         # The shard's version counter when ``full`` was last gathered from it: any in-place change
         # since (a load, an optimizer step) makes the full copy stale (see ``is_unsharded``).
         self._gathered_version = -1
-        #: a backward pass left some flattened member without gradient (set by ``_SplitFlat``)
+        #: a backward pass left some flattened member without gradient (``member_slots.SplitFlat``)
         self.grad_incomplete = False
         #: a reentrant checkpoint of the program's own uses a member in this step's forward: its
         #: gradient comes in a later backward pass than the root's (set by the gradient plan)
         self.gradient_in_later_pass = False
         #: FSDP2's int reshard_after_forward: cut at the end of forward, kept while SHARDED_POST_FORWARD
         self.post_forward_piece: Optional[PostForwardPiece] = None
-        self.flat_name: Optional[str] = None  # set by the unit for flattened groups
+        self.flat_name = flat_name
         #: flat groups: the gradient edges of what each member's places were given in a root's forward
         self.forward_edges = ForwardEdges()
         self._installed: Optional[List[torch.Tensor]] = None  # what the module sees now (flat)
-        self.warned_unused: Set[str] = set()  # members already reported as partly unused
+        self._warned_unused: Set[str] = set()  # members already reported as partly unused
         # per member, the gradient hooks the program registered on the original parameter
         hooks = [hooks_kept_from(ref) for ref in refs]
         self.members = FlatMembers(layout, comms, hooks) if flat else None
@@ -160,6 +160,30 @@ class GatherGroup:
             else:
                 self.reshard()
         return True
+
+    def set_sync_after_optimizer_step(self, enabled: bool) -> None:
+        """fully_shard's ``set_sync_after_optimizer_step``."""
+        self.sync_after_optimizer_step = bool(enabled)
+
+    # --- gradients ------------------------------------------------------------------------
+    def gradient_incomplete(self) -> None:
+        """A backward pass left some flattened member without gradient (its split's backward)."""
+        self.grad_incomplete = True
+
+    def gradient_taken(self) -> None:
+        """The full gradient was taken for reduction: what it lacked no longer waits."""
+        self.grad_incomplete = False
+
+    def expect_gradient_in_later_pass(self, later: bool) -> None:
+        """The gradient plan: a reentrant checkpoint of the program's own uses a member in this step's
+        forward, so the gradient comes in a later backward pass than the root's."""
+        self.gradient_in_later_pass = later
+
+    def first_unused_report(self, name: str) -> bool:
+        """Whether member ``name`` is reported partly unused for the first time (each is reported once)."""
+        first = name not in self._warned_unused
+        self._warned_unused.add(name)
+        return first
 
     # --- lifecycle ------------------------------------------------------------------------
     def unshard(self, backward: bool = False) -> None:

@@ -139,6 +139,24 @@ class GradientPlan:
         self.uniform = self._counts is None or all(c in (0, max(group_counts)) for c in group_counts)
         self._warn_partly_used_flat()
 
+    def holds_gradients(self) -> bool:
+        """Whether ranks used different groups this step, so gradients wait for the end of backward."""
+        self.resolve()
+        return not self.uniform
+
+    def hold(self, group: Any, grad: torch.Tensor) -> None:
+        """Keep ``group``'s full gradient for the end of backward (added up: a module recomputed
+        twice by a reentrant checkpoint gives two)."""
+        held = self.held
+        held[id(group)] = held[id(group)] + grad if id(group) in held else grad
+
+    def has_held(self, group: Any) -> bool:
+        return id(group) in self.held
+
+    def take_held(self, group: Any) -> Optional[torch.Tensor]:
+        """The gradient held for ``group`` (None if this rank has none), no longer held."""
+        return self.held.pop(id(group), None)
+
     def discard(self) -> None:
         """The forward had no backward: take part in the sum (every rank does), decide nothing."""
         if not self._resolved:
@@ -170,8 +188,7 @@ class GradientPlan:
             if not any(counts):
                 continue
             for ref, count in zip(group.refs, counts):
-                if count == 0 and ref.fqn not in group.warned_unused:
-                    group.warned_unused.add(ref.fqn)
+                if count == 0 and group.first_unused_report(ref.fqn):
                     warnings.warn(
                         f"xla_fsdp: parameter '{ref.fqn}' got no gradient in this step {where}, but it "
                         f"shares the flat shard '{group.flat_name}' with parameters that did. The optimizer "

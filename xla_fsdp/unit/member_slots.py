@@ -44,8 +44,9 @@ class SplitFlat(torch.autograd.Function):
     def backward(ctx, *grads: Optional[torch.Tensor]):
         # A member without gradient in this pass may get it in a later one (a reentrant checkpoint
         # inside the module recomputes it in a backward of its own): the unit then waits for the
-        # end of backward before reducing and freeing (see ``step.on_full_grad_ready``).
-        ctx.group.grad_incomplete = ctx.group.grad_incomplete or any(g is None for g in grads)
+        # end of backward before reducing and freeing (see ``UnitRuntime.post_backward``).
+        if any(g is None for g in grads):
+            ctx.group.gradient_incomplete()
         some = next((g for g in grads if g is not None), None)
         if some is None:
             return None, None, None, None

@@ -8,7 +8,8 @@ from typing import Any, List, Tuple
 import torch
 
 from . import freeing, gather_group
-from .runtime import RootContext, UnitRuntime
+from .root_context import RootContext
+from .runtime import UnitRuntime
 from .step import find_trainable_groups
 
 
@@ -26,15 +27,9 @@ def lazy_init(rt: UnitRuntime, named: List[Tuple[str, Any]]) -> None:
     units, itself first. They get the root's context and their effective freeing policy, once."""
     if rt.state.is_root is not None:
         return
-    rt.state.is_root = True
     root = RootContext(units=[u for _, u in named], prefixes=[p for p, _ in named])
     for unit in root.units:
-        if unit is not rt:
-            if unit.state.is_root:
-                raise RuntimeError("xla_fsdp: a nested unit already ran as a root; call the "
-                                   "outermost wrapper only")
-            unit.state.is_root = False
-        unit.root = root
+        unit.join_root(root, unit is rt)
     for unit in root.units:
         if getattr(unit.module, "_xla_fsdp_checkpointed", False):
             unit.find_shared_groups(root.units)

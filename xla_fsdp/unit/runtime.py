@@ -1,16 +1,15 @@
-"""One unit's parameters through a step: :class:`UnitRuntime` (FSDP2's ``FSDPParamGroup`` with its
-``FSDPState``, in xla_fsdp's words).
+"""One unit's parameters through a step: :class:`UnitRuntime`, FSDP2's ``FSDPParamGroup`` in xla_fsdp's
+words, and the only writer of the unit's step state (:class:`StepState`).
 
 A unit's wrapper (``XlaFullyShardedDataParallel``, or the module ``fully_shard`` converted) is a shell:
 it holds one runtime, built with what it needs (module, collectives, settings, gather groups), and
-hands forward and its methods to it. This file holds, in order: where a unit is in its step
-(``TrainingState``, ``Schedule``: the order a root's units ran forward, ``StepState``, ``RootContext``:
-what the units under one root share); the runtime, which owns the gather groups (storage: see
-``gather_group.py``) and does the steps on them: unshard (and prefetch), free after forward, free after
-backward; then the collectives of several groups at once (small groups share one all-gather and one
-reduce-scatter on transports that coalesce) and a gradient's way to the shard (padded, divided,
-accumulated). What to free when is asked of ``freeing.py``; the hooks that move a unit through its
-states are ``step.py``'s, functions of a runtime.
+hands forward and its methods to it. The hooks (``step.py``, FSDP2's ``FSDPState``) call the
+runtime's step methods, in order: :meth:`~UnitRuntime.pre_forward`, :meth:`~UnitRuntime.post_forward`,
+:meth:`~UnitRuntime.pre_backward`, :meth:`~UnitRuntime.post_backward` (a group's gradient is ready),
+:meth:`~UnitRuntime.finalize_backward`; each gathers (:meth:`~UnitRuntime.unshard`) or frees
+(:meth:`~UnitRuntime.reshard`) the unit's gather groups (storage: ``gather_group.py``) as its freeing
+policy says (``freeing.py``), and moves the unit's state. What the units of one root share is the
+root's context (``root_context.py``); the collectives are ``group_comms.py``'s.
 """
 from __future__ import annotations
 
@@ -24,17 +23,12 @@ import torch
 import torch.nn as nn
 
 from . import construction, freeing, gather_group
-from ..sharding import flatten_and_pad, pad_dim0
 from .gather_group import GatherGroup
-from .gradients import GradientPlan, as_shard_grad, run_post_accumulate_hooks, run_shard_hooks, tensors_in
+from .group_comms import accumulate_shard_grad, grad_to_reduce, shard_grad_of, start_groups_reduce, start_groups_unshard
+from .gradients import GradientPlan, tensors_in
 from .offload import HostOffload
-from .options import SOLO_NUMEL
+from .root_context import RootContext
 from .settings import UnitSettings
-
-
-# ====================================================================== where a unit is in its step
-# FSDP2 keeps the same apart from its module, in ``FSDPState`` and its root's state context: one
-# ``StepState`` per unit, one ``RootContext`` per root; nothing here outlives a step's logic.
 
 
 class TrainingState(enum.Enum):
@@ -47,45 +41,9 @@ class TrainingState(enum.Enum):
     BACKWARD_POST = "backward_post"
 
 
-class Schedule:
-    """The order in which the units under one root ran forward, for prefetching. Backward runs
-    them in reverse, so a unit prefetches its forward successor in forward and its predecessor in
-    backward. Every rank records the same order, so their collectives still pair up. (What is freed
-    when is ``freeing.py``'s; the rest of a step's state is the root's ``RootContext``.)"""
-
-    def __init__(self) -> None:
-        self.recording: List["UnitRuntime"] = []
-        self._position: Dict[int, int] = {}
-        self._order: List["UnitRuntime"] = []
-
-    def start(self) -> None:
-        """The root's forward begins: record anew."""
-        self.recording = []
-
-    def record(self, unit: "UnitRuntime") -> None:
-        self.recording.append(unit)
-
-    def end_forward(self) -> None:
-        """The root's forward has returned: what was recorded becomes the order."""
-        self._order, self.recording = self.recording, []
-        self._position = {}
-        for index, unit in enumerate(self._order):
-            self._position.setdefault(id(unit), index)
-
-    def ran_forward(self, unit: "UnitRuntime") -> bool:
-        """Whether ``unit`` ran in the last forward."""
-        return id(unit) in self._position
-
-    def neighbour(self, unit: "UnitRuntime", step: int) -> Optional["UnitRuntime"]:
-        index = self._position.get(id(unit))
-        if index is None or not 0 <= index + step < len(self._order):
-            return None
-        return self._order[index + step]
-
-
 @dataclass(eq=False)
 class StepState:
-    """One unit's per-step state."""
+    """One unit's per-step state, written by its :class:`UnitRuntime`'s methods only."""
 
     #: IDLE / FORWARD / BACKWARD_PRE / BACKWARD_POST (``unit.training_state``, torch_xla's name)
     training_state: TrainingState = TrainingState.IDLE
@@ -104,32 +62,12 @@ class StepState:
         return self.training_state in (TrainingState.BACKWARD_PRE, TrainingState.BACKWARD_POST)
 
 
-@dataclass(eq=False)
-class RootContext:
-    """What the units under one root share: made by the root at its first forward and handed to
-    every unit under it (one object, not copies kept in step)."""
-
-    #: the root's units (runtimes), itself first, in module order
-    units: List[Any] = field(default_factory=list)
-    #: each unit's original-name prefix ("" for the root), for messages that name a parameter
-    prefixes: List[str] = field(default_factory=list)
-    #: reduce-scatters started but not yet waited for, finished in the order they started on every rank
-    reduces_in_flight: List[ReduceInFlight] = field(default_factory=list)
-    #: the order the root's units ran forward, which prefetching follows
-    schedule: Schedule = field(default_factory=Schedule)
-    #: the unit freed when the next one starts forward, and the one that ended forward last, kept
-    #: gathered for backward (``freeing.py`` hands them on)
-    free_when_next_starts: Optional[Any] = None
-    kept_for_backward: Optional[Any] = None
-    #: units gathered this forward by another's FSDP2 prefetch list (freed at its end if unused)
-    prefetched: List[Any] = field(default_factory=list)
-    #: which groups get gradients in this step, agreed by the ranks (``gradients.GradientPlan``)
-    plan: Optional[GradientPlan] = None
-    #: the autograd graph task of the root's backward (a nested one is a reentrant checkpoint's)
-    backward_task: Optional[int] = None
-    #: the root's gather groups that train, and whether each forward plans which get gradients
-    trainable_groups: List[GatherGroup] = field(default_factory=list)
-    plans_gradients: bool = False
+def recomputes_in_a_backward_of_its_own(module: torch.nn.Module, device: torch.device) -> bool:
+    """Whether ``checkpoint_module`` made ``module`` recompute in a nested backward pass: torch_xla's
+    checkpoint (XLA devices) is reentrant; PyTorch's non-reentrant one (eager devices) recomputes
+    inside the pass that needs the activations. A nested pass on eager devices is the program's own
+    reentrant checkpoint, which a later pass may follow."""
+    return bool(getattr(module, "_xla_fsdp_checkpointed", False)) and device.type == "xla"
 
 
 # ====================================================================================== the runtime
@@ -142,8 +80,7 @@ class UnitRuntime:
 
     def __init__(self, module: nn.Module, comms: Any, settings: UnitSettings, groups: List[GatherGroup],
                  offload: Optional[HostOffload], run_module: Callable[..., Any],
-                 rank_0_buffers: List[Rank0Buffer], param_attrs: Dict[nn.Module, Tuple[str, ...]],
-                 on_grad_ready: Callable[["UnitRuntime", GatherGroup, torch.Tensor], None]) -> None:
+                 rank_0_buffers: List[Rank0Buffer], param_attrs: Dict[nn.Module, Tuple[str, ...]]) -> None:
         #: the wrapped module (its call, ``run_module``, is the unit's forward with parameters gathered)
         self.module = module
         self.comms = comms
@@ -168,8 +105,6 @@ class UnitRuntime:
         self._rank_0_buffers = rank_0_buffers
         #: the parameter attributes each module the unit owns held at wrapping (a later one is no unit's)
         self.param_attrs = param_attrs
-        #: the step's post-accumulate-grad hook on a training group's full parameter (``step.on_full_grad_ready``)
-        self._on_grad_ready = on_grad_ready
         self._watched: Set[int] = set()  # ids of groups whose full parameter has the gradient hook
         self._module_ids: Optional[Set[int]] = None
 
@@ -185,10 +120,6 @@ class UnitRuntime:
     def training_state(self) -> TrainingState:
         return self.state.training_state
 
-    @training_state.setter
-    def training_state(self, state: TrainingState) -> None:
-        self.state.training_state = state
-
     def assert_state(self, *states: Any) -> None:
         """Raise ValueError unless the unit is in one of ``states`` (this package's ``TrainingState`` or
         torch_xla's, compared by name), as torch_xla's method does: the one check, for the step and the
@@ -196,6 +127,160 @@ class UnitRuntime:
         names = [getattr(s, "name", s) for s in states]
         if self.state.training_state.name not in names:
             raise ValueError(f"xla_fsdp: unit in state {self.state.training_state.name}, expected one of {names}")
+
+    def join_root(self, root: RootContext, is_root: bool) -> None:
+        """The root's first forward hands this unit the root's context (``root_setup.lazy_init``)."""
+        if not is_root and self.state.is_root:
+            raise RuntimeError("xla_fsdp: a nested unit already ran as a root; call the outermost wrapper only")
+        self.state.is_root = is_root
+        self.root = root
+
+    def set_requires_gradient_sync(self, value: bool) -> None:
+        """False (``no_sync``, FSDP2's ``set_requires_gradient_sync(False)``): gradients accumulate unreduced."""
+        self.state.require_backward_grad_sync = bool(value)
+
+    # ------------------------------------------------------------------ the step, in order
+    def pre_forward(self, listed: List["UnitRuntime"]) -> None:
+        """The unit's forward begins (not a checkpoint's recompute): gathered, its forward successor's
+        gather started behind its own, and the ``listed`` prefetch gathered."""
+        self.state.training_state = TrainingState.FORWARD
+        self.root.unit_forward_starts(self)
+        self.unshard(prefetch=self.prefetch_target(+1))
+        self.gather_listed(listed, backward=False)
+
+    def post_forward(self, outputs: Any) -> None:
+        """The unit's forward has returned: the full parameters freed or kept, as the policy says."""
+        grad_enabled = torch.is_grad_enabled()
+        if freeing.cuts_pieces(self.freeing, grad_enabled):
+            self.cut_pieces(outputs)
+        self.free_after_forward(freeing.after_forward(self.freeing, grad_enabled, self.state.is_root))
+        self.state.training_state = TrainingState.IDLE
+
+    def abandon_forward(self) -> None:
+        """The module raised during forward (or a refusal before it): this unit (the root: every
+        unit) idle and resharded, so the next forward starts clean instead of failing on a unit stuck
+        in forward."""
+        for unit in self.root.units if self.state.is_root else [self]:
+            unit.finish_unshard()
+            unit.reshard()
+            unit.state.training_state = TrainingState.IDLE
+        if self.state.is_root:
+            self.root.forward_abandoned()
+
+    def pre_backward(self, grad: torch.Tensor) -> None:
+        """The first gradient of the unit's outputs arrived: gather again (the forward predecessor's
+        gather started behind it), and the listed prefetch."""
+        self.state.training_state = TrainingState.BACKWARD_PRE
+        listed = self.listed_prefetch(backward=True)
+        if self.settings.optimization_barrier_in_backward:
+            # Make the re-gather depend on the incoming gradient, so XLA does not hoist every
+            # unit's gather to the start of backward.
+            self.comms.optimization_barrier(self.barrier_sources(listed) + [grad])
+        previous = self.prefetch_target(-1)
+        if previous is not None and previous.state.backward_began:
+            previous = None  # its backward already ran (the root's, first): nothing left to gather for
+        self.unshard(backward=True, prefetch=previous, refill_saved=True)
+        self.gather_listed(listed, backward=True)
+
+    @torch.no_grad()
+    def post_backward(self, group: GatherGroup, full: torch.Tensor, final: bool = False) -> None:
+        """All gradient for ``group`` has been accumulated into ``full.grad`` (its post-accumulate-grad
+        hook): reduce-scatter it. ``final``: the end of backward, where nothing more can arrive."""
+        if self.state.training_state is TrainingState.BACKWARD_PRE:
+            # (a unit without a pre-backward, inside the program's reentrant checkpoint, stays IDLE)
+            self.state.training_state = TrainingState.BACKWARD_POST
+        grad = full.grad
+        if grad is None:
+            return
+        if not self.state.require_backward_grad_sync:
+            return  # no_sync: keep accumulating the full gradient
+        if not final and (self._more_gradient_may_come() or self._rest_may_come_in_a_later_pass(group)
+                          or group.gradient_in_later_pass):
+            return  # stays in full.grad: the outer backward, or the end of backward, reduces it
+        group.gradient_taken()
+        full.grad = None
+        s = self.settings
+        if self.comms.world_size == 1 and self.comms.num_replicas == 1:
+            # Nothing to reduce (one rank): straight into the shard gradient, no bookkeeping.
+            padded = grad_to_reduce(group, grad, s.gradient_predivide_factor, s.fp32_reduce_scatter)
+            accumulate_shard_grad(group, shard_grad_of(group, padded, s.gradient_postdivide_factor))
+            self.reshard_after_gradient(group)
+            return
+        plan = self.root.plan
+        if plan is not None and plan.holds_gradients():
+            plan.hold(group, grad)
+            self.reshard_after_gradient(group)
+            return
+        if s.optimization_barrier_in_backward:
+            self.comms.optimization_barrier([grad])
+        self.state.pending_grads.append((group, grad))
+        # Coalescing transports wait for the unit's other gradients and reduce them all in one collective.
+        if not self.comms.coalesces or len(self.state.pending_grads) == self.num_grad_groups:
+            self.reduce_pending()
+
+    def _more_gradient_may_come(self) -> bool:
+        """This gradient arrived in a nested backward (a reentrant checkpoint running the backward
+        of what it recomputed) that is not this unit's own recompute: the group is shared with a
+        checkpointed unit (a tied weight its parent owns), or the program's own reentrant checkpoint
+        ran inside the module (another call of it, or the outer backward, may still add to it).
+        Reducing now would free ``full`` under that second gradient."""
+        task = self.root.backward_task
+        return (task is not None and torch._C._current_graph_task_id() != task
+                and not recomputes_in_a_backward_of_its_own(self.module, self.comms.device))
+
+    def _rest_may_come_in_a_later_pass(self, group: GatherGroup) -> bool:
+        """A nested backward (a checkpoint's recompute) left some of ``group``'s flattened members
+        without gradient: a reentrant checkpoint inside the module may still compute theirs in a pass of
+        its own. Only in nested passes, which run alike on every rank; in the root's pass a member
+        without gradient is one this rank's forward did not use, and its group reduces now, in the
+        same order as on the ranks that used it."""
+        return group.grad_incomplete and torch._C._current_graph_task_id() != self.root.backward_task
+
+    def reduce_pending(self) -> None:
+        """Start the reduce-scatter of the gradients waiting for their unit (all of them, or at the
+        end of backward those of parameters that got gradients while others of the unit did not),
+        free their full parameters, and finish the reduce-scatter started before it: one stays on
+        the wire while the next unit's backward computes."""
+        if not self.state.pending_grads:
+            return
+        groups, grads = zip(*self.state.pending_grads)
+        self.state.pending_grads = []
+        started = self._start_reduce(list(groups), list(grads))
+        for group in groups:
+            self.reshard_after_gradient(group)
+        self.root.finish_reduces()
+        self.root.reduces_started(started)
+
+    def reduce_left_in_full(self) -> None:
+        """The end of the root's backward: gradients nested backward passes left in ``full.grad``."""
+        if self.state.require_backward_grad_sync:
+            for group in self.groups:
+                if group.requires_grad and group.full.grad is not None:
+                    self.post_backward(group, group.full, final=True)
+
+    def reduce_agreed(self, groups: List[GatherGroup], plan: GradientPlan) -> None:
+        """Ranks used different groups: reduce ``groups`` (those of this unit some rank has a gradient
+        for), with the gradients ``plan`` held and zeros where this rank has none."""
+        if not groups:
+            return
+        grads = [plan.take_held(g) for g in groups]
+        grads = [gr if gr is not None else torch.zeros(g.full_shape, dtype=g.compute_dtype, device=self.comms.device)
+                 for g, gr in zip(groups, grads)]
+        started = self._start_reduce(groups, grads)
+        self.root.finish_reduces()
+        self.root.reduces_started(started)
+
+    def _start_reduce(self, groups: List[GatherGroup], grads: List[torch.Tensor]) -> List[Any]:
+        s = self.settings
+        return start_groups_reduce(groups, grads, s.gradient_predivide_factor, s.gradient_postdivide_factor,
+                                   s.fp32_reduce_scatter, s.solo_collective_numel)
+
+    def finalize_backward(self) -> None:
+        """The root's backward has ended (its reductions finished): free what the policy frees, idle."""
+        self.finish_unshard()  # a prefetch for a unit that did not run backward
+        if freeing.at_backward_end(self.freeing, self.state.require_backward_grad_sync):
+            self.reshard()
+        self.state.training_state = TrainingState.IDLE
 
     # ------------------------------------------------------------------ unshard
     def unshard(self, backward: bool = False, prefetch: Optional["UnitRuntime"] = None,
@@ -249,7 +334,7 @@ class UnitRuntime:
             unit.start_unshard(backward, refill_saved=backward)
             unit.finish_unshard()
             if not backward:
-                self.root.prefetched.append(unit)
+                self.root.gathered_by_prefetch(unit)
 
     def prefetch_target(self, step: int) -> Optional["UnitRuntime"]:
         """The unit that ran ``step`` places after this one in the last forward (if prefetching)."""
@@ -281,7 +366,7 @@ class UnitRuntime:
         elif action is freeing.AfterForward.FREE_FOR_BACKWARD:
             self.reshard_for_backward()
         elif action is freeing.AfterForward.FREE_WHEN_NEXT_STARTS:
-            freeing.free_when_next_starts(self.root, self)
+            self.root.free_when_next_starts(self)
 
     def reshard_for_backward(self) -> None:
         """Free the full parameters after forward, keeping each one's piece within the policy's
@@ -310,7 +395,7 @@ class UnitRuntime:
         for group in self.groups:
             changed |= group.follow_requires_grad()
             if group.requires_grad and id(group) not in self._watched:
-                group.full.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, self, group))
+                group.full.register_post_accumulate_grad_hook(functools.partial(self.post_backward, group))
                 self._watched.add(id(group))
         self.num_grad_groups = sum(g.requires_grad for g in self.groups)
         return changed
@@ -366,173 +451,3 @@ class UnitRuntime:
                     m._buffers[name] = construction.empty_on(b, self.comms.device)
 
 
-# ================================================================= several groups in one collective
-# Starting a unit's collectives over several gather groups at once: small groups share one
-# all-gather and one reduce-scatter on transports that coalesce (fewer, larger messages); large ones get
-# their own. What is started here is finished by the returned function (gathers) or
-# :class:`ReduceInFlight` (reduce-scatters).
-
-
-def split_for_coalescing(groups: List[GatherGroup], solo_numel: int = SOLO_NUMEL
-                         ) -> Tuple[List[GatherGroup], List[GatherGroup]]:
-    """(groups with collectives of their own, groups sharing one): only on coalescing transports
-    and only groups under ``solo_numel`` elements share, since sharing copies the data once more."""
-    if len(groups) == 1 or not groups[0].comms.coalesces:
-        return list(groups), []
-    shared = [g for g in groups if g.layout.padded_numel < solo_numel]
-    if len(shared) < 2:
-        return list(groups), []
-    return [g for g in groups if g.layout.padded_numel >= solo_numel], shared
-
-
-def start_groups_unshard(groups: List[GatherGroup], backward: bool = False, refill_saved: bool = False,
-                  solo_numel: int = SOLO_NUMEL) -> Callable[[], None]:
-    """Begin all-gathering a unit's groups; the returned function waits and installs them.
-
-    Small groups on transports that coalesce share one collective: their shards are concatenated
-    (cast to the compute dtype), gathered as ``(world_size, total)`` and each group's columns
-    copied into its full parameter in rank order. The others gather straight into their own."""
-    solo, shared = split_for_coalescing(groups, solo_numel)
-    finishes = [g.start_unshard(backward, refill_saved) for g in solo]
-    if shared:
-        finishes.append(_start_shared_unshard(shared, backward, refill_saved))
-
-    def finish_each() -> None:
-        for finish in finishes:
-            finish()
-    return finish_each
-
-
-def _start_shared_unshard(groups: List[GatherGroup], backward: bool, refill_saved: bool) -> Callable[[], None]:
-    comms = groups[0].comms
-    shards = [g.gather_source().detach().reshape(-1).to(g.compute_dtype) for g in groups]
-    channel = groups[0].channel_backward if backward else groups[0].channel_forward
-    versions = [g.shard._version for g in groups]
-    wait = comms.start_all_gather(torch.cat(shards), channel)
-
-    def finish() -> None:
-        gathered = wait().view(comms.world_size, -1)
-        offset = 0
-        for group, shard, version in zip(groups, shards, versions):
-            n = shard.numel()
-            comms.fill_full(group.full, gathered[:, offset:offset + n], group.padded_shape, group._unpad)
-            offset += n
-            group.mark_unsharded(version)
-            group.install(refill_saved)
-    return finish
-
-
-class ReduceInFlight:
-    """A started reduce-scatter of one or more groups' gradients. :meth:`finish` waits for it,
-    sums over replicas, divides and accumulates every group's block into its shard gradient."""
-
-    def __init__(self, groups: List[GatherGroup], widths: List[int], wait: Callable[[], torch.Tensor],
-                 post_divide: float):
-        self.groups, self.widths, self.wait, self.post_divide = groups, widths, wait, post_divide
-
-    def finish(self) -> None:
-        group0 = self.groups[0]
-        reduced = group0.comms.all_reduce_replicas(self.wait(), group0.channel_replicas)
-        if len(self.groups) == 1:
-            accumulate_shard_grad(group0, shard_grad_of(group0, reduced, self.post_divide))
-            return
-        reduced = reduced.reshape(-1)
-        offset = 0
-        for group, n in zip(self.groups, self.widths):
-            accumulate_shard_grad(group, shard_grad_of(group, reduced[offset:offset + n], self.post_divide))
-            offset += n
-
-
-def start_groups_reduce(groups: List[GatherGroup], grads: List[torch.Tensor], pre_divide: float,
-                 post_divide: float, fp32_reduce_scatter: bool,
-                 solo_numel: int = SOLO_NUMEL) -> List[ReduceInFlight]:
-    """Start the reduce-scatters of a unit's full gradients: one per large group, one for the small
-    groups together (see :func:`split_for_coalescing`)."""
-    solo, shared = split_for_coalescing(groups, solo_numel)
-    grad_of = dict(zip(map(id, groups), grads))
-    started = [_start_reduce([g], [grad_of[id(g)]], pre_divide, post_divide, fp32_reduce_scatter) for g in solo]
-    if shared:
-        started.append(_start_reduce(shared, [grad_of[id(g)] for g in shared], pre_divide, post_divide,
-                                     fp32_reduce_scatter))
-    return started
-
-
-def _start_reduce(groups: List[GatherGroup], grads: List[torch.Tensor], pre_divide: float,
-                  post_divide: float, fp32_reduce_scatter: bool) -> ReduceInFlight:
-    """One reduce-scatter for the full gradients of ``groups`` (several groups' padded gradients
-    side by side, as ``(world_size, total)`` columns, so each rank's block holds its block of every
-    group)."""
-    comms = groups[0].comms
-    padded = [grad_to_reduce(g, grad, pre_divide, fp32_reduce_scatter) for g, grad in zip(groups, grads)]
-    if len(groups) == 1:
-        return ReduceInFlight(groups, [padded[0].numel() // comms.world_size],
-                              comms.start_reduce_scatter(padded[0], groups[0].channel_reduce), post_divide)
-    blocks = [p.reshape(comms.world_size, -1) for p in padded]
-    dtype = torch.float32 if any(b.dtype == torch.float32 for b in blocks) else blocks[0].dtype
-    joined = torch.cat([b.to(dtype) for b in blocks], dim=1).reshape(-1)
-    return ReduceInFlight(groups, [b.shape[1] for b in blocks],
-                          comms.start_reduce_scatter(joined, groups[0].channel_reduce), post_divide)
-
-
-# =============================================================== a gradient on its way to the shard
-# A gather group's gradient on its way to the shard: the full gradient padded to the group's layout
-# and pre-divided, this rank's reduced block divided again and cast to the shard's dtype, then added to
-# the shard's ``.grad`` (through the program's hooks, and to the host with offload). The reduction
-# itself is ``backward.py``'s (one group) or ``coalesce.py``'s (several groups in one collective).
-
-
-def grad_to_reduce(group: GatherGroup, grad: torch.Tensor, pre_divide: float,
-                   fp32_reduce_scatter: bool) -> torch.Tensor:
-    """The padded, pre-divided full gradient, ready to reduce-scatter."""
-    padded = _pad(group, grad)  # the unit owns this gradient now: divide in place
-    if pre_divide != 1:
-        padded.div_(pre_divide)
-    if fp32_reduce_scatter and padded.dtype != torch.float32:
-        padded = padded.to(torch.float32)
-    return padded
-
-
-def shard_grad_of(group: GatherGroup, reduced: torch.Tensor, post_divide: float) -> torch.Tensor:
-    """This rank's reduced block as a shard gradient (divided in fp32, then in the shard's dtype)."""
-    if reduced.dtype != torch.float32:
-        reduced = reduced.to(torch.float32)
-    if post_divide != 1:
-        reduced.div_(post_divide)
-    if reduced.dtype != group.shard.dtype:  # param_storage_dtype=bfloat16
-        reduced = reduced.to(group.shard.dtype)
-    if reduced.shape == group.shard.shape:
-        return reduced  # not a view: on XLA a live view and its live base are two graph outputs
-    return reduced.view(group.shard.shape)
-
-
-def accumulate_shard_grad(group: GatherGroup, reduced: torch.Tensor) -> None:
-    """Add this rank's block to the shard's ``.grad`` (as the program's hooks change it)."""
-    shard = group.shard
-    reduced = run_shard_hooks(shard, reduced)
-    of_shard = lambda grad: as_shard_grad(grad, group.comms, group.channel_grad_norm)
-    if group.offload is not None:  # to the host (at the end of backward on XLA)
-        group.offload.add_grad(shard, reduced, of_shard)
-        return
-    if shard.grad is None:
-        shard.grad = of_shard(reduced)
-    else:
-        shard.grad += reduced
-        of_shard(shard.grad)  # (left plain by an optimizer step that raised: see optimizer_check)
-    run_post_accumulate_hooks(shard)
-
-
-def _pad(group: GatherGroup, grad: torch.Tensor) -> torch.Tensor:
-    layout = group.layout
-    if layout.padding == 0:  # nothing to pad (one rank, or sizes that divide evenly)
-        if tuple(grad.shape) == tuple(group.padded_shape):
-            return grad
-        padded = grad.reshape(group.padded_shape)
-        # Eager: a view, no copy. Lazy (XLA): at one rank the shard gradient would be that view, and a live
-        # view keeps its base live, so both would be outputs of the step graph (one more
-        # full-size write per parameter); a lazy clone costs nothing, and the base is dropped.
-        return padded if group.comms.views_see_refills else padded.clone()
-    if group.dim0:
-        return pad_dim0(grad, layout)
-    if group.flat:
-        return grad
-    return flatten_and_pad([grad], layout)
