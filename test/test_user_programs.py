@@ -224,6 +224,80 @@ def test_xla_device_threads_that_built_different_models_stop_or_sync():
             assert torch.equal(result["before"][name], value), name
 
 
+def _optimizer_as_its_step_sees_it(rank: Any, api: str) -> Dict[str, Any]:
+    """Two AdamW steps over a wrapped model (the wrapper at world size > 1 on gloo, where its shard gradients are
+    ShardGrads; fully_shard on XLA, whose parameters are ShardParams), looking at the optimizer from inside its
+    step, at its first in-place update (past its pre-hooks): what the program put in ``param_groups``, the type of each
+    gradient it gave, and the keys of ``optimizer.state``."""
+    from torch.overrides import TorchFunctionMode
+
+    import xla_fsdp
+    with BUILD_LOCK:
+        torch.manual_seed(0)
+        net = Net()
+    if api == "wrapper":
+        model = FSDP(net)
+    else:
+        model = net.to(rank.device)
+        xla_fsdp.fully_shard(model.fc1)
+        xla_fsdp.fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    lists = [g["params"] for g in opt.param_groups]
+    given = [list(params) for params in lists]
+    seen: List[Dict[str, Any]] = []
+
+    class Look(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            name = getattr(func, "__name__", "")
+            updates = name.startswith("_foreach_") or name.endswith("_") and not name.startswith("__")
+            if updates and len(seen) < len(types_before):  # (the step's first in-place update: its own math)
+                seen.append({
+                    "same lists": [g["params"] is lst for g, lst in zip(opt.param_groups, lists)],
+                    "same params": [len(g["params"]) == len(ps) and all(a is b for a, b in zip(g["params"], ps))
+                                    for g, ps in zip(opt.param_groups, given)],
+                    "grad types": sorted({type(p.grad).__name__ for ps in given for p in ps if p.grad is not None}),
+                    "state keyed by the given": all(any(k is p for ps in given for p in ps) for k in opt.state)})
+            return func(*args, **(kwargs or {}))
+
+    x = (torch.randn(4, 6, generator=torch.Generator().manual_seed(rank.rank))).to(rank.device)
+    types_before = []
+    for _ in range(2):
+        opt.zero_grad()
+        model(x).sum().backward()
+        types_before.append(sorted({type(p.grad).__name__ for ps in given for p in ps if p.grad is not None}))
+        with Look():
+            opt.step()
+        rank.sync()
+    return {"seen": seen, "types before": types_before}
+
+
+def _check_the_optimizer_untouched(results: List[Dict[str, Any]], grad_type: str) -> None:
+    for result in results:
+        assert len(result["seen"]) == 2, result
+        for before, inside in zip(result["types before"], result["seen"]):
+            assert inside["same lists"] and all(inside["same lists"]) and all(inside["same params"]), inside
+            assert inside["grad types"] == before == [grad_type], (before, inside)
+            assert inside["state keyed by the given"], inside
+
+
+def test_the_optimizer_steps_what_the_program_gave_it():
+    """The package leaves the program's optimizer as the program built it, also inside its step: the
+    ``param_groups`` lists and their parameters are the program's own objects, each gradient keeps its type
+    (a ShardGrad, whose norms span the ranks), and ``optimizer.state`` is keyed by the parameters given.
+    Before, an optimizer pre-hook swapped the gradients' class for the step, to save host time."""
+    _check_the_optimizer_untouched(on_gloo(_optimizer_as_its_step_sees_it, 2, "wrapper", weights_only=False),
+                                   "ShardGrad")
+
+
+@pytest.mark.xla
+def test_the_optimizer_steps_fully_shards_parameters_as_the_program_gave_them():
+    """The same for fully_shard on 2 XLA:CPU devices, whose parameters are ShardParams (FSDP2's DTensors):
+    before, the pre-hook also put each one's shard in the program's ``param_groups`` lists and re-keyed
+    ``optimizer.state`` by the shards for the step."""
+    from ranks import on_xla
+    _check_the_optimizer_untouched(on_xla(_optimizer_as_its_step_sees_it, 2, "fully_shard"), "ShardGrad")
+
+
 def test_an_optimizer_that_needs_whole_parameters_is_warned_at_its_first_step(gloo):
     """Adafactor factors a matrix's second moments by rows and columns: on 1-D shards it cannot."""
     torch.manual_seed(0)
@@ -888,40 +962,28 @@ def test_state_dict_api_options_are_pytorchs_or_refused_and_clip_groups_too():
 
 
 def _grad_types_around_steps(rank: int, world_size: int) -> Dict[str, Any]:
-    """Per optimizer: the Python calls shard gradients made during ``step()``, their type after it, and
-    the norm ``torch.nn.utils.clip_grad_norm_`` takes after it and inside a pre-hook of the optimizer's own
-    (the first step, beside the unsharded model's norm for the same batch: every rank draws the same)."""
-    from xla_fsdp.unit.gradients import ShardGrad
+    """Per optimizer: the type of the shard gradients after ``step()``, and the norm
+    ``torch.nn.utils.clip_grad_norm_`` takes after it and inside a pre-hook of the optimizer's own (the first
+    step, beside the unsharded model's norm for the same batch: every rank draws the same)."""
     torch.manual_seed(0)
     reference = nn.Sequential(nn.Linear(6, 8), nn.Linear(8, 3))
     torch.manual_seed(0)
     model = FSDP(nn.Sequential(nn.Linear(6, 8), nn.Linear(8, 3)))
     x = torch.randn(4, 6)
     reference(x).sum().backward()
-    calls: List[Any] = []
-    original = ShardGrad.__torch_function__.__func__
-
-    def counted(cls, func, types, args=(), kwargs=None):
-        calls.append(func)
-        return original(cls, func, types, args, kwargs)
     out: Dict[str, Any] = {"unsharded_norm": float(torch.nn.utils.clip_grad_norm_(reference.parameters(), 1e9))}
-    ShardGrad.__torch_function__ = classmethod(counted)
-    try:
-        for name, make in (("pre_hook", torch.optim.AdamW), ("AdamW", torch.optim.AdamW),
-                           ("subclass", type("MyAdamW", (torch.optim.AdamW,), {}))):
-            opt = make(model.parameters(), lr=1e-3)
-            in_hook: List[float] = []
-            if name == "pre_hook":  # a clip in a hook of its own: it must see gradients whose norms span the ranks
-                opt.register_step_pre_hook(functools.partial(_clip_into, model, in_hook))
-            model(x).sum().backward()
-            calls.clear()
-            opt.step()
-            out[name] = {"calls": len(calls), "types": sorted({type(p.grad).__name__ for p in model.parameters()}),
-                         "norm_after": float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)),
-                         "norm_in_hook": in_hook}
-            opt.zero_grad()
-    finally:
-        ShardGrad.__torch_function__ = classmethod(original)
+    for name, make in (("pre_hook", torch.optim.AdamW), ("AdamW", torch.optim.AdamW),
+                       ("subclass", type("MyAdamW", (torch.optim.AdamW,), {}))):
+        opt = make(model.parameters(), lr=1e-3)
+        in_hook: List[float] = []
+        if name == "pre_hook":  # a clip in a hook of its own: it must see gradients whose norms span the ranks
+            opt.register_step_pre_hook(functools.partial(_clip_into, model, in_hook))
+        model(x).sum().backward()
+        opt.step()
+        out[name] = {"types": sorted({type(p.grad).__name__ for p in model.parameters()}),
+                     "norm_after": float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)),
+                     "norm_in_hook": in_hook}
+        opt.zero_grad()
     return out
 
 
@@ -929,15 +991,13 @@ def _clip_into(model: nn.Module, norms: List[float], *_: Any) -> None:
     norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)))
 
 
-def test_an_elementwise_optimizer_steps_on_plain_gradients_and_norms_still_span_the_ranks():
-    """Host time: an element-wise PyTorch optimizer (exactly AdamW here) steps on plain shard gradients,
-    so its reads make no Python call; after the step they are shard gradients again, and a norm spans the
-    ranks. A subclass (it may add its own reductions) and an optimizer with a pre-hook of its own (a clip
-    there) keep them: in the hook the norm is the unsharded model's (1e-5), on both ranks."""
+def test_norms_of_shard_gradients_span_the_ranks_in_and_after_an_optimizer_step():
+    """Shard gradients stay ShardGrads through an optimizer's step (AdamW, a subclass of it, one with a
+    pre-hook of its own: a clip there), so a norm taken in the hook is the unsharded model's (1e-5), and
+    the one after the step is the same on both ranks."""
     results = run_ranks(_grad_types_around_steps, 2)
     for r in results:
         assert not isinstance(r, str), r
-        assert r["AdamW"]["calls"] == 0 and r["subclass"]["calls"] > 0 and r["pre_hook"]["calls"] > 0
         assert all(r[name]["types"] == ["ShardGrad"] for name in ("pre_hook", "AdamW", "subclass"))
         assert r["pre_hook"]["norm_in_hook"] == pytest.approx([r["unsharded_norm"]], rel=1e-5)
     for name in ("pre_hook", "AdamW", "subclass"):

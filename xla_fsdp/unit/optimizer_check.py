@@ -181,10 +181,6 @@ class _Watch:
     groups: List[Any] = dataclasses.field(default_factory=list)
     #: the XLA step mark after its last step (see :func:`sync_after_step`)
     step_mark: Any = None
-    #: shard gradients made plain for the step under way (see :func:`_plain_for_step`)
-    plain_grads: List[torch.Tensor] = dataclasses.field(default_factory=list)
-    #: fully_shard's parameters the step under way is given as their shards: (param group, index, parameter)
-    plain_params: List[Tuple[dict, int, torch.Tensor]] = dataclasses.field(default_factory=list)
 
 
 def _watch(optimizer: torch.optim.Optimizer) -> _Watch:
@@ -192,71 +188,6 @@ def _watch(optimizer: torch.optim.Optimizer) -> _Watch:
     if watch is None:
         watch = optimizer._xla_fsdp_watch = _Watch()
     return watch
-
-
-#: PyTorch's optimizers whose step works element by element (no norm, no reduction over a gradient):
-#: exactly these classes, not subclasses, which may add their own reductions
-_ELEMENTWISE = tuple(getattr(torch.optim, n) for n in ("SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax",
-                                                       "ASGD", "NAdam", "RAdam", "RMSprop", "Rprop")
-                     if hasattr(torch.optim, n))
-
-
-def _plain_for_step(optimizer: torch.optim.Optimizer) -> None:
-    """An element-wise optimizer's step reads each shard gradient a few times per parameter, and a
-    ``ShardGrad`` makes each read a Python call (``__torch_function__``) for the norms it never takes:
-    for its step the gradients are plain tensors (the same data), and ``ShardGrad`` s again after it
-    (:func:`after_step`). So are ``fully_shard``'s parameters: the step is given each ShardParam's shard
-    (the tensor its operations run on), its state moved to the shard's key, and both are put back after it.
-    Saves the host time of about 5 calls per parameter per step. Only where no other
-    hook sees the gradients between: none of the optimizer's own pre-hooks (a clip there takes a norm),
-    no global pre-hook after this check, and :func:`after_step` the first post-hook."""
-    from torch.optim import optimizer as torch_optimizer
-    watch = _watch(optimizer)
-    if (type(optimizer) not in _ELEMENTWISE or optimizer._optimizer_step_pre_hooks
-            or next(reversed(torch_optimizer._global_optimizer_pre_hooks.values()), None) is not _check
-            or next(iter(optimizer._optimizer_step_post_hooks.values()), None) is not after_step):
-        return
-    from .gradients import ShardGrad
-    plain = []
-    for group in watch.groups:
-        grad = group.shard.grad
-        if type(grad) is ShardGrad:
-            grad.__class__ = torch.Tensor
-            plain.append(grad)
-    watch.plain_grads = plain
-    state = optimizer.state
-    for param_group in optimizer.param_groups:
-        params = param_group["params"]
-        for i, p in enumerate(params):
-            group = getattr(p, "_xla_fsdp_group", None)
-            if group is not None and group.param is p and p is not group.shard:
-                params[i] = group.shard
-                if p in state:
-                    state[group.shard] = state.pop(p)
-                watch.plain_params.append((param_group, i, p))
-
-
-def _restore(optimizer: torch.optim.Optimizer, watch: "_Watch") -> None:
-    """Undo :func:`_plain_for_step`: ``ShardGrad`` s and ShardParams again, the state under its parameters."""
-    plain, watch.plain_grads = watch.plain_grads, []
-    if plain:
-        from .gradients import ShardGrad
-        for grad in plain:
-            grad.__class__ = ShardGrad
-    swapped, watch.plain_params = watch.plain_params, []
-    state = optimizer.state
-    for param_group, i, p in swapped:
-        shard = param_group["params"][i]
-        param_group["params"][i] = p
-        if shard in state:
-            state[p] = state.pop(shard)
-
-
-def after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """After a step: what :func:`_plain_for_step` made plain is as before; then the graph cut
-    (:func:`sync_after_step`)."""
-    _restore(optimizer, _watch(optimizer))
-    sync_after_step(optimizer, args, kwargs)
 
 
 def sync_after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -293,10 +224,8 @@ def install_optimizer_check() -> None:
 def _check(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     """The pre-hook :func:`install_optimizer_check` registers (checked again when the parameter count changes)."""
     watch = _watch(optimizer)
-    _restore(optimizer, watch)  # (a step that raised left its parameters and gradients plain)
     count = sum(len(g["params"]) for g in optimizer.param_groups)
     if watch.checked == count:
-        _plain_for_step(optimizer)
         return
     stale = sum(1 for g in optimizer.param_groups for p in g["params"] if getattr(p, "_xla_fsdp_sharded", False))
     if stale:
@@ -308,7 +237,6 @@ def _check(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     _warn_if_shape_dependent(optimizer)
     _refuse_recipes_applied_to_shards(optimizer)
     if watch.checked is None:
-        optimizer.register_step_post_hook(after_step)
+        optimizer.register_step_post_hook(sync_after_step)
     watch.groups = _shard_groups(optimizer)
     watch.checked = count
-    _plain_for_step(optimizer)
