@@ -312,6 +312,36 @@ def test_each_piece_of_step_state_is_written_by_its_owner_only():
     assert {"state", "grad_incomplete", "gradient_in_later_pass", "post_forward_piece"} <= fields["GatherGroup"]
 
 
+#: what a gather group is asked about its layout by code outside it (checkpoints, names, messages)
+LAYOUT_QUESTIONS = ("flat", "dim0", "in_place")
+
+
+@pytest.mark.fast
+def test_a_gather_group_never_branches_on_its_layout():
+    """What differs between the per-parameter, flat and dim-0 layouts (members, unpad, the gradient's padding,
+    the rows cut for a smaller group, what the module's places get, values to and from the padded buffer) is
+    each layout class's own (unit/group_layouts.py). The group's code and the collectives it starts never ask
+    which layout they have: no read of ``flat``, ``dim0`` or ``in_place`` (before: 14 in gather_group.py and
+    2 in the gradient's padding) and no isinstance of the index-math layouts, except the read-only
+    properties that answer the code outside."""
+    asked = []
+    for rel in (os.path.join("unit", "gather_group.py"), os.path.join("unit", "group_comms.py")):
+        tree = ast.parse(open(os.path.join(PACKAGE, rel)).read())
+        answers = {id(n) for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name in LAYOUT_QUESTIONS}
+        for function in ast.walk(tree):
+            if not isinstance(function, ast.FunctionDef) or id(function) in answers:
+                continue
+            for node in ast.walk(function):
+                if isinstance(node, ast.Attribute) and node.attr in LAYOUT_QUESTIONS and isinstance(node.ctx, ast.Load):
+                    asked.append(f"{rel}:{node.lineno} {function.name}: {ast.unparse(node)}")
+                if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance" \
+                        and "Layout" in ast.unparse(node.args[1]):
+                    asked.append(f"{rel}:{node.lineno} {function.name}: {ast.unparse(node)}")
+    assert asked == []
+    from xla_fsdp.unit import group_layouts
+    assert all(isinstance(getattr(group_layouts, name, None), type) for name in ("PerParameter", "Flat", "DimZero"))
+
+
 def test_the_writer_check_finds_writes_outside_their_owner():
     """Planted writes, as the step was written before its state had owners: a free function setting a unit's
     training state, a hand-off writing the root context's fields, a tuple swap, an append, an autograd

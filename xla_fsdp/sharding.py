@@ -15,7 +15,7 @@ import copy
 import functools
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Sequence, Tuple, Union
+from typing import Any, Dict, List, Mapping, Sequence, Tuple
 
 import torch
 
@@ -144,21 +144,6 @@ def pad_dim0(tensor: torch.Tensor, layout: Dim0Layout) -> torch.Tensor:
         return t.clone()
     pad = torch.zeros((layout.padded_rows - layout.rows,) + layout.row_shape, dtype=t.dtype, device=t.device)
     return torch.cat([t, pad], dim=0)
-
-
-def unpad(padded: torch.Tensor, layout: Union[FlatLayout, Dim0Layout], full_shape: Shape, flat: bool) -> torch.Tensor:
-    """A gathered padded buffer as the full parameter: the flat buffer itself (``flat``), or the original
-    shape without padding; no slice op where there is no padding (nothing to trace; in SPMD a dim-0
-    full parameter is then the annotated shard itself)."""
-    if isinstance(layout, Dim0Layout):
-        if layout.padded_rows == layout.rows and tuple(padded.shape) == tuple(full_shape):
-            return padded
-        return padded[:layout.rows].view(full_shape)
-    if flat:
-        return padded
-    if layout.padding == 0:
-        return padded.view(full_shape)
-    return padded[:layout.numel].view(full_shape)
 
 
 def unpad_dim0(full: torch.Tensor, layout: Dim0Layout) -> torch.Tensor:

@@ -161,7 +161,7 @@ def build_group(refs: List[ParamRef], comms: Collectives, *, flat: bool, dim0: b
         # the whole model in host memory (the object stays, marked, to catch sharing across units).
         ref.param.data = ref.param.data.new_empty(0)
     group = GatherGroup(refs, comms, layout, shard, initial, flat=flat, compute_dtype=compute_dtype, channel=channel,
-                        offload=offload, in_place=ShardParam if in_place else None, flat_name=flat_name)
+                        offload=offload, in_place=ShardParam if in_place and not flat else None, flat_name=flat_name)
     _torch_xla_attributes(group)
     return group
 

@@ -24,8 +24,9 @@ import torch.nn as nn
 
 from . import freeing
 from ..collectives import Collectives
-from ..sharding import Dim0Layout, FlatLayout, flatten_and_pad, pad_dim0, shard_of, unflatten, unpad, unpad_dim0
+from ..sharding import Dim0Layout, FlatLayout, shard_of
 from .gradients import ForwardEdges
+from .group_layouts import GroupLayout, layout_of
 from .member_slots import (FlatMembers, ParamRef, fingerprint, freed_stand_ins, hooks_kept_from, module_tensor,
                            set_module_tensor)
 from .offload import HostOffload
@@ -77,24 +78,18 @@ class GatherGroup:
                  channel: int, offload: Optional[HostOffload] = None,
                  in_place: Optional[Callable[["GatherGroup"], torch.Tensor]] = None, flat_name: Optional[str] = None):
         """``shard`` is this rank's block, made (and the originals taken out of the module) by
-        ``adoption.build_group``. ``in_place`` (fully_shard, not flat): what to register in the original's places
-        (``ShardParam``, made of the group). ``flat_name``: a flattened group's name in the unit."""
+        ``adoption.build_group``. ``in_place`` (fully_shard, one parameter a group): what to register in the
+        original's places (``ShardParam``, made of the group). ``flat_name``: a flattened group's name in the unit."""
         self.refs = refs
         self.comms = comms
+        #: the index math (``sharding.py``), and what differs between layouts (``group_layouts.py``)
         self.layout = layout
-        self.flat = flat
-        self.dim0 = isinstance(layout, Dim0Layout)
+        self.kind: GroupLayout = layout_of(layout, flat)
         self.compute_dtype = compute_dtype
         #: with host offload (see offload.py) ``shard`` lives on the host and is copied to the device to gather
         self.offload = offload
         (self.channel_forward, self.channel_backward, self.channel_reduce,
          self.channel_replicas, self.channel_grad_norm) = range(channel, channel + self.CHANNELS)
-        if self.dim0:
-            self.padded_shape: Tuple[int, ...] = (layout.padded_rows,) + layout.row_shape
-            self.full_shape: Tuple[int, ...] = layout.shape
-        else:
-            self.padded_shape = (layout.padded_numel,)
-            self.full_shape = self.padded_shape if flat else layout.shapes[0]
         self.shard = shard
         self.shard._xla_fsdp_group = self  # the optimizer check reads the original names and shapes
         self.initial = initial
@@ -103,7 +98,7 @@ class GatherGroup:
         self.sync_after_optimizer_step = False
         #: whether the group trains, as last seen (see :meth:`follow_requires_grad`)
         self.requires_grad = shard.requires_grad
-        self.full = nn.Parameter(comms.new_full(self.full_shape, layout.padded_numel, compute_dtype),
+        self.full = nn.Parameter(comms.new_full(self.kind.full_shape, layout.padded_numel, compute_dtype),
                                  requires_grad=self.requires_grad)
         self.full._has_full_param = False  # torch_xla's flag, kept by this group's state changes
         comms.free(self.full)
@@ -125,16 +120,13 @@ class GatherGroup:
         self._warned_unused: Set[str] = set()  # members already reported as partly unused
         # per member, the gradient hooks the program registered on the original parameter
         hooks = [hooks_kept_from(ref) for ref in refs]
-        self.members = FlatMembers(layout, comms, hooks) if flat else None
-        if not flat:
-            for hook in hooks[0]:
-                self.full.register_hook(hook)  # ``full`` is the parameter the module computes with
-        #: fully_shard: FSDP2's sharded parameter (a ShardParam over ``shard``) is registered in the original's
-        #: places, and is the module's attribute between steps (a plain attribute shadows it while gathered)
-        self.in_place = in_place is not None and not flat
-        #: what the program sees of the shard (``parameters()``, the optimizer): that ShardParam, or the shard
-        self.param: torch.Tensor = in_place(self) if self.in_place else shard
-        if self.in_place:
+        #: a flat group's members (the views the module is given, and their hooks); None for one parameter
+        self.members: Optional[FlatMembers] = self.kind.members(comms, hooks, self.full)
+        #: what the program sees of the shard (``parameters()``, the optimizer): the shard, or with ``in_place``
+        #: (fully_shard) FSDP2's sharded parameter (a ShardParam over ``shard``), registered in the original's
+        #: places and the module's attribute between steps (a plain attribute shadows it while gathered)
+        self.param: torch.Tensor = in_place(self) if in_place is not None else shard
+        if self.param is not shard:
             for module, attr in refs[0].slots:
                 module._parameters[attr] = self.param
         self.slot_values: List[Optional[torch.Tensor]] = []  # what install last gave each member's places
@@ -160,6 +152,27 @@ class GatherGroup:
             else:
                 self.reshard()
         return True
+
+    @property
+    def flat(self) -> bool:
+        return self.kind.flat
+
+    @property
+    def dim0(self) -> bool:
+        return self.kind.dim0
+
+    @property
+    def padded_shape(self) -> Tuple[int, ...]:
+        return self.kind.padded_shape
+
+    @property
+    def full_shape(self) -> Tuple[int, ...]:
+        return self.kind.full_shape
+
+    @property
+    def in_place(self) -> bool:
+        """fully_shard: the module's places hold FSDP2's sharded parameter between steps."""
+        return self.param is not self.shard
 
     def set_sync_after_optimizer_step(self, enabled: bool) -> None:
         """fully_shard's ``set_sync_after_optimizer_step``."""
@@ -217,7 +230,7 @@ class GatherGroup:
         return self.shard if self.offload is None else self.offload.gather_source(self.shard, self.compute_dtype)
 
     def _unpad(self, padded: torch.Tensor) -> torch.Tensor:
-        return unpad(padded, self.layout, self.full_shape, self.flat)
+        return self.kind.unpad(padded)
 
     def mark_unsharded(self, shard_version: int) -> None:
         """``full`` now holds the data of the shard as it was at ``shard_version``."""
@@ -230,10 +243,11 @@ class GatherGroup:
         consecutive ranks (FSDP2's int ``reshard_after_forward``), kept for the next gather, which
         reads those pieces over ``ranks`` instead of the shards over every rank. None where there
         is nothing to cut (not gathered, or not split by rows)."""
-        if self.state is not ShardedState.UNSHARDED or not self.dim0 or self._aliases_shard():
+        if self.state is not ShardedState.UNSHARDED or self._aliases_shard():
             return None
-        padded = pad_dim0(self.full.detach(), self.layout)
-        rows = padded.view(ranks.world_size, -1, *self.layout.row_shape)[ranks.rank].clone()
+        rows = self.kind.cut(self.full, ranks)
+        if rows is None:
+            return None
         self.post_forward_piece = PostForwardPiece(ranks, rows, self._gathered_version)
         return rows
 
@@ -267,18 +281,15 @@ class GatherGroup:
 
     def install(self, refill_saved: bool = False) -> None:
         """Point the module's attributes at the full data (the flat buffer's parameters if flattened)."""
-        if self.state is not ShardedState.UNSHARDED and not self._aliases_shard():
-            if self.in_place:  # the registered ShardParam shows through
-                values: List[Optional[torch.Tensor]] = [self.param]
-            else:
-                shapes = [self.full_shape] if not self.flat else list(self.layout.shapes)
-                values = freed_stand_ins(self.refs, shapes, self.compute_dtype, self.full.device, self.shard)
-        elif self.members is not None:
-            values = self.members.cut(self.full, self, refill_saved)
+        if self.state is ShardedState.UNSHARDED or self._aliases_shard():
+            values = self.kind.gathered_values(self, refill_saved)
+        elif self.param is not self.shard:  # fully_shard: the registered ShardParam shows through
+            values = [self.param]
         else:
-            values = [self.full]
+            values = freed_stand_ins(self.refs, self.kind.member_shapes, self.compute_dtype, self.full.device,
+                                     self.shard)
         self.set_module_values(values)
-        if self.flat:
+        if self.members is not None:  # a flat group's views: which of them a forward gives the module
             self._installed = values if self.state is ShardedState.UNSHARDED else None
             self.forward_edges.record(self._installed, self.requires_grad)
 
@@ -294,7 +305,7 @@ class GatherGroup:
         if self.members is not None:
             self.members.begin_forward(self.is_unsharded())
         self.grad_incomplete = self.gradient_in_later_pass = False
-        if self.flat and record_edges:
+        if self.members is not None and record_edges:
             self.forward_edges.begin(len(self.refs))
             self.forward_edges.record(self._installed, self.requires_grad)
 
@@ -345,11 +356,8 @@ def gather_values(group: GatherGroup, rows: Optional[torch.Tensor] = None) -> Li
     source = (group.shard if rows is None else rows).detach()
     if group.offload is not None:
         source = group.offload.to_device(source, source.dtype)
-    padded = group.comms.all_gather(source.reshape(group.layout.shard_shape if group.dim0 else (-1,)),
-                                   group.channel_forward)
-    if group.dim0:
-        return [unpad_dim0(padded.reshape(group.padded_shape), group.layout).clone()]
-    return [t.clone() for t in unflatten(padded.reshape(-1), group.layout)]
+    padded = group.comms.all_gather(source.reshape(group.kind.gather_shape), group.channel_forward)
+    return group.kind.split(padded)
 
 
 def take_rank_0_values(group: GatherGroup) -> None:
@@ -372,9 +380,9 @@ def begin_late_init(group: GatherGroup, device: torch.device) -> None:
     ``CPUOffloadPolicy``: the init then draws from the CPU generator, as unsharded), for the
     program's own init (``reset_parameters``, ``init_weights``) to fill; :func:`finish_late_init`
     shards it."""
-    shapes = [group.full_shape] if not group.flat else group.layout.shapes
     group.set_module_values([nn.Parameter(torch.empty(shape, dtype=group.shard.dtype, device=device),
-                                         requires_grad=group.shard.requires_grad) for shape in shapes])
+                                         requires_grad=group.shard.requires_grad)
+                             for shape in group.kind.member_shapes])
     group.initial.late_init_version = group.shard._version
 
 
@@ -414,11 +422,7 @@ def current_fingerprint(group: GatherGroup) -> Optional[torch.Tensor]:
 def write_back(group: GatherGroup, values: List[torch.Tensor]) -> None:
     """Make this rank's shard the block of ``values`` (every member's full data) it owns."""
     with torch.no_grad():
-        if group.dim0:
-            padded = pad_dim0(values[0].detach(), group.layout)
-        else:
-            padded = flatten_and_pad([v.detach().reshape(s) for v, s in zip(values, group.layout.shapes)],
-                                     group.layout)
+        padded = group.kind.padded_of(values)
         block = shard_of(padded, group.comms.rank, group.comms.world_size)
         group.shard.copy_(block.reshape(group.shard.shape).to(group.shard.device, group.shard.dtype))
 
@@ -443,7 +447,7 @@ def keep_edits(group: GatherGroup, versions: List[int]) -> bool:
     if group.state is not ShardedState.UNSHARDED or now == versions:
         return False
     if not group.comms.takes_in_place_edits:
-        edited = [ref for ref, a, b in zip(group.refs, versions, now) if a != b] if group.flat else group.refs
+        edited = [ref for ref, a, b in zip(group.refs, versions, now) if a != b]
         name = edited[0].fqn if edited else group.refs[0].fqn
         raise RuntimeError(
             f"xla_fsdp: '{name}' was changed in place during forward (a clamp_ or other in-place op "

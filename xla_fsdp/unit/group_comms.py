@@ -10,7 +10,6 @@ from typing import Callable, List, Tuple
 
 import torch
 
-from ..sharding import flatten_and_pad, pad_dim0
 from .gather_group import GatherGroup
 from .gradients import as_shard_grad, run_post_accumulate_hooks, run_shard_hooks
 from .options import SOLO_NUMEL
@@ -129,7 +128,7 @@ def _start_reduce(groups: List[GatherGroup], grads: List[torch.Tensor], pre_divi
 def grad_to_reduce(group: GatherGroup, grad: torch.Tensor, pre_divide: float,
                    fp32_reduce_scatter: bool) -> torch.Tensor:
     """The padded, pre-divided full gradient, ready to reduce-scatter."""
-    padded = _pad(group, grad)  # the unit owns this gradient now: divide in place
+    padded = group.kind.pad_grad(grad, group.comms.views_see_refills)  # the unit owns it now: divide in place
     if pre_divide != 1:
         padded.div_(pre_divide)
     if fp32_reduce_scatter and padded.dtype != torch.float32:
@@ -164,20 +163,3 @@ def accumulate_shard_grad(group: GatherGroup, reduced: torch.Tensor) -> None:
         shard.grad += reduced
         of_shard(shard.grad)  # (left plain by an optimizer step that raised: see optimizer_check)
     run_post_accumulate_hooks(shard)
-
-
-def _pad(group: GatherGroup, grad: torch.Tensor) -> torch.Tensor:
-    layout = group.layout
-    if layout.padding == 0:  # nothing to pad (one rank, or sizes that divide evenly)
-        if tuple(grad.shape) == tuple(group.padded_shape):
-            return grad
-        padded = grad.reshape(group.padded_shape)
-        # Eager: a view, no copy. Lazy (XLA): at one rank the shard gradient would be that view, and a live
-        # view keeps its base live, so both would be outputs of the step graph (one more
-        # full-size write per parameter); a lazy clone costs nothing, and the base is dropped.
-        return padded if group.comms.views_see_refills else padded.clone()
-    if group.dim0:
-        return pad_dim0(grad, layout)
-    if group.flat:
-        return grad
-    return flatten_and_pad([grad], layout)
