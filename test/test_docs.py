@@ -103,6 +103,27 @@ def test_relative_links_point_at_files():
     assert not missing, missing
 
 
+def sections(text):
+    """(heading, body) of each ``##`` section of a page, the body stripped."""
+    parts = re.split(r"^(## .*)$", text, flags=re.M)
+    return [(parts[i], parts[i + 1].strip()) for i in range(1, len(parts) - 1, 2)]
+
+
+@pytest.mark.fast
+def test_no_page_repeats_a_section():
+    """A section written twice (benchmarks.md held its host-time, tutorial-program and against-commit sections
+    twice, the second copy stale) says one thing in two places: every heading and every body once per page."""
+    repeated = []
+    for page in PAGES:
+        found = sections(open(os.path.join(ROOT, page)).read())
+        for what, items in (("heading", [h for h, _ in found]), ("body of", [b for _, b in found if b])):
+            repeated += [
+                f"{page}: {what} {item[:60]!r}" for k, item in enumerate(items) if item in items[:k]]
+    assert not repeated, repeated
+    planted = sections("## A\n\none\n\n## B\n\ntwo\n\n## A\n\none\n")
+    assert [h for h, _ in planted].count("## A") == 2 and planted[0][1] == planted[2][1] == "one"
+
+
 def _page_param(page):
     """A page with a block run on XLA devices needs torch_xla (its later blocks may read what that wrote);
     one that names environments runs once, in the newest environment's suite, and needs both."""

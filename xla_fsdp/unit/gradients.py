@@ -262,6 +262,8 @@ class ShardGrad(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func: Callable, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if func not in _HANDLED:  # the fast path (an optimizer's element-wise reads): run as a plain tensor
+            return _AS_PLAIN(func, types, args, kwargs)
         with torch._C.DisableTorchFunctionSubclass():
             result = func(*args, **kwargs)
             handler = _GLOBAL.get(func)
@@ -440,6 +442,9 @@ _GLOBAL: Dict[Callable, Callable[[Any, Sequence[Any], Dict[str, Any]], Any]] = {
 }
 #: operations whose result is the same gradient (a detached alias, its magnitudes): still a ShardGrad
 _SAME_GRADIENT = {torch.Tensor.detach, torch.Tensor.data.__get__, torch.Tensor.abs, torch.abs}
+#: what ShardGrad answers itself; everything else runs as on a plain tensor, in C (no Python context)
+_HANDLED = frozenset(_GLOBAL) | frozenset(_SAME_GRADIENT)
+_AS_PLAIN = torch._C._disabled_torch_function_impl
 
 
 # ============================================================================= tensors inside any output

@@ -30,6 +30,7 @@ import torch
 from .gradients import combine_norms, norm_order
 
 _DisableSubclass = torch._C.DisableTorchFunctionSubclass
+_AS_PLAIN = torch._C._disabled_torch_function_impl  # a call as if the subclass had no torch function
 
 
 class NoDeviceMesh:
@@ -191,6 +192,12 @@ class ShardParam(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func: Callable, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
         kind = _kind(func)
+        if kind is _WHOLE:  # the whole parameter's metadata, answered in C (no Python context)
+            return _AS_PLAIN(func, types, args, kwargs or {})
+        if kind is _ON_ROWS and args and type(args[0]) is ShardParam and not args[0]._detached:
+            done = _on_the_parameters_rows(func, args, kwargs)
+            if done is not _NOT_FAST:
+                return done
         if kind is _ON_ROWS or kind is _LIKE:
             rows_args, detached = _rows_in(args, func)
             with _DisableSubclass(), torch.no_grad() if detached else contextlib.nullcontext():
@@ -203,9 +210,6 @@ class ShardParam(torch.Tensor):
                 if group is not None and out.shape == group.shard.shape:
                     return ShardParam(group, out)  # computed from the parameter alone: sharded alike
             return out
-        if kind is _WHOLE:
-            with _DisableSubclass():
-                return func(*args, **(kwargs or {}))
         if kind is _NORM:
             return _norm(func, args, kwargs or {})
         _refuse(func, args, kwargs)
@@ -221,6 +225,32 @@ class ShardParam(torch.Tensor):
             first = args[0] if args else None
             return first if isinstance(first, ShardParam) and out is first.rows() else out
         _refuse(func, args, kwargs)
+
+
+_NOT_FAST = object()
+
+
+def _on_the_parameters_rows(func: Callable, args: Sequence[Any], kwargs: Any) -> Any:
+    """The optimizer's fast path (``p.mul_(...)``, ``p.addcdiv_(m, v, value=...)``): an element-wise call on
+    the parameter itself whose other tensors are its state (plain tensors of its rows' shape) or 0-d runs on
+    the rows at once, with the answer the general path gives. Anything else: ``_NOT_FAST``."""
+    first = args[0]
+    rows = first.rows()
+    plain_state = False
+    for a in (*args[1:], *(kwargs.values() if kwargs else ())):
+        if isinstance(a, torch.Tensor):
+            if type(a) is ShardParam or a.dim() and a.shape != rows.shape:
+                return _NOT_FAST
+            plain_state = plain_state or a.dim() > 0
+        elif type(a) in (list, tuple):
+            return _NOT_FAST
+    with _DisableSubclass():
+        out = func(rows, *args[1:], **(kwargs or {}))
+    if out is rows:
+        return first  # an in-place method gives its tensor back: the parameter, as on a DTensor
+    if not plain_state and isinstance(out, torch.Tensor) and out.shape == first._xla_fsdp_group.shard.shape:
+        return ShardParam(first._xla_fsdp_group, out)  # computed from the parameter alone: sharded alike
+    return out
 
 
 def rows_of(tensor: torch.Tensor) -> torch.Tensor:
