@@ -67,3 +67,27 @@ def test_round_up_and_errors():
     with pytest.raises(ValueError, match="do not match"):
         flatten_and_pad([torch.zeros(2)], FlatLayout(((3,),), 2, 1))
     assert math.prod(()) == 1
+
+
+@pytest.mark.fast
+@settings(max_examples=100, deadline=None)
+@given(world_size=st.integers(2, 16), n=st.integers(1, 64), seed=st.integers(0, 2 ** 16))
+def test_a_division_moved_into_the_collective_gives_the_same_bits(world_size, n, seed):
+    """The reduce-scatter's scale (XLA) takes the pre- and post-division only where the result is
+    bit for bit the same: a power-of-two factor, not float16 (the pre-division keeps its sums in range)."""
+    from types import SimpleNamespace
+
+    from xla_fsdp.sharding import default_predivide_factor
+    from xla_fsdp.unit.group_comms import divisions_in_collective
+    pre = default_predivide_factor(world_size)
+    post = world_size / pre
+    xla = SimpleNamespace(scales_in_collective=True, world_size=world_size)
+    scale, pre_left, post_left = divisions_in_collective(xla, {torch.float32}, pre, post)
+    assert pre_left == 1.0 and (post_left == 1.0) == (post == 2 ** round(math.log2(post)))
+    grads = [torch.randn(n, generator=torch.Generator().manual_seed(seed + r)) * 1e3 for r in range(world_size)]
+    as_before = sum(g / pre for g in grads) / post  # the pre-division, the sum, the post-division
+    moved = sum(g / pre_left for g in grads) * scale / post_left
+    assert torch.equal(as_before, moved)
+    assert divisions_in_collective(xla, {torch.float16}, pre, post) == (1.0, pre, post)
+    eager = SimpleNamespace(scales_in_collective=False, world_size=world_size)
+    assert divisions_in_collective(eager, {torch.float32}, pre, post) == (1.0, pre, post)

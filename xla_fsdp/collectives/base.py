@@ -51,8 +51,8 @@ class Collectives(abc.ABC):
         """Concatenate every rank's ``shard`` along dim 0 (into ``out`` when given)."""
 
     @abc.abstractmethod
-    def reduce_scatter(self, full: torch.Tensor, channel: int) -> torch.Tensor:
-        """Sum ``full`` over ranks and return this rank's equal dim-0 block of the sum."""
+    def reduce_scatter(self, full: torch.Tensor, channel: int, scale: float = 1.0) -> torch.Tensor:
+        """Sum ``full`` over ranks and return this rank's equal dim-0 block of the sum, times ``scale``."""
 
     def start_all_gather(self, shard: torch.Tensor, channel: int) -> Callable[[], torch.Tensor]:
         """Begin :meth:`all_gather`; the returned function waits for it and returns the result
@@ -60,12 +60,12 @@ class Collectives(abc.ABC):
         result = self.all_gather(shard, channel)
         return lambda: result
 
-    def start_reduce_scatter(self, full: torch.Tensor, channel: int) -> Callable[[], torch.Tensor]:
+    def start_reduce_scatter(self, full: torch.Tensor, channel: int, scale: float = 1.0) -> Callable[[], torch.Tensor]:
         """Begin :meth:`reduce_scatter`; the returned function waits for it and returns the block.
 
         Eager transports return at once so the rest of backward computes while the gradient is
         on the wire (as DDP's buckets do); lazy ones (XLA) leave the scheduling to the compiler."""
-        block = self.reduce_scatter(full, channel)
+        block = self.reduce_scatter(full, channel, scale)
         return lambda: block
 
     @abc.abstractmethod
@@ -108,6 +108,10 @@ class Collectives(abc.ABC):
 
     #: whether a unit's groups share one all-gather and one reduce-scatter (see gather_group)
     coalesces: bool = False
+
+    #: whether :meth:`reduce_scatter`'s ``scale`` is part of the collective itself (XLA multiplies
+    #: the sum in the same op), so a division moved into it is one op less to trace per gradient
+    scales_in_collective: bool = False
 
     #: whether the step is traced into one compiled program (XLA), whose scheduler puts each
     #: gather next to its use: a unit's parameters kept from forward for backward (see

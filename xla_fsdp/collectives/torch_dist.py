@@ -171,15 +171,16 @@ class TorchDistCollectives(Collectives):
         handed = _aliases(out, shard.contiguous())
         return _Waiter(_ALL_GATHER(*handed, group=self.group, async_op=True), out, handed)
 
-    def reduce_scatter(self, full: torch.Tensor, channel: int) -> torch.Tensor:
-        return self.start_reduce_scatter(full, channel)()
+    def reduce_scatter(self, full: torch.Tensor, channel: int, scale: float = 1.0) -> torch.Tensor:
+        return self.start_reduce_scatter(full, channel, scale)()
 
-    def start_reduce_scatter(self, full: torch.Tensor, channel: int) -> Callable[[], torch.Tensor]:
+    def start_reduce_scatter(self, full: torch.Tensor, channel: int, scale: float = 1.0) -> Callable[[], torch.Tensor]:
         if self.world_size == 1:
-            return lambda: full
+            return lambda: full if scale == 1 else full * scale
         out = full.new_empty((full.shape[0] // self.world_size,) + tuple(full.shape[1:]))
         handed = _aliases(out, full.contiguous())
-        return _Waiter(_REDUCE_SCATTER(*handed, group=self.group, async_op=True), out, handed)
+        wait = _Waiter(_REDUCE_SCATTER(*handed, group=self.group, async_op=True), out, handed)
+        return wait if scale == 1 else lambda: wait().mul_(scale)
 
     def all_reduce_sum(self, tensor: torch.Tensor, channel: int) -> torch.Tensor:
         tensor = tensor.clone()

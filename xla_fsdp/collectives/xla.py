@@ -255,23 +255,26 @@ class XlaCollectives(Collectives):
             return out
         return result
 
-    def reduce_scatter(self, full: torch.Tensor, channel: int) -> torch.Tensor:
+    #: the sum's scale is an operand of XLA's reduce-scatter (no op traced for it)
+    scales_in_collective = True
+
+    def reduce_scatter(self, full: torch.Tensor, channel: int, scale: float = 1.0) -> torch.Tensor:
         import torch_xla
 
         if self.world_size == 1:
-            return full
+            return full if scale == 1 else full * scale
         xm_groups, _ = self._own_groups
         if not self._direct:
             import torch_xla.core.xla_model as xm
             kwargs = dict(groups=xm_groups or None, pin_layout=self.pin_layout, **self._channel_kwargs(channel))
-            return _outside_token(full, lambda t: xm.reduce_scatter(xm.REDUCE_SUM, t, 1.0, 0, self.world_size,
+            return _outside_token(full, lambda t: xm.reduce_scatter(xm.REDUCE_SUM, t, scale, 0, self.world_size,
                                                                     **kwargs))
         # The device's token goes in (as xm's) and the new one is not kept (xm keeps it): the gradient
         # stays out of the token as _outside_token keeps it, its order kept by the link.
         xlac = torch_xla._XLAC
         linked = _linked(full)
         token = xlac._get_all_reduce_token(xlac._xla_get_default_device())  # the device xm takes the token of
-        result = xlac._xla_reduce_scatter("sum", linked, token, 1.0, 0, self.world_size, xm_groups,  # xm.REDUCE_SUM
+        result = xlac._xla_reduce_scatter("sum", linked, token, scale, 0, self.world_size, xm_groups,  # xm.REDUCE_SUM
                                           self.pin_layout, *self._channel_ids(channel))[0]
         _link_after(result, full)
         return result

@@ -6,7 +6,8 @@ finished by the returned function (gathers) or :class:`ReduceInFlight` (reduce-s
 start them is the unit's runtime's (``runtime.py``)."""
 from __future__ import annotations
 
-from typing import Callable, List, Tuple
+import math
+from typing import Any, Callable, List, Set, Tuple
 
 import torch
 
@@ -108,15 +109,39 @@ def _start_reduce(groups: List[GatherGroup], grads: List[torch.Tensor], pre_divi
     side by side, as ``(world_size, total)`` columns, so each rank's block holds its block of every
     group)."""
     comms = groups[0].comms
+    dtypes = {torch.float32 if fp32_reduce_scatter else grad.dtype for grad in grads}
+    scale, pre_divide, post_divide = divisions_in_collective(comms, dtypes, pre_divide, post_divide)
     padded = [grad_to_reduce(g, grad, pre_divide, fp32_reduce_scatter) for g, grad in zip(groups, grads)]
     if len(groups) == 1:
         return ReduceInFlight(groups, [padded[0].numel() // comms.world_size],
-                              comms.start_reduce_scatter(padded[0], groups[0].channel_reduce), post_divide)
+                              comms.start_reduce_scatter(padded[0], groups[0].channel_reduce, scale), post_divide)
     blocks = [p.reshape(comms.world_size, -1) for p in padded]
     dtype = torch.float32 if any(b.dtype == torch.float32 for b in blocks) else blocks[0].dtype
     joined = torch.cat([b.to(dtype) for b in blocks], dim=1).reshape(-1)
     return ReduceInFlight(groups, [b.shape[1] for b in blocks],
-                          comms.start_reduce_scatter(joined, groups[0].channel_reduce), post_divide)
+                          comms.start_reduce_scatter(joined, groups[0].channel_reduce, scale), post_divide)
+
+
+def divisions_in_collective(comms: Any, dtypes: Set[torch.dtype], pre_divide: float,
+                            post_divide: float) -> Tuple[float, float, float]:
+    """(the reduce-scatter's scale, the pre- and post-division left to do as ops). Where the transport
+    scales in the collective itself (XLA), a division by a power of two moves into it: dividing by
+    2**k before or after an exact sum of the same addends gives the same bits (short of the
+    subnormal range), and each division moved is ops less per gradient. Not for float16, whose
+    range is why the pre-division exists (a sum there may overflow before it is scaled)."""
+    if not comms.scales_in_collective or comms.world_size == 1 or torch.float16 in dtypes:
+        return 1.0, pre_divide, post_divide
+    scale = 1.0
+    if _power_of_two(pre_divide):
+        scale, pre_divide = scale / pre_divide, 1.0
+    if _power_of_two(post_divide):
+        scale, post_divide = scale / post_divide, 1.0
+    return scale, pre_divide, post_divide
+
+
+def _power_of_two(factor: float) -> bool:
+    mantissa, _ = math.frexp(factor)
+    return factor > 0 and mantissa == 0.5
 
 
 # =============================================================== a gradient on its way to the shard
@@ -128,7 +153,9 @@ def _start_reduce(groups: List[GatherGroup], grads: List[torch.Tensor], pre_divi
 def grad_to_reduce(group: GatherGroup, grad: torch.Tensor, pre_divide: float,
                    fp32_reduce_scatter: bool) -> torch.Tensor:
     """The padded, pre-divided full gradient, ready to reduce-scatter."""
-    padded = group.kind.pad_grad(grad, group.comms.views_see_refills)  # the unit owns it now: divide in place
+    comms = group.comms  # the unit owns it: it may be divided in place. A view is kept but at one rank of a
+    # lazy transport, where it would be the shard gradient itself (past a reduce-scatter, a new tensor)
+    padded = group.kind.pad_grad(grad, comms.views_see_refills or comms.world_size > 1)
     if pre_divide != 1:
         padded.div_(pre_divide)
     if fp32_reduce_scatter and padded.dtype != torch.float32:

@@ -56,9 +56,9 @@ class PerParameter:
             return padded.view(self.full_shape)
         return padded[:self.layout.numel].view(self.full_shape)
 
-    def pad_grad(self, grad: torch.Tensor, views_see_refills: bool) -> torch.Tensor:
+    def pad_grad(self, grad: torch.Tensor, may_view: bool) -> torch.Tensor:
         """The full gradient as the padded buffer to reduce-scatter (the unit owns it: it may be
-        divided in place). ``views_see_refills``: the transport is eager (see below)."""
+        divided in place). ``may_view``: a view of ``grad`` may be returned (see below)."""
         if self.layout.padding == 0:  # nothing to pad (one rank, or sizes that divide evenly)
             if tuple(grad.shape) == self.padded_shape:
                 return grad
@@ -66,7 +66,7 @@ class PerParameter:
             # Eager: a view, no copy. Lazy (XLA): at one rank the shard gradient would be that view, and a live
             # view keeps its base live, so both would be outputs of the step graph (one more full-size write per
             # parameter); a lazy clone costs nothing, and the base is dropped.
-            return padded if views_see_refills else padded.clone()
+            return padded if may_view else padded.clone()
         return self._pad(grad)
 
     def _pad(self, grad: torch.Tensor) -> torch.Tensor:
