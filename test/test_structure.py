@@ -337,6 +337,9 @@ def test_a_gather_group_never_branches_on_its_layout():
                 if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance" \
                         and "Layout" in ast.unparse(node.args[1]):
                     asked.append(f"{rel}:{node.lineno} {function.name}: {ast.unparse(node)}")
+    # nor which API it serves: what the program sees of it is its face's (the wrapper's shard, fully_shard's ShardParam)
+    source = open(os.path.join(PACKAGE, "unit", "gather_group.py")).read()
+    asked += [f"unit/gather_group.py: {c}" for c in ("param is not self.shard", "param is self.shard") if c in source]
     assert asked == []
     from xla_fsdp.unit import group_layouts
     assert all(isinstance(getattr(group_layouts, name, None), type) for name in ("PerParameter", "Flat", "DimZero"))

@@ -14,7 +14,7 @@ import torch.nn as nn
 from ..collectives import Collectives
 from ..sharding import Dim0Layout, FlatLayout, flatten_and_pad, pad_dim0, shard_of
 from . import construction, tied
-from .gather_group import GatherGroup, InitialValues
+from .gather_group import GatherGroup, InitialValues, ShardParamInPlace
 from .member_slots import ParamRef, fingerprint
 from .offload import HostOffload, shards_held_back
 from .optimizer_check import install_optimizer_check
@@ -161,7 +161,8 @@ def build_group(refs: List[ParamRef], comms: Collectives, *, flat: bool, dim0: b
         # the whole model in host memory (the object stays, marked, to catch sharing across units).
         ref.param.data = ref.param.data.new_empty(0)
     group = GatherGroup(refs, comms, layout, shard, initial, flat=flat, compute_dtype=compute_dtype, channel=channel,
-                        offload=offload, in_place=ShardParam if in_place and not flat else None, flat_name=flat_name)
+                        offload=offload, face=ShardParamInPlace(ShardParam) if in_place and not flat else None,
+                        flat_name=flat_name)
     _torch_xla_attributes(group)
     return group
 

@@ -66,6 +66,40 @@ class InitialValues:
     late_init_version: Optional[int] = None  # the shard's version at to_empty (begin_late_init)
 
 
+class ShardOnTheShell:
+    """The wrapper's face: the shard is what the program sees (registered on the unit's shell under
+    torch_xla's names); between gathers the module's places hold stand-ins that refuse data access."""
+
+    registered_in_place = False
+
+    def program_param(self, group: "GatherGroup") -> torch.Tensor:
+        return group.shard
+
+    def freed_values(self, group: "GatherGroup") -> List[Optional[torch.Tensor]]:
+        return freed_stand_ins(group.refs, group.kind.member_shapes, group.compute_dtype, group.full.device,
+                               group.shard)
+
+
+class ShardParamInPlace:
+    """fully_shard's face: FSDP2's sharded parameter (a ``ShardParam`` over the shard) registered in the
+    original's places (``named_parameters()``, ``state_dict()`` under the module's own names), showing
+    through between gathers; while gathered a plain attribute shadows it."""
+
+    registered_in_place = True
+
+    def __init__(self, make: Callable[["GatherGroup"], torch.Tensor]):
+        self.make = make
+
+    def program_param(self, group: "GatherGroup") -> torch.Tensor:
+        param = self.make(group)
+        for module, attr in group.refs[0].slots:
+            module._parameters[attr] = param
+        return param
+
+    def freed_values(self, group: "GatherGroup") -> List[Optional[torch.Tensor]]:
+        return [group.param]
+
+
 class GatherGroup:
     """Owns one shard parameter and the matching full parameter for a unit (``unit.gather_groups``)."""
 
@@ -76,10 +110,10 @@ class GatherGroup:
     def __init__(self, refs: List[ParamRef], comms: Collectives, layout: Union[FlatLayout, Dim0Layout],
                  shard: nn.Parameter, initial: InitialValues, *, flat: bool, compute_dtype: torch.dtype,
                  channel: int, offload: Optional[HostOffload] = None,
-                 in_place: Optional[Callable[["GatherGroup"], torch.Tensor]] = None, flat_name: Optional[str] = None):
+                 face: Union[ShardOnTheShell, ShardParamInPlace, None] = None, flat_name: Optional[str] = None):
         """``shard`` is this rank's block, made (and the originals taken out of the module) by
-        ``adoption.build_group``. ``in_place`` (fully_shard, one parameter a group): what to register in the
-        original's places (``ShardParam``, made of the group). ``flat_name``: a flattened group's name in the unit."""
+        ``adoption.build_group``. ``face``: what the program sees of the group (the wrapper's shard, or
+        fully_shard's ShardParam in the original's places). ``flat_name``: a flattened group's name in the unit."""
         self.refs = refs
         self.comms = comms
         #: the index math (``sharding.py``), and what differs between layouts (``group_layouts.py``)
@@ -122,13 +156,9 @@ class GatherGroup:
         hooks = [hooks_kept_from(ref) for ref in refs]
         #: a flat group's members (the views the module is given, and their hooks); None for one parameter
         self.members: Optional[FlatMembers] = self.kind.members(comms, hooks, self.full)
-        #: what the program sees of the shard (``parameters()``, the optimizer): the shard, or with ``in_place``
-        #: (fully_shard) FSDP2's sharded parameter (a ShardParam over ``shard``), registered in the original's
-        #: places and the module's attribute between steps (a plain attribute shadows it while gathered)
-        self.param: torch.Tensor = in_place(self) if in_place is not None else shard
-        if self.param is not shard:
-            for module, attr in refs[0].slots:
-                module._parameters[attr] = self.param
+        self.face = face or ShardOnTheShell()
+        #: what the program sees of the shard (``parameters()``, the optimizer; see ``face``)
+        self.param: torch.Tensor = self.face.program_param(self)
         self.slot_values: List[Optional[torch.Tensor]] = []  # what install last gave each member's places
         self.install()
 
@@ -172,7 +202,7 @@ class GatherGroup:
     @property
     def in_place(self) -> bool:
         """fully_shard: the module's places hold FSDP2's sharded parameter between steps."""
-        return self.param is not self.shard
+        return self.face.registered_in_place
 
     def set_sync_after_optimizer_step(self, enabled: bool) -> None:
         """fully_shard's ``set_sync_after_optimizer_step``."""
@@ -283,11 +313,8 @@ class GatherGroup:
         """Point the module's attributes at the full data (the flat buffer's parameters if flattened)."""
         if self.state is ShardedState.UNSHARDED or self._aliases_shard():
             values = self.kind.gathered_values(self, refill_saved)
-        elif self.param is not self.shard:  # fully_shard: the registered ShardParam shows through
-            values = [self.param]
         else:
-            values = freed_stand_ins(self.refs, self.kind.member_shapes, self.compute_dtype, self.full.device,
-                                     self.shard)
+            values = self.face.freed_values(self)
         self.set_module_values(values)
         if self.members is not None:  # a flat group's views: which of them a forward gives the module
             self._installed = values if self.state is ShardedState.UNSHARDED else None
