@@ -214,7 +214,6 @@ def test_the_commands_answer_help_with_their_own_usage():
     for module, says in [("xla_fsdp.compat", "usage: python -m xla_fsdp.compat SCRIPT [ARGS]"),
                          ("xla_fsdp.inspect", "usage: python -m xla_fsdp.inspect"),
                          ("xla_fsdp.resize", "usage: python -m xla_fsdp.resize"),
-                         ("xla_fsdp.reshard", "usage: python -m xla_fsdp.resize"),  # its former name, an alias
                          ("xla_fsdp.convert", "usage: python -m xla_fsdp.convert"),
                          ("xla_fsdp.consolidate_sharded_ckpts", "usage: python -m xla_fsdp.consolidate_sharded_ckpts")]:
         proc = subprocess.run([sys.executable, "-m", module, "--help"], cwd=ROOT, capture_output=True, text=True,

@@ -87,7 +87,7 @@ def test_the_cycle_finder_finds_a_planted_cycle():
 # The layers, top first; a module may import its own layer and those below (CONTRIBUTING.md).
 LAYERS = [
     ("entry points", ["xla_fsdp", "xla_fsdp.cli", "xla_fsdp.compat", "xla_fsdp.integrations",
-                      "xla_fsdp.consolidate_sharded_ckpts", "xla_fsdp.resize", "xla_fsdp.reshard", "xla_fsdp.convert",
+                      "xla_fsdp.consolidate_sharded_ckpts", "xla_fsdp.resize", "xla_fsdp.convert",
                       "xla_fsdp.inspect", "xla_fsdp.spmd"]),
     ("FSDP2's API", ["xla_fsdp.fsdp2", "xla_fsdp.fsdp2_keywords"]),
     ("public API", ["xla_fsdp.fully_sharded_data_parallel", "xla_fsdp.wrap", "xla_fsdp.remat", "xla_fsdp.strategy"]),

@@ -6,7 +6,7 @@ undone) by :mod:`xla_fsdp.patches`."""
 from ._version import __version__
 
 from .checkpoints import (consolidate_sharded_model_checkpoints, latest_checkpoint, load_pretrained,
-                          load_sharded_checkpoint, reshard_checkpoint, resize_checkpoint, resume_training,
+                          load_sharded_checkpoint, resize_checkpoint, resume_training,
                           save_sharded_checkpoint, save_training_checkpoint)
 from .collectives.xla import sync
 from .collectives.xla_launch import enable_xla_cpu_devices, launch
@@ -32,7 +32,6 @@ __all__ = [
     "load_pretrained",
     "load_sharded_checkpoint",
     "replace_torch_xla_fsdp",
-    "reshard_checkpoint",  # resize_checkpoint's former name
     "resize_checkpoint",
     "resume_training",
     "save_sharded_checkpoint",

@@ -398,8 +398,8 @@ def load_rank_file(path: str, mmap: bool = True) -> Dict[str, Any]:
         raise CheckpointError(f"'{path}' is not a file written by torch.save (not a zip archive); it is "
                               "truncated or another kind of file")
     try:
-        # Never unpickle code. Files of xla_fsdp before 0.1.1 recorded torch's version as a
-        # TorchVersion object: allowed explicitly, it is a str.
+        # Never unpickle code. Earlier rank files of this package hold torch's version as the TorchVersion
+        # that torch.__version__ is (a str subclass; metadata.py now writes a plain str): allowed, so they load.
         with torch.serialization.safe_globals([TorchVersion]):
             ckpt = torch.load(path, map_location="cpu", mmap=mmap, weights_only=True)
     except pickle.UnpicklingError as e:  # weights_only refused a global: never relay torch's retry advice

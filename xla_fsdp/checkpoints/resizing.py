@@ -82,4 +82,3 @@ def resize_checkpoint(ckpt_prefix: str, world_size: int, out_prefix: str,
     return paths
 
 
-reshard_checkpoint = resize_checkpoint  # its former name, kept for programs that call it
