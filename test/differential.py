@@ -24,7 +24,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-import re
 import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -71,7 +70,7 @@ class Program:
     reload: bool = False               # load the state saved after step 0 before step 2 (both runs)
     steps: int = 3
     wrong_reduction: bool = False      # self-test: sum gradients over ranks instead of averaging
-    # Programs as users write them (issue 42):
+    # Programs as users write them:
     toggle: str = "none"               # at step 1, requires_grad of the shards holding blocks.0.fc.weight is
     #                                    set False (freeze) or True (unfreeze: it is frozen at wrap if `frozen`)
     clip_by: str = "model"             # with clip: model.clip_grad_norm_ | torch (torch.nn.utils.clip_grad_norm_
@@ -88,7 +87,7 @@ class Program:
     #                                    ZeRO-3 blocks, 1 for ZeRO-2 ones) instead of the bool
     prefetch: bool = False             # fully_shard: each block lists the other in set_modules_to_forward_prefetch
     #                                    (the first) or ..._backward_prefetch (the second); False: FSDP2's default
-    # Programs as users write them, round 3 (issue 54):
+    # Programs as users write them (the second set):
     clamp: bool = False                # blocks.1 clamps its fc.weight to [-0.3, 0.3] in place in forward (under
     #                                    torch.no_grad()): the edit stays, as unsharded. Eager devices and
     #                                    unflattened only: refused on XLA, and PyTorch refuses it on a split view
@@ -96,7 +95,7 @@ class Program:
     #                                    (inside checkpoint_module's when remat): torch's, torch_xla's on XLA
     autocast: bool = False             # the sharded forward runs under torch.autocast(<device>, bfloat16) over
     #                                    fp32 parameters (the reference in fp32: bf16 tolerances)
-    # Round 4 (issue 66):
+    # The third set:
     recipe: str = "api"                # adamw_groups' groups: api (model.optimizer_param_groups, by original name) |
     #                                    name (transformers' ["bias", "LayerNorm.weight"] on named_parameters()) |
     #                                    dim (nanoGPT's p.dim() < 2) applied to what the program sees: the shards.
@@ -507,11 +506,12 @@ def recipe_splits_otherwise(p: Program, model: nn.Module, originals: nn.Module) 
     entries = {id(q): layout[key] for key, q in root.named_parameters()}
     shards = list(model.named_parameters())
     dims = {n: q.dim() for n, q in originals.named_parameters(remove_duplicate=False)}
+    decay = [set(trainer_decay_names(m)) for m in (model, originals)]
     recipes = {  # (on a shard, on an original)
         "name": (lambda key, q: recipe_no_decay(dataclasses.replace(p, recipe="name"), key, q.dim()),
                  lambda n: recipe_no_decay(dataclasses.replace(p, recipe="name"), n, dims[n])),
         "dim": (lambda key, q: q.dim() < 2, lambda n: dims[n] < 2),
-        "trainer": (lambda key, q: trainer_no_decay(model, key), lambda n: trainer_no_decay(originals, n)),
+        "trainer": (lambda key, q: key not in decay[0], lambda n: n not in decay[1]),
     }
     seen = [recipe_no_decay(p, key, q.dim()) for key, q in shards]
     for on_shard, on_original in recipes.values():
@@ -521,13 +521,11 @@ def recipe_splits_otherwise(p: Program, model: nn.Module, originals: nn.Module) 
     return False
 
 
-def trainer_no_decay(model: nn.Module, name: str) -> bool:
-    """transformers' Trainer.get_decay_parameter_names (4.57), for one parameter: no decay inside an
-    nn.LayerNorm, or where the lowercased name has bias or a variation of norm."""
-    parts = name.split(".")
-    inside = [model.get_submodule(".".join(parts[:i])) for i in range(1, len(parts))]
-    patterns = (r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)")
-    return any(isinstance(m, nn.LayerNorm) for m in inside) or any(re.search(x, name.lower()) for x in patterns)
+def trainer_decay_names(model: nn.Module) -> list:
+    """transformers' Trainer.get_decay_parameter_names itself (imported, not copied, so that a wrong reading
+    of its rule in the package cannot pass here as well)."""
+    from transformers import Trainer
+    return Trainer.get_decay_parameter_names(None, model)
 
 
 def wrap(p: Program, model: Net, world_size: int) -> FSDP:

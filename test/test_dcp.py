@@ -1,4 +1,4 @@
-"""Checkpoints that travel to and from PyTorch Distributed Checkpoint (issue 25): FSDP2 on gloo saves
+"""Checkpoints that travel to and from PyTorch Distributed Checkpoint: FSDP2 on gloo saves
 with DCP, ``python -m xla_fsdp.convert --from dcp`` gives xla_fsdp rank files for another world
 size, and xla_fsdp continues the run as FSDP2 continues it; xla_fsdp's checkpoint goes back with
 ``--to dcp`` to FSDP2 and to a plain model. Model and AdamW state both (1e-5 on losses and
@@ -189,7 +189,7 @@ def test_the_fsdp2_tutorials_state_dict_code_runs_on_xla_fsdp_across_world_sizes
 
 @pytest.mark.fast
 def test_a_dcp_round_trip_keeps_the_optimizer_state_with_its_parameters(tmp_path, gloo):
-    """Issue 53 item 2. Rank files -> --to dcp -> --from dcp -> consolidate --optimizer: the
+    """Rank files -> --to dcp -> --from dcp -> consolidate --optimizer: the
     optimizer's parameters in the unwrapped model's order, as the direct consolidation gives them.
     Before: the export wrote the wrapped model's order (the root unit's parameters first) into DCP's
     metadata, the import took it as the model's, and a plain AdamW(model.parameters()) loading the
@@ -232,6 +232,87 @@ def test_a_dcp_round_trip_keeps_the_optimizer_state_with_its_parameters(tmp_path
     assert all(torch.equal(direct["model"][k], via_dcp["model"][k]) for k in direct["model"])
 
 
+class _ScaledByZeroD(__import__("torch").nn.Module):
+    """A model with a 0-d parameter (a learnt scalar, as gates and temperatures are written)."""
+
+    def __init__(self):
+        import torch
+        super().__init__()
+        self.a = torch.nn.Linear(6, 6)
+        self.t = torch.nn.Parameter(torch.tensor(0.5))
+        self.b = torch.nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.b(self.a(x) * self.t)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("flatten", [False, True])
+def test_a_zero_d_parameters_moments_survive_dcp_and_the_full_optimizer_state(flatten, tmp_path, gloo):
+    """A 0-d parameter's Adam moments are per element like every other's (all its fields are 0-d, so
+    their shape cannot tell): rank files -> --to dcp -> --from dcp at 2 ranks -> consolidate gives the
+    moments of a plain AdamW trained the same (1e-6), the imported files resume as the plain run
+    continues (1e-6), and load_full_optim_state_dict of the plain
+    optimizer's state gives the shard the same moments as the wrapped optimizer's own."""
+    import torch
+
+    import xla_fsdp
+    from xla_fsdp import XlaFullyShardedDataParallel as FSDP
+    from xla_fsdp.checkpoints import full_optim_state_dict, full_state_dict, load_full_optim_state_dict
+    from xla_fsdp.consolidate_sharded_ckpts import main as consolidate_cli
+
+    def make():
+        torch.manual_seed(0)
+        return _ScaledByZeroD()
+
+    x = torch.randn(4, 6)
+    plain = make()
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    model = FSDP(make(), flatten_parameters=flatten)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for m, o in ((plain, plain_opt), (model, opt)):
+        for _ in range(2):
+            o.zero_grad()
+            m(x).square().sum().backward()
+            o.step()
+    ck = str(tmp_path / "ck")
+    xla_fsdp.save_sharded_checkpoint(model, opt, ck)
+    assert convert_cli(["--to", "dcp", "--ckpt_prefix", ck, "--out", str(tmp_path / "dcp")]) == 0
+    assert convert_cli(["--from", "dcp", "--ckpt_dir", str(tmp_path / "dcp"), "--world_size", "2",
+                        "--out_prefix", str(tmp_path / "back")]) == 0
+    want = {n: plain_opt.state[p] for n, p in plain.named_parameters()}
+    assert want["t"]["exp_avg"].dim() == 0 and want["t"]["exp_avg"].abs().item() > 0
+    for prefix in (ck, str(tmp_path / "back")):
+        assert consolidate_cli(["--ckpt_prefix", prefix, "--optimizer"]) == 0
+        got = torch.load(prefix + "_consolidated.pth", weights_only=True)["optimizer"]["state"]
+        for name, st in want.items():
+            for field in ("exp_avg", "exp_avg_sq"):
+                assert got[name][field].shape == st[field].shape, (prefix, name, field)
+                assert (got[name][field] - st[field]).abs().max().item() <= 1e-6, (prefix, name, field)
+    full = full_optim_state_dict(model, opt, rank0_only=False)
+    for field in ("exp_avg", "exp_avg_sq"):
+        assert (full["state"]["t"][field] - want["t"][field]).abs().max().item() <= 1e-6, field
+    fresh = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    load_full_optim_state_dict(model, fresh, full)
+    own = opt.state_dict()["state"]
+    for idx, st in fresh.state_dict()["state"].items():
+        for field in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(st[field], own[idx][field]), (idx, field)
+    # the imported files resume: one more step from them is one more plain step
+    assert convert_cli(["--from", "dcp", "--ckpt_dir", str(tmp_path / "dcp"), "--world_size", "1",
+                        "--out_prefix", str(tmp_path / "one")]) == 0
+    resumed = FSDP(make(), flatten_parameters=flatten)
+    resumed_opt = torch.optim.AdamW(resumed.parameters(), lr=1e-2)
+    xla_fsdp.load_sharded_checkpoint(resumed, resumed_opt, str(tmp_path / "one"))
+    for m, o in ((plain, plain_opt), (resumed, resumed_opt)):
+        o.zero_grad()
+        m(x).square().sum().backward()
+        o.step()
+    after = full_state_dict(resumed, rank0_only=False)
+    for name, q in plain.named_parameters():
+        assert (after[name].reshape(q.shape) - q.detach()).abs().max().item() <= 1e-6, name
+
+
 class _RunsCode:
     """A pickle that, loaded with plain pickle, creates ``marker``."""
 
@@ -251,7 +332,7 @@ def _dcp_copy(src, tmp_path, name):
 
 @pytest.mark.fast
 def test_convert_from_dcp_runs_no_code_and_names_damage(tmp_path, capsys):
-    """Issue 53 items 4 and 6. Before: DCP's .metadata was unpickled with plain pickle (a crafted one
+    """Before: DCP's .metadata was unpickled with plain pickle (a crafted one
     ran os.system, then a traceback, exit 1); a truncated .metadata or .distcp gave a raw traceback,
     exit 1, and left the output folder behind; a flipped byte in a .distcp converted silently and
     inspect then reported the new files plainly "ok"."""
@@ -295,7 +376,7 @@ def test_convert_from_dcp_runs_no_code_and_names_damage(tmp_path, capsys):
 
 @pytest.mark.fast
 def test_a_dcp_export_past_the_file_size_limit_is_one_line(tmp_path):
-    """Issue 53 item 7. Before: under ``ulimit -f`` DCP's CheckpointException came out as a traceback,
+    """Before: under ``ulimit -f`` DCP's CheckpointException came out as a traceback,
     exit 1 (its per-rank failures are (exception, traceback) pairs, which the no-room search missed)."""
     import subprocess
     import sys
@@ -367,7 +448,7 @@ def _broadcast_from_rank0_on_xla(how: str, folder: str):
 @pytest.mark.xla
 @pytest.mark.parametrize("how", ["fully_shard", "flat"])
 def test_the_tutorials_checkpoint_calls_on_the_xla_group(how, tmp_path):
-    """Issue 55 items 2-3 on 2 XLA:CPU devices with the xla process group initialized, as the FSDP2
+    """On 2 XLA:CPU devices with the xla process group initialized, as the FSDP2
     tutorial's program: set_state_dict(..., broadcast_from_rank0=True) (before: 'Check failed:
     device.type() == at::kXLA (cpu vs. xla)' inside torch_xla) and the collective dcp.save / dcp.load
     of get_state_dict's full dicts (before: 'Argument gather_list must be specified on destination

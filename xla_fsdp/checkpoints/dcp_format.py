@@ -34,7 +34,8 @@ from .dcp_reader import SafeFileSystemReader, SafeLoadPlanner
 from .reader import MISSING_OPTIMIZER_KEYS, ShardedCheckpoint
 from .files import (DEFAULT_SUFFIX, CheckpointError, as_disk_full, causes, new_folders_removed_on_error,
                     prepare_output, rank_path, refuse_overwriting_inputs, stored_bytes, tensor_checksum)
-from .metadata import METADATA_VERSION, _library_versions, full_optimizer_state_dict, param_order
+from .metadata import (METADATA_VERSION, _library_versions, full_optimizer_state_dict, is_per_element,
+                       learn_per_element, param_order)
 from .resized_load import NameIndex, read_full
 from .stream_save import PthStreamWriter
 
@@ -177,7 +178,7 @@ def _optimizer_placeholders(src: ShardedCheckpoint, ckpts, index: NameIndex, opt
             shape = tuple(shape)
             st: Dict[str, Any] = {}
             for field, value in fields.items():
-                if isinstance(value, torch.Tensor) and list(value.shape) == list(entry["shard_shape"]):
+                if is_per_element(field, value, entry["shard_shape"]):
                     st[field] = torch.empty(shape, dtype=value.dtype, device="meta")
 
                     def chunk(k, rank, field=field):
@@ -441,20 +442,31 @@ def _read_param_groups(reader, entries, optim_prefix: str) -> List[Dict[str, Any
     return [listed[i] for i in sorted(listed)]
 
 
+def _field_shapes(entries, optim_prefix: str, names) -> Dict[str, Dict[str, Any]]:
+    """``learn_per_element``'s field shapes of the optimizer state, from the DCP's metadata alone."""
+    shapes: Dict[str, Dict[str, Any]] = {}
+    for name in names:
+        prefix = f"{optim_prefix}.state.{name}."
+        shapes[name] = {fqn[len(prefix):]: list(meta.size) if isinstance(meta, TensorStorageMetadata) else None
+                        for fqn, meta in entries.items() if fqn.startswith(prefix)}
+    return shapes
+
+
 def _import_optimizer(reader, entries, optim_prefix: str, groups, keys: Dict[str, str], layout: Dict[str, Any],
                       out: "_RankFileWriters") -> None:
     """Optimizer state into the rank files: fields shaped like the parameter split as it is,
     others (``step``) copied; indices in the param groups' order, as ``torch.optim`` numbers them."""
     world_size = len(out.paths)
     order = [p for g in groups for p in g["params"]]
+    shape_of = {name: layout[keys[name]]["shapes"][0] for name in order}
+    learnt = learn_per_element(_field_shapes(entries, optim_prefix, order), shape_of)  # nothing read for it
     for i, name in enumerate(order):
         prefix = f"{optim_prefix}.state.{name}."
         for fqn, meta in entries.items():
             if not fqn.startswith(prefix):
                 continue
             value = _read_dcp(reader, fqn, meta)
-            if isinstance(value, torch.Tensor) and value.dim() > 0 and list(value.shape) == \
-                    layout[keys[name]]["shapes"][0]:
+            if is_per_element(fqn[len(prefix):], value, shape_of[name], learnt):
                 out.add_optimizer(i, fqn[len(prefix):], _split(value, world_size)[1])
             else:
                 out.add_optimizer(i, fqn[len(prefix):], [value] * world_size)

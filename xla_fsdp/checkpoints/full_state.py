@@ -13,7 +13,7 @@ import torch
 from ..shard_names import clean_name
 from .files import CheckpointError
 from ..sharding import split_entry, stitch_entry
-from .metadata import full_optimizer_state_dict, param_order
+from .metadata import full_optimizer_state_dict, is_per_element, learn_per_element, param_order, tensor_shapes
 from ..unit.base import takes_root_unit
 from ..unit.shard_param import rows_of
 
@@ -126,7 +126,7 @@ def full_optim_state_dict(model, optimizer, rank0_only: bool = True) -> Optional
         st = osd["state"].get(idx, {})
         gathered[idx] = {}
         for f, v in st.items():
-            if isinstance(v, torch.Tensor) and list(v.shape) == list(entry["shard_shape"]):
+            if is_per_element(f, v, entry["shard_shape"]):
                 v = model.gather_over_ranks(v.reshape((-1,) + tuple(v.shape[1:])))
                 comms.sync()
             gathered[idx][f] = v
@@ -138,7 +138,7 @@ def full_optim_state_dict(model, optimizer, rank0_only: bool = True) -> Optional
         per_field = {}
         for f, v in gathered[idx].items():
             original = osd["state"][idx][f]
-            if isinstance(original, torch.Tensor) and list(original.shape) == list(entry["shard_shape"]):
+            if is_per_element(f, original, entry["shard_shape"]):
                 per_field[f] = stitch_entry(entry, list(v.cpu().chunk(ws)))
             else:
                 per_field[f] = [v.clone() if isinstance(v, torch.Tensor) else v] * len(entry["names"])
@@ -151,35 +151,6 @@ def full_optim_state_dict(model, optimizer, rank0_only: bool = True) -> Optional
                                      order)
 
 
-def _per_element_fields(state: Mapping[str, Any], layout: Mapping[str, Any]) -> Dict[str, bool]:
-    """Which optimizer state fields hold one value per parameter element (Adam's moments, SGD's
-    momentum) and which are scalars (``step``), learnt from the parameters that are not 0-d: there
-    a field shaped like its parameter is per-element, a 0-d one is a scalar. A 0-d parameter's
-    fields are all 0-d and cannot tell by themselves."""
-    shapes = {n: list(shape) for entry in layout.values() for n, shape in zip(entry["names"], entry["shapes"])}
-    verdict: Dict[str, bool] = {}
-    for name, fields in state.items():
-        shape = shapes.get(name)
-        if not shape:
-            continue
-        for field, value in fields.items():
-            if isinstance(value, torch.Tensor):
-                if list(value.shape) == shape:
-                    verdict[field] = True
-                elif value.dim() == 0:
-                    verdict.setdefault(field, False)
-    return verdict
-
-
-def _is_per_element(field: str, value: Any, shape: Any, per_element: Mapping[str, bool]) -> bool:
-    if not isinstance(value, torch.Tensor) or list(value.shape) != list(shape):
-        return False
-    if value.dim() > 0:
-        return True
-    # A 0-d parameter: as the other parameters say; ``step`` counts steps when none can tell.
-    return per_element.get(field, field != "step")
-
-
 @takes_root_unit
 @torch.no_grad()
 def load_full_optim_state_dict(model, optimizer, full_osd: Mapping[str, Any]) -> None:
@@ -187,7 +158,8 @@ def load_full_optim_state_dict(model, optimizer, full_osd: Mapping[str, Any]) ->
     metadata, _ = _shard_of_layout(model)
     keys = _optimizer_keys(model, optimizer)
     multiple = metadata["shard_size_multiple"]
-    per_element = _per_element_fields(full_osd["state"], metadata["layout"])
+    learnt = learn_per_element(tensor_shapes(full_osd["state"]), {n: shape for entry in metadata["layout"].values()
+                                                   for n, shape in zip(entry["names"], entry["shapes"])})
     state = {}
     for idx, key in enumerate(keys):
         entry = metadata["layout"][key]
@@ -198,7 +170,7 @@ def load_full_optim_state_dict(model, optimizer, full_osd: Mapping[str, Any]) ->
             raise CheckpointError(f"optimizer state covers only part of shard '{key}' ({entry['names']})")
         st = {}
         for f, v in per_name[0].items():
-            if _is_per_element(f, v, entry["shapes"][0], per_element):
+            if is_per_element(f, v, entry["shapes"][0], learnt):
                 full = [s[f].detach().cpu() for s in per_name]
                 st[f] = split_entry(entry, full, model.world_size, multiple)[1][model.rank].view(entry["shard_shape"])
             else:

@@ -146,3 +146,42 @@ def full_optimizer_state_dict(state: Mapping[str, Any], saved_groups: List[Mappi
         new["params"] = list(names)
         groups.append(new)
     return {"state": OrderedDict((n, state[n]) for n in sorted(state, key=rank)), "param_groups": groups}
+
+
+def is_per_element(field: str, value: Any, shape: Iterable[int], learnt: Mapping[str, bool] = {}) -> bool:
+    """Whether the optimizer state ``field`` holds one value per element of a tensor of ``shape`` (a
+    shard's ``shard_shape``, or an original parameter's): Adam's moments and SGD's momentum do,
+    ``step`` and other scalars do not. A tensor field shaped like it is per element; a 0-d shape cannot
+    tell by itself (every field of a 0-d parameter is 0-d), so there the fields of the parameters that
+    are not 0-d decide (``learnt``, :func:`learn_per_element`), and a field none of them holds counts
+    as per element unless it is ``step``. A shard is never 0-d (a 0-d parameter's is one padded row)."""
+    if not isinstance(value, torch.Tensor) or list(value.shape) != list(shape):
+        return False
+    if value.dim() > 0:
+        return True
+    return learnt.get(field, field != "step")
+
+
+def learn_per_element(field_shapes: Mapping[str, Mapping[str, Any]], shapes: Mapping[str, Any]) -> Dict[str, bool]:
+    """Per field name, whether it is per element, from the parameters that are not 0-d (``field_shapes``:
+    name -> field -> the tensor's shape, None for a value that is no tensor; ``shapes``: name -> the
+    parameter's shape): shaped like its parameter there, it is; 0-d there, it is not."""
+    verdict: Dict[str, bool] = {}
+    for name, fields in field_shapes.items():
+        shape = shapes.get(name)
+        if not shape:
+            continue
+        for field, field_shape in fields.items():
+            if field_shape is None:
+                continue
+            if list(field_shape) == list(shape):
+                verdict[field] = True
+            elif len(field_shape) == 0:
+                verdict.setdefault(field, False)
+    return verdict
+
+
+def tensor_shapes(state: Mapping[str, Mapping[str, Any]]) -> Dict[str, Dict[str, Any]]:
+    """``learn_per_element``'s ``field_shapes`` of a state keyed by name (name -> field -> value)."""
+    return {n: {f: list(v.shape) if isinstance(v, torch.Tensor) else None for f, v in fields.items()}
+            for n, fields in state.items()}

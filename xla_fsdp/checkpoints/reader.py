@@ -18,7 +18,7 @@ from ..shard_names import clean_name, readable_key
 from ..sharding import stitch_entry
 from .files import (DEFAULT_SUFFIX, CheckpointError, check_consistent, find_rank_files, load_rank_file,
                     tensor_checksum, verify_archive)
-from .metadata import full_optimizer_state_dict, param_order
+from .metadata import full_optimizer_state_dict, is_per_element, param_order
 from .migrate import is_torch_xla_metadata, torch_xla_layout
 
 REOPEN_BYTES = 64 * 1024 * 1024
@@ -185,7 +185,7 @@ class ShardedCheckpoint:
             per_rank = self.optimizer_states(idx)
             full: Dict[str, List[Any]] = {}
             for field, value in per_rank[0].items():
-                if isinstance(value, torch.Tensor) and list(value.shape) == list(entry["shard_shape"]):
+                if is_per_element(field, value, entry["shard_shape"]):
                     full[field] = stitch_entry(entry, [st[field] for st in per_rank])
                 else:
                     full[field] = [value.clone() if isinstance(value, torch.Tensor) else value] * len(entry["names"])

@@ -19,6 +19,7 @@ import torch
 from ..shard_names import clean_name, readable_key
 from .reader import MISSING_OPTIMIZER_KEYS, REOPEN_BYTES, ShardedCheckpoint
 from .files import CheckpointError, ModelMismatchError, verify_archive
+from .metadata import is_per_element
 
 Member = Tuple[str, int, int]  # (original name, offset in the entry's flat buffer, numel)
 
@@ -215,7 +216,7 @@ class ResizedLoad:
             source_shape = list(self.source.layout[with_state[0]]["shard_shape"])
             st: Dict[str, Any] = {}
             for field, value in saved0["state"][source_index[with_state[0]]].items():
-                if isinstance(value, torch.Tensor) and list(value.shape) == source_shape:
+                if is_per_element(field, value, source_shape):
                     def read(k, r, field=field):
                         return self._ckpts[r]["optimizer"]["state"][source_index[k]][field].reshape(-1)
                     st[field] = (value.dtype, entry["shard_shape"], self._filler(entry, rank, read))

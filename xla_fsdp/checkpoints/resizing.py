@@ -12,6 +12,7 @@ from .reader import MISSING_OPTIMIZER_KEYS, ShardedCheckpoint
 from .files import (DEFAULT_SUFFIX, CheckpointError, FileSet, prepare_output, rank_path, refuse_overwriting_inputs,
                     tensor_checksum)
 from ..sharding import split_entry, stitch_entry
+from .metadata import is_per_element
 from .migrate import pad_multiple_of
 
 
@@ -59,7 +60,7 @@ def resize_checkpoint(ckpt_prefix: str, world_size: int, out_prefix: str,
                     per_rank = src.optimizer_states(idx)
                     st = {}
                     for field, value in per_rank[0].items():
-                        if isinstance(value, torch.Tensor) and list(value.shape) == list(entry["shard_shape"]):
+                        if is_per_element(field, value, entry["shard_shape"]):
                             full = stitch_entry(entry, [p[field] for p in per_rank])
                             st[field] = split_entry(entry, full, world_size, multiple)[1][rank]
                         else:
