@@ -1,11 +1,11 @@
 """Training step time while a >= 1 GB sharded checkpoint is saved: no save, a blocking save, and
-``save_sharded_checkpoint(..., blocking=False)`` (issue 25), in one process, measured side by side.
+``save_sharded_checkpoint(..., blocking=False)``, in one process, measured side by side.
 
     python -m benchmarks.async_save [--hidden 3072] [--layers 9] [--steps 12]
 
 One gloo rank, torch with one compute thread (the writer thread gets the other core of this
 2-core machine). Rounds interleave, for each of two archive writers (xla_fsdp's, whose zip CRC-32s
-are computed by zlib outside the GIL, and torch.save's own, which computes them holding it): a
+are computed by zlib outside the GIL, and torch's zip writer computing them itself, holding the GIL): a
 few steps with no save, a blocking save (the training that stops for it), and an async save with
 steps running meanwhile. Reports medians over the rounds: the step with no save, the blocking
 save, the step during an async save and its ratio to the no-save step, the async save's duration
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import os
 import statistics
 import tempfile
@@ -29,7 +30,7 @@ import torch.nn as nn
 
 import xla_fsdp
 from .report import write_result
-from xla_fsdp.checkpoints import zip_crc
+from xla_fsdp.checkpoints import rank_writer
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -61,12 +62,13 @@ class PeakRss:
         self._thread.join()
 
 
-WRITERS = {"xla_fsdp": "zip CRC-32 by zlib, outside the GIL", "torch.save": "zip CRC-32 by torch, holding the GIL"}
+WRITERS = {"xla_fsdp": "zip CRC-32 by zlib, outside the GIL", "torch": "zip CRC-32 by torch, holding the GIL"}
 
 
-def _use_writer(name: str, original=zip_crc._write_archive_without_crc) -> None:
-    """torch.save's own writer is what xla_fsdp's falls back to: select it by refusing the fast path."""
-    zip_crc._write_archive_without_crc = original if name == "xla_fsdp" else (lambda obj, f: False)
+def _use_writer(name: str, original=rank_writer.PthStreamWriter) -> None:
+    """torch's zip writer computing the CRC-32s itself is what xla_fsdp's falls back to: select it so."""
+    rank_writer.PthStreamWriter = original if name == "xla_fsdp" else functools.partial(original,
+                                                                                         crc_outside_gil=False)
 
 
 def main() -> None:

@@ -21,7 +21,8 @@ import time
 
 import torch
 
-from xla_fsdp.checkpoints.files import atomic_torch_save, rank_path, tensor_checksum
+from xla_fsdp.checkpoints.files import rank_path
+from xla_fsdp.checkpoints.rank_writer import RankFileWriter
 from xla_fsdp.sharding import FlatLayout, flatten_and_pad, shard_of
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -76,11 +77,12 @@ def make_checkpoint(directory: str, total_mb: int, world_size: int, tensor_mb: i
             "layout": layout,
             "shard_size_multiple": 1,
             "run_id": "bench",
-            "checksums": {"model": {k: tensor_checksum(v) for k, v in model.items()}, "optimizer": {}},
         }
-        atomic_torch_save(
-            {"model": model, "shard_metadata": md, "optimizer": None}, rank_path(prefix, rank, world_size)
-        )
+        writer = RankFileWriter(rank_path(prefix, rank, world_size))  # the package's rank-file writer
+        for key, value in model.items():
+            writer.add_model(key, value)
+        writer.write(md)
+        writer.commit()
     files = [rank_path(prefix, r, world_size) for r in range(world_size)]
     return {"prefix": prefix, "total_bytes": sum(os.path.getsize(f) for f in files),
             "largest_shard_file": max(os.path.getsize(f) for f in files), "largest_tensor": numel * 4,

@@ -1,7 +1,7 @@
-"""Checkpoint tools never lose data, never run code and never pass damage on (issue 23, items 1-3
-and 11): outputs that are inputs are refused, files are unpickled with weights_only, every record's
-CRC-32 is checked whoever wrote the file, and a fuzz of random damage never yields a silent wrong
-consolidation, a traceback or a modified input."""
+"""Checkpoint tools never lose data, never run code and never pass damage on: outputs that are
+inputs are refused, files are unpickled with weights_only, every record's CRC-32 is checked whoever
+wrote the file, and a fuzz of random damage never yields a silent wrong consolidation, a traceback or
+a modified input."""
 import hashlib
 import os
 import random
@@ -110,7 +110,7 @@ def test_a_crafted_rank_file_runs_no_code(tmp_path, capsys, gloo):
     assert resize_cli(["--ckpt_prefix", prefix, "--world_size", "2", "--out_prefix", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
     assert err.count("evil_rank-00000000-of-00000001.pth") == 3 and "Unsupported global" in err, err
-    # one line each, and never torch's advice to retry with weights_only=False (issue 53 item 8)
+    # one line each, and never torch's advice to retry with weights_only=False
     assert err.count("\n") == 3 and "weights_only=False" not in err and "nothing in it was run" in err, err
     proc = subprocess.run([sys.executable, *INSPECT, "--ckpt_prefix", prefix], capture_output=True, text=True)
     assert proc.returncode == 2 and "evil_rank-00000000-of-00000001.pth" in proc.stderr, proc.stderr
@@ -345,10 +345,10 @@ def test_every_rank_raises_when_one_rank_file_is_damaged(transport, tmp_path):
 @pytest.mark.parametrize("transport", ["torch", "xla"])
 @pytest.mark.parametrize("damage", ["swap", "other_save", "missing"])
 def test_rank_files_that_are_sound_alone_but_not_this_ranks_are_refused(transport, damage, tmp_path):
-    """Issue 53 item 3. Before: rank files swapped by name (or one file from a later save) loaded
+    """Before: rank files swapped by name (or one file from a later save) loaded
     silently at the same world size, every tensor another rank's (or another step's); only the CLIs
     and a load at another world size compared the rank in the file with the one reading it. And a
-    missing file of this world size was told to resize (item 8)."""
+    missing file of this world size was told to resize."""
     results = _load_damaged(transport, tmp_path, damage)
     for rank, (outcome, untouched) in enumerate(results):
         assert outcome.startswith("CheckpointError"), (rank, outcome)
@@ -526,7 +526,7 @@ finally:
 
 @pytest.mark.parametrize("at", [2, 9])  # early in the file; in the optimizer's records
 def test_ctrl_c_while_saving_stops_every_rank_cleanly(tmp_path, at):
-    """Issue 53 item 7. Before: a KeyboardInterrupt landing inside torch's zip writer (in the write it
+    """Before: a KeyboardInterrupt landing inside torch's zip writer (in the write it
     calls) left it broken, and its destructor aborted each rank: "terminate called after throwing an
     instance of 'c10::Error' ... unexpected pos" and ~30 C++ frames. Now each rank's own handler sees
     one KeyboardInterrupt (here: "interrupted", exit 130), no temporary file is left, the checkpoint
@@ -561,7 +561,7 @@ def test_ctrl_c_while_saving_stops_every_rank_cleanly(tmp_path, at):
 # ------------------------------------------------------------- 10. messages that name the cause and the fix
 @pytest.mark.fast
 def test_messages_name_the_cause_and_the_fix(ckpts, tmp_path, capsys, monkeypatch):
-    """Issue 53 item 8, each before -> after: the free-space check of a consolidation with --optimizer
+    """Each before -> after: the free-space check of a consolidation with --optimizer
     counted the model only; an unwritable folder named our temporary file; a rank file's name or a
     folder given as the prefix found nothing, with no hint."""
     import errno
@@ -605,7 +605,7 @@ def test_messages_name_the_cause_and_the_fix(ckpts, tmp_path, capsys, monkeypatc
 
 @pytest.mark.fast
 def test_modules_that_cannot_be_sharded_are_named_with_the_fix(gloo):
-    """Issue 53 item 8 / issue 54 item 7. Before: nn.Embedding(sparse=True) failed in backward with
+    """Before: nn.Embedding(sparse=True) failed in backward with
     'reshape is not implemented for sparse tensors'; a complex64 parameter was told to 'register
     non-trainable integer tensors as buffers'."""
     import torch.nn as nn
@@ -625,30 +625,30 @@ def test_modules_that_cannot_be_sharded_are_named_with_the_fix(gloo):
                                         r"view_as_real"):
         FSDP(Complex())
     with pytest.raises(TypeError, match=r"parameter .0.weight. belongs to Embedding\(max_norm=1.0\), which renorm"):
-        FSDP(nn.Sequential(nn.Embedding(10, 4, max_norm=1.0), nn.Linear(4, 2)))  # issue 54 item 3
+        FSDP(nn.Sequential(nn.Embedding(10, 4, max_norm=1.0), nn.Linear(4, 2)))  # renorm edits the weight in forward
     frozen = nn.Embedding(10, 4, sparse=True).requires_grad_(False)  # no gradient: nothing sparse to reduce
     FSDP(nn.Sequential(frozen, nn.Linear(4, 2)))
 
 
 _TERMINATED_RESIZE = """
 import os, signal, sys
-from xla_fsdp.checkpoints import files
+from xla_fsdp.checkpoints import rank_writer
 from xla_fsdp.resize import main
-real, calls = files.save_with_crc_outside_gil, []
-def write(obj, path):  # the second rank file: half written when SIGTERM arrives
-    calls.append(path)
+real, calls = rank_writer.RankFileWriter.write, []
+def write(self, metadata):  # the second rank file: half written when SIGTERM arrives
+    calls.append(self.path)
     if len(calls) == 2:
-        with open(path, "wb") as f:
+        with open(self.tmp, "ab") as f:
             f.write(b"half")
         os.kill(os.getpid(), signal.SIGTERM)
-    return real(obj, path)
-files.save_with_crc_outside_gil = write
+    return real(self, metadata)
+rank_writer.RankFileWriter.write = write
 sys.exit(main(sys.argv[1:]))
 """
 
 
 def test_resize_stopped_or_refused_leaves_no_temporary_file_and_says_why(ckpts, tmp_path):
-    """Issue 66 item 16. Before: python -m xla_fsdp.resize killed by SIGTERM left *.tmp files a rerun
+    """Before: python -m xla_fsdp.resize killed by SIGTERM left *.tmp files a rerun
     did not clean, and a folder where a rank file goes, or a parent it cannot write, gave a raw
     [Errno 21] / [Errno 30]."""
     _copy(ckpts, tmp_path)

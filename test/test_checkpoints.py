@@ -72,7 +72,7 @@ def _plain_optimizer(name, model):
 
 
 def test_consolidated_optimizer_state_loads_into_the_plain_model(tmp_path):
-    """Issue 42 item 7: the consolidated optimizer state loads into the unwrapped model's own
+    """The consolidated optimizer state loads into the unwrapped model's own
     optimizer with plain ``load_state_dict``: nn.Sequential with nested units for 0 and 2 (root owns
     4), per-parameter and flat, one group and the weight-decay groups, 2 gloo ranks, 3 steps. Every
     parameter gets its own moments (bit for bit, by name, against the state gathered from the
@@ -163,6 +163,87 @@ def test_metadata_records_the_unwrapped_models_parameter_order(name, gloo):
     want = [n for n, _ in make().named_parameters()]
     wrapped = wrap(make())
     assert wrapped.get_shard_metadata()["model_param_order"] == want
+
+
+@pytest.mark.fast
+def test_a_saved_rank_file_is_a_plain_checked_archive_with_its_extra(gloo, tmp_path):
+    """The one rank-file writer (streamed, its zip CRC-32s filled in outside the GIL): the save's file passes
+    zipfile's own check, loads with torch.load(weights_only=True), and gives back an ``extra`` holding
+    tensors (a view into a larger one among them) and the optimizer state bit for bit."""
+    import zipfile
+
+    import xla_fsdp
+    from xla_fsdp import XlaFullyShardedDataParallel as FSDP
+    torch.manual_seed(0)
+    model = FSDP(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    big = torch.arange(20.0)
+    extra = {"rng": torch.get_rng_state(), "view": big[3:7], "nested": [{"t": torch.arange(4)}], "n": 3}
+    path = xla_fsdp.save_sharded_checkpoint(model, opt, str(tmp_path / "ck"), extra=extra)
+    with zipfile.ZipFile(path) as archive:
+        assert archive.testzip() is None
+    saved = torch.load(path, weights_only=True)
+    assert torch.equal(saved["extra"]["view"], big[3:7]) and saved["extra"]["view"].numel() == 4
+    assert torch.equal(saved["extra"]["rng"], extra["rng"]) and saved["extra"]["n"] == 3
+    assert torch.equal(saved["extra"]["nested"][0]["t"], torch.arange(4))
+    want = opt.state_dict()
+    for idx, st in want["state"].items():
+        for field, v in st.items():
+            assert torch.equal(saved["optimizer"]["state"][idx][field], v), (idx, field)
+    assert saved["optimizer"]["param_groups"] == want["param_groups"]
+    assert set(saved["shard_metadata"]["checksums"]["optimizer"]) == {
+        f"{i}.{f}" for i, st in want["state"].items() for f in st}
+    fresh = torch.optim.AdamW(model.parameters())
+    assert xla_fsdp.load_sharded_checkpoint(model, fresh, str(tmp_path / "ck"))["n"] == 3
+
+
+RELEASE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "release-0.1.0")
+
+
+@pytest.mark.fast
+def test_rank_files_of_the_last_release_still_load(gloo, tmp_path):
+    """Two rank files written by xla_fsdp 0.1.0 (test/data/release-0.1.0, written_by.py says how) consolidate,
+    resize and load (resized to one rank) with today's code: the model and its Adam moments are those of
+    the same model trained the same step unsharded (1e-6), the extra comes back as saved."""
+    import importlib.util
+    import shutil
+
+    import xla_fsdp
+    from xla_fsdp import XlaFullyShardedDataParallel as FSDP
+    from xla_fsdp.checkpoints import full_optim_state_dict, full_state_dict
+    spec = importlib.util.spec_from_file_location("written_by", os.path.join(RELEASE, "written_by.py"))
+    written_by = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(written_by)
+    for name in os.listdir(RELEASE):
+        if name.endswith(".pth"):
+            shutil.copy(os.path.join(RELEASE, name), tmp_path / name)  # the tools write beside their input
+    prefix = str(tmp_path / "release-0.1.0")
+    plain = written_by.make()
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    plain(written_by.batch()).square().mean().backward()  # the mean of the two ranks' losses
+    plain_opt.step()
+    want = dict(plain.named_parameters())
+    moments = {n: plain_opt.state[p] for n, p in want.items()}
+
+    def close(a, b):
+        return (a.float() - b.float()).abs().max().item() <= 1e-6
+
+    assert consolidate_cli(["--ckpt_prefix", prefix, "--optimizer"]) == 0
+    full = torch.load(prefix + "_consolidated.pth", weights_only=True)
+    assert all(close(full["model"][n], p) for n, p in want.items())
+    assert all(close(full["optimizer"]["state"][n]["exp_avg_sq"], st["exp_avg_sq"]) for n, st in moments.items())
+    assert resize_cli(["--ckpt_prefix", prefix, "--world_size", "1", "--out_prefix", str(tmp_path / "one")]) == 0
+    for source in (prefix, str(tmp_path / "one")):  # resized while loading, and resized offline
+        model = FSDP(written_by.make())
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        extra = xla_fsdp.load_sharded_checkpoint(model, opt, source)
+        assert extra["step"] == 1 and torch.equal(extra["rng"], torch.arange(3))
+        loaded = full_state_dict(model, rank0_only=False)
+        assert all(close(loaded[n], p) for n, p in want.items()), source
+        state = full_optim_state_dict(model, opt, rank0_only=False)["state"]
+        assert all(close(state[n]["exp_avg"], st["exp_avg"]) for n, st in moments.items()), source
 
 
 def test_inferred_parameter_order_of_files_that_do_not_record_it():
@@ -536,7 +617,7 @@ def _another_model_facts(me, folder, flatten):
 
 @pytest.mark.parametrize("transport", ["torch", "xla"])
 def test_a_checkpoint_of_another_model_is_refused_naming_both_sides(transport, tmp_path):
-    """Issue 66 item 3. Before: a checkpoint holding ``4.weight`` / ``4.bias`` loaded into a model
+    """Before: a checkpoint holding ``4.weight`` / ``4.bias`` loaded into a model
     without them (``load_sharded_checkpoint`` and ``resume_training``) and nobody was told. Now strict
     as ``load_state_dict``: one ``ModelMismatchError`` on every rank naming the names, nothing loaded
     and no checkpoint set aside as damaged; ``strict=False`` loads the names both have and returns the
@@ -598,7 +679,7 @@ def _save_on_rank_0_only(me, folder, other):
 
 @pytest.mark.parametrize("other", ["barrier", "left"])
 def test_a_save_on_rank_0_only_is_named_not_aborted(other, tmp_path):
-    """Issue 66 item 14. Before: ``save_sharded_checkpoint`` under ``if rank == 0:`` aborted rank 0
+    """Before: ``save_sharded_checkpoint`` under ``if rank == 0:`` aborted rank 0
     on gloo's collective mismatch (``EnforceNotMet``, exit -6) when rank 1 waited in a barrier, or
     failed with "Connection reset" when it had left. Now rank 0 warns while it waits and then raises one
     error naming the rank and the fix, and no file is written."""

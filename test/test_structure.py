@@ -1,4 +1,4 @@
-"""The house rules (issue 24): the package's imports run one way, down the layers of LAYERS (no
+"""The house rules: the package's imports run one way, down the layers of LAYERS (no
 circles, even through lazy or type-only imports, and no import of a higher layer: a low layer must
 never depend on the public wrapper); modules moved in the package-per-concern layout stay
 importable at their old paths; the code passes the linter (ruff.toml)."""
@@ -364,3 +364,60 @@ def test_the_writer_check_finds_writes_outside_their_owner():
     assert writes_outside_owners(sources, owners) == [
         "step.py:2 (module): rt.state.training_state", "step.py:4 (module): root.plan",
         "step.py:5 (module): root.waiting", "step.py:8 (Split): ctx.state.pending", "step.py:10 (module): rt.root.plan"]
+
+
+def _calls(sources, names):
+    """(file, name) of every call of a function or class named in ``names`` in the package (``torch.save``
+    as "torch.save")."""
+    found = []
+    for rel, text in sources.items():
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.Call):
+                f = node.func
+                name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", None)
+                if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "torch":
+                    name = f"torch.{f.attr}"
+                if name in names:
+                    found.append((rel, name))
+    return found
+
+
+def _rank_file_io(sources):
+    """Who writes and who reads rank files: the stream writer and the torch.save paths (writers), the rank
+    file loader (readers), outside the modules that own them."""
+    writers = set(_calls(sources, {"PthStreamWriter", "save_with_crc_outside_gil", "atomic_torch_save", "torch_save",
+                                   "torch.save"}))
+    readers = set(_calls(sources, {"load_rank_file"}))
+    return writers, readers
+
+
+@pytest.mark.fast
+def test_rank_files_have_one_writer_and_one_reader():
+    """Every rank file is written by checkpoints/rank_writer.py (the save, the resize, the DCP and pretrained
+    imports go through it) and read by checkpoints/reader.py's RankFileReader (every load, live load and
+    resume included). Other files written: the consolidated .pth (consolidate.py, streamed) and the
+    FileSet's safetensors (hf_export.py)."""
+    writers, readers = _rank_file_io(_package_sources())
+    allowed_writers = {
+        ("checkpoints/rank_writer.py", "PthStreamWriter"),
+        ("checkpoints/consolidate.py", "PthStreamWriter"), ("checkpoints/consolidate.py", "torch_save"),  # full files
+        ("checkpoints/files.py", "save_with_crc_outside_gil"),  # FileSet.torch_save, for the consolidated files
+        ("checkpoints/zip_crc.py", "torch.save"),  # its fallback, under save_with_crc_outside_gil
+        ("collectives/base.py", "torch.save"),  # an object broadcast to the ranks, into memory
+    }
+    assert writers <= allowed_writers, sorted(writers - allowed_writers)
+    # files.py: the loader's own module, where find_rank_files reads the rank of a file named otherwise
+    assert readers == {("checkpoints/reader.py", "load_rank_file"), ("checkpoints/files.py", "load_rank_file")}, \
+        sorted(readers)
+    users = {rel for rel, _ in _calls(_package_sources(), {"RankFileWriter", "RankFiles"})}
+    assert users - {"checkpoints/rank_writer.py"} == {"checkpoints/sharded.py", "checkpoints/resizing.py",
+                                                      "checkpoints/importing.py"}, users
+
+
+@pytest.mark.fast
+def test_the_rank_file_check_finds_a_second_writer_and_reader():
+    sources = dict(_package_sources())
+    sources["checkpoints/elsewhere.py"] = "import torch\ndef f(o, p):\n    torch.save(o, p)\n    load_rank_file(p)\n"
+    writers, readers = _rank_file_io(sources)
+    assert ("checkpoints/elsewhere.py", "torch.save") in writers
+    assert ("checkpoints/elsewhere.py", "load_rank_file") in readers

@@ -1,4 +1,4 @@
-"""Reading a DCP folder without running code from it.
+"""Reading a DCP folder without running code from it, one entry at a time.
 
 DCP's ``FileSystemReader`` unpickles ``.metadata`` with plain ``pickle.load`` and its default load
 planner reads non-tensor entries with ``torch.load(weights_only=False)``: a crafted folder runs any
@@ -9,17 +9,20 @@ is one too, never a traceback.
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import pickle
-from typing import Any
+import warnings
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
-from .files import CheckpointError
+from .files import CheckpointError, causes
 
 # (module, name) -> allowed: what DCP's own .metadata holds, on every torch this package supports
 _ALLOWED = {
@@ -95,3 +98,117 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             set_element(self.original_state_dict, self.mappings[fqn], obj)
         else:
             self.state_dict[fqn] = obj
+
+
+@contextlib.contextmanager
+def single_process():
+    """dcp.save/load with ``no_dist=True`` warn that no process group is up: here that is the point."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
+        yield
+
+
+def read_entry(reader: SafeFileSystemReader, fqn: str, meta) -> Any:
+    """One entry of a DCP checkpoint (a tensor, or a pickled object), read alone."""
+    if isinstance(meta, TensorStorageMetadata):
+        target = {fqn: torch.empty(meta.size, dtype=meta.properties.dtype)}
+    else:
+        target = {fqn: None}
+    try:
+        with single_process():
+            dcp.load(target, storage_reader=reader, planner=SafeLoadPlanner(allow_partial_load=True), no_dist=True)
+    except (Exception, CheckpointException) as e:  # DCP's is a BaseException
+        raise dcp_failure(e, f"reading '{fqn}' from the DCP checkpoint '{reader.path}' failed") from None
+    return target[fqn]
+
+
+def dcp_failure(error: BaseException, what: str) -> CheckpointError:
+    """One line for a failure inside DCP: ours as it is, else the first exception DCP collected."""
+    seen, todo = set(), [error]
+    while todo:
+        e = todo.pop(0)
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, CheckpointError):
+            return e
+        if not isinstance(e, CheckpointException):
+            first = (str(e).strip().splitlines() or [""])[0]
+            return CheckpointError(f"{what}: {type(e).__name__}: {first} (the folder is damaged or incomplete: "
+                                   "copy it again from its source)")
+        todo += causes(e)
+    return CheckpointError(f"{what}: {error}")
+
+
+# Top-level entries that torchtitan saves beside the model's (its model keys sit at the top level).
+NON_MODEL_ROOTS = ("optim", "optimizer", "lr_scheduler", "lr_schedulers", "dataloader", "train_state")
+
+
+def find_prefix(names: List[str], wanted: Optional[str], candidates: Tuple[str, ...]) -> str:
+    if wanted == "":  # the model's entries at the top level (torchtitan)
+        return wanted
+    if wanted is not None:
+        if not any(n.startswith(wanted + ".") for n in names):
+            raise CheckpointError(f"the DCP checkpoint has no entries under '{wanted}.' (it has e.g. "
+                                  f"{sorted(names)[:4]}); name the right one with --model_key/--optim_key")
+        return wanted
+    for c in candidates:
+        if any(n.startswith(c + ".") for n in names):
+            return c
+    raise CheckpointError(f"cannot tell where the model state is in the DCP checkpoint (entries e.g. "
+                          f"{sorted(names)[:4]}); name it with --model_key")
+
+
+def model_prefix(entries: Dict[str, Any], wanted: Optional[str]) -> str:
+    """``model`` or ``app.model`` (the tutorials' AppState); else, when tensors sit at the top level
+    beside torchtitan's ``optimizer``/``lr_scheduler``/... entries, the top level (``""``)."""
+    names = list(entries)
+    if wanted is None and not any(n.startswith(c + ".") for n in names for c in ("model", "app.model")):
+        if any(isinstance(m, TensorStorageMetadata) and n.partition(".")[0] not in NON_MODEL_ROOTS
+               for n, m in entries.items()):
+            return ""
+    return find_prefix(names, wanted, ("model", "app.model"))
+
+
+def model_entries(entries: Dict[str, Any], prefix: str) -> Dict[str, Any]:
+    if prefix:
+        return {n[len(prefix) + 1:]: m for n, m in entries.items() if n.startswith(prefix + ".")}
+    return {n: m for n, m in entries.items()
+            if isinstance(m, TensorStorageMetadata) and n.partition(".")[0] not in NON_MODEL_ROOTS}
+
+
+def join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def read_param_groups(reader, entries, optim_prefix: str) -> List[Dict[str, Any]]:
+    """The param groups with parameter names, as ``get_optimizer_state_dict`` writes them: a list
+    (``param_groups.0.lr``, ``param_groups.0.params``) or, with ``flatten_optimizer_state_dict``
+    (torchtitan), per parameter (``param_groups.<name>.lr``); parameters whose hyperparameters are
+    equal then share a group, in the order the checkpoint lists them."""
+    prefix = f"{optim_prefix}.param_groups."
+    listed: Dict[int, Dict[str, Any]] = {}
+    per_param: Dict[str, Dict[str, Any]] = {}
+    for fqn, meta in entries.items():
+        if fqn.startswith(prefix):
+            rest = fqn[len(prefix):]
+            number, _, field = rest.partition(".")
+            if number.isdigit():
+                listed.setdefault(int(number), {})[field] = read_entry(reader, fqn, meta)
+            else:
+                name, _, field = rest.rpartition(".")  # hyperparameter names hold no dots
+                per_param.setdefault(name, {})[field] = read_entry(reader, fqn, meta)
+    if per_param and not listed:
+        groups: List[Dict[str, Any]] = []
+        for name, hyper in per_param.items():
+            same = next((g for g in groups if {k: v for k, v in g.items() if k != "params"} == hyper), None)
+            if same is None:
+                groups.append(dict(hyper, params=[name]))
+            else:
+                same["params"].append(name)
+        return groups
+    if not listed or any("params" not in g for g in listed.values()):
+        raise CheckpointError(f"the DCP checkpoint's optimizer state under '{optim_prefix}' has no param_groups "
+                              "with parameter names (write it with get_state_dict / get_optimizer_state_dict)")
+    return [listed[i] for i in sorted(listed)]

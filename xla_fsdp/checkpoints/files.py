@@ -192,6 +192,22 @@ def write_temporary(path: str, write: Callable[[str], None], size: Optional[int]
     """Run ``write(tmp_path)`` for a temporary file beside ``path``, fsync it and return its name
     (:func:`commit` moves it to ``path``). ``size``, where known, is checked against the free space
     first. On any error the temporary file is gone; no room becomes a :class:`DiskFullError`."""
+    tmp = new_temporary(path, size)
+    try:
+        write(tmp)
+        fsync_file(tmp)
+    except BaseException as e:
+        discard(tmp)
+        error = write_error(e, path, size)
+        if error is e:
+            raise
+        raise error from e
+    return tmp
+
+
+def new_temporary(path: str, size: Optional[int] = None) -> str:
+    """Create an empty temporary file beside ``path`` (removed at exit if never committed) and return
+    its name; ``size``, where known, is checked against the free space first."""
     directory = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(directory):
         raise CheckpointError(f"cannot write '{path}': directory '{directory}' does not exist")
@@ -200,27 +216,33 @@ def write_temporary(path: str, write: Callable[[str], None], size: Optional[int]
     tmp = os.path.join(directory, f"{os.path.basename(path)}.{uuid.uuid4().hex[:8]}.tmp")
     _UNFINISHED.add(tmp)
     try:
-        try:
-            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
-        except PermissionError as e:
-            raise CheckpointError(f"cannot write '{path}': no permission to create files in '{directory}'") from e
-        except OSError as e:
-            if e.errno in _NO_ROOM:
-                raise
-            raise CheckpointError(f"cannot write '{path}': cannot create files in '{directory}' ({e.strerror})") from e
-        write(tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-    except BaseException as e:
-        discard(tmp)
-        full = as_disk_full(e, path, size)
-        if full is not None:
-            raise full from e
-        if isinstance(e, OSError) and not isinstance(e, CheckpointError):  # named by our file, not the temporary
-            raise CheckpointError(f"cannot write '{path}': {e.strerror or e}; nothing was written and earlier files "
-                                  "are untouched") from e
-        raise
+        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+    except PermissionError as e:
+        _UNFINISHED.discard(tmp)
+        raise CheckpointError(f"cannot write '{path}': no permission to create files in '{directory}'") from e
+    except OSError as e:
+        _UNFINISHED.discard(tmp)
+        if e.errno in _NO_ROOM:
+            raise write_error(e, path, size) from e
+        raise CheckpointError(f"cannot write '{path}': cannot create files in '{directory}' ({e.strerror})") from e
     return tmp
+
+
+def write_error(e: BaseException, path: str, size: Optional[int] = None) -> BaseException:
+    """What a failed write of ``path`` raises: no room as a :class:`DiskFullError`, another OSError as a
+    :class:`CheckpointError` naming ``path`` (not its temporary file), anything else as it is."""
+    full = as_disk_full(e, path, size)
+    if full is not None:
+        return full
+    if isinstance(e, OSError) and not isinstance(e, CheckpointError):
+        return CheckpointError(f"cannot write '{path}': {e.strerror or e}; nothing was written and earlier files "
+                               "are untouched")
+    return e
+
+
+def fsync_file(path: str) -> None:
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
 
 
 def commit(tmp: str, path: str) -> None:
@@ -377,12 +399,6 @@ def verify_archive(path: str) -> None:
     if bad is not None:
         raise CheckpointError(f"'{path}' is corrupted: its record '{bad}' fails its CRC-32 check; restore this "
                               "file from a backup or use an earlier checkpoint")
-
-
-def atomic_torch_save(obj: Any, path: str) -> None:
-    """``torch.save`` to ``path`` atomically, its zip checksums computed outside the GIL (a save in
-    a background thread leaves the training thread its speed)."""
-    atomic_write(path, lambda tmp: save_with_crc_outside_gil(obj, tmp), stored_bytes(obj))
 
 
 @dataclass

@@ -5,10 +5,11 @@ Keeps torch_xla's five keys (so its consumers keep working) and adds a versioned
 """
 from __future__ import annotations
 
+import copy
 import functools
 import importlib.metadata
 from collections import OrderedDict
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple, TypedDict
 
 import torch
 
@@ -27,7 +28,60 @@ def _library_versions() -> Dict[str, str]:
     return versions
 
 
-def shard_metadata(root) -> Dict[str, Any]:
+class RankFileMetadata(TypedDict, total=False):
+    """A rank file's ``shard_metadata``, as every writer fills it (``rank_writer`` adds ``checksums``)."""
+    # torch_xla's five keys: its consumers keep working
+    shard_info: Dict[str, Dict[str, Any]]  # unit path -> shard name -> {_orig_size, _orig_name}
+    flatten_info: Dict[str, Any]  # flat shard -> (original names, shapes, numels)
+    buffer_info: Dict[str, Any]
+    world_size: int
+    rank: int
+    # ours
+    version: int  # METADATA_VERSION
+    layout: Dict[str, Any]  # shard key -> mode, names, shapes, aliases, padded_numel, shard_shape, requires_grad
+    flatten_parameters: bool
+    shard_param_on_dim_0: bool
+    shard_size_multiple: int
+    sharding_groups: Any
+    sharding_strategy: str
+    replica_groups: Any
+    replica_rank: int
+    transport: str
+    library_versions: Dict[str, str]
+    param_keys: List[str]  # shard keys in parameters() order
+    model_param_order: List[str]  # original names in the unwrapped model's named_parameters() order
+    run_id: str  # one id for the files of one save
+    optimizer_param_keys: Optional[List[str]]  # the shard of each optimizer state index
+    resharded_from: int  # a resize's input world size
+    imported_from: str  # an import's source ("dcp:<dir>", "pretrained:<path>")
+    unverified_source: str  # an import's source, whose values the checksums were taken of as read
+    checksums: Dict[str, Dict[str, int]]
+
+
+def imported_metadata(*, world_size: int, rank: int, layout: Dict[str, Any], run_id: str, param_keys: List[str],
+                      model_param_order: List[str], optimizer_param_keys: Optional[List[str]], imported_from: str,
+                      unverified_source: str) -> RankFileMetadata:
+    """The metadata of an imported rank file (one padded flat shard per parameter, no sharding groups)."""
+    return RankFileMetadata(
+        version=METADATA_VERSION, world_size=world_size, rank=rank, layout=layout, run_id=run_id,
+        shard_size_multiple=1, flatten_parameters=False, shard_param_on_dim_0=False, buffer_info={},
+        param_keys=param_keys, model_param_order=model_param_order, optimizer_param_keys=optimizer_param_keys,
+        imported_from=imported_from, unverified_source=unverified_source, library_versions=_library_versions())
+
+
+def resized_metadata(source: Mapping[str, Any], *, world_size: int, rank: int, layout: Dict[str, Any], run_id: str,
+                     shard_size_multiple: int, optimizer_param_keys: Optional[List[str]], resharded_from: int
+                     ) -> RankFileMetadata:
+    """The metadata of a rank file resized from one with ``source``'s metadata (its other keys kept)."""
+    metadata = copy.deepcopy(dict(source))
+    metadata.pop("checksums", None)
+    metadata.update(world_size=world_size, rank=rank, layout=layout, run_id=run_id, version=1,
+                    shard_size_multiple=shard_size_multiple, resharded_from=resharded_from,
+                    optimizer_param_keys=optimizer_param_keys)
+    return metadata
+
+
+def shard_metadata(root) -> RankFileMetadata:
     from ..shard_names import WRAPPED, clean_name as _clean_name
     from ..unit.param_names import names_in_model_order, unit_paths
 

@@ -15,13 +15,10 @@ or a plain module (every tensor whole: the unsharded reference). Names are the m
 """
 from __future__ import annotations
 
-import abc
-import ctypes
-import json
 import math
 import os
 import re
-from typing import Any, Callable, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, NamedTuple, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -29,9 +26,9 @@ import torch.nn as nn
 from ..shard_names import clean_name
 from ..unit.shard_param import rows_of
 from .files import CheckpointError, ModelMismatchError
+from .importing import import_rank_files, inputs_of
 from .resized_load import entry_members, mismatch_line
-
-SAFETENSORS_INDEX = "model.safetensors.index.json"
+from .sources import SafetensorsSource, TensorSource, open_source  # noqa: F401 - the sources' classes, here too
 
 
 class LoadResult(NamedTuple):
@@ -41,214 +38,6 @@ class LoadResult(NamedTuple):
     unexpected_keys: List[str]
 
 
-class TensorSource(abc.ABC):
-    """Named full tensors on disk, read by element ranges of each tensor flattened."""
-
-    path: str
-    shapes: Dict[str, Tuple[int, ...]]
-
-    @abc.abstractmethod
-    def read(self, name: str, start: int, end: int) -> torch.Tensor:
-        """Elements [start, end) of ``name`` flattened (row-major), as a 1-D tensor of the file's dtype."""
-
-    def read_into(self, name: str, start: int, end: int, out: torch.Tensor) -> None:
-        """The same elements written into ``out`` (cast to its dtype, as ``copy_``)."""
-        out.copy_(self.read(name, start, end))
-
-    def close(self) -> None:
-        pass
-
-
-class SafetensorsSource(TensorSource):
-    """One ``.safetensors`` file or a folder (one file, or shards named by the index)."""
-
-    def __init__(self, path: str):
-        try:
-            from safetensors import safe_open
-        except ImportError:
-            raise CheckpointError(f"reading '{path}' needs the safetensors package, which a plain install of "
-                                  "xla_fsdp does not bring: pip install safetensors") from None
-        self.path = path
-        if os.path.isdir(path):
-            index = os.path.join(path, SAFETENSORS_INDEX)
-            if os.path.isfile(index):
-                try:
-                    with open(index) as f:
-                        weight_map = json.load(f)["weight_map"]
-                except (OSError, ValueError, KeyError, TypeError) as e:
-                    raise CheckpointError(f"'{index}' is damaged ({type(e).__name__}: {e}); copy the folder again "
-                                          "from its source") from None
-                files = sorted(set(weight_map.values()))
-            else:
-                files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
-                if not files:
-                    raise CheckpointError(f"'{path}' holds no .safetensors file (nor {SAFETENSORS_INDEX})")
-            paths = [os.path.join(path, f) for f in files]
-        else:
-            paths = [path]
-        self._files: Dict[str, Any] = {}  # safe_open handles: validated, and the reader of dtypes torch lacks
-        self._fds: Dict[str, int] = {}
-        self._offsets: Dict[str, Tuple[int, torch.dtype]] = {}  # where each tensor's bytes start, its dtype
-        self._where: Dict[str, str] = {}
-        self.shapes = {}
-        for file in paths:
-            if not os.path.isfile(file):
-                raise CheckpointError(f"'{file}' is missing: the index of '{path}' names it; copy the folder again")
-            try:
-                handle = safe_open(file, framework="pt")
-                names = list(handle.keys())
-                shapes = {n: tuple(handle.get_slice(n).get_shape()) for n in names}
-            except Exception as e:  # noqa: BLE001 - safetensors' own errors have no common base
-                raise CheckpointError(f"'{file}' is damaged (not a safetensors file: {type(e).__name__}: "
-                                      f"{str(e).splitlines()[0] if str(e) else ''}); copy it again") from None
-            self._files[file] = handle
-            self._fds[file] = os.open(file, os.O_RDONLY)
-            self._offsets.update(_data_offsets(file))
-            for n in names:
-                self._where[n] = file
-            self.shapes.update(shapes)
-
-    def read(self, name: str, start: int, end: int) -> torch.Tensor:
-        where = self._offsets.get(name)
-        if where is None:  # a dtype torch names otherwise: safetensors' own slice
-            return self._slice(name, start, end)
-        numel = math.prod(self.shapes[name])
-        out = torch.empty(max(0, min(end, numel) - start), dtype=where[1])
-        self._pread(name, start, out)
-        return out
-
-    def read_into(self, name: str, start: int, end: int, out: torch.Tensor) -> None:
-        where = self._offsets.get(name)
-        if where is not None and out.dtype == where[1] and out.device.type == "cpu" and out.is_contiguous():
-            self._pread(name, start, out)  # straight from the page cache into the shard: no copy between
-            torch.autograd.graph.increment_version(out)  # written as copy_ would (the unit sees the values given)
-        else:
-            out.copy_(self.read(name, start, end))
-
-    def _pread(self, name: str, start: int, out: torch.Tensor) -> None:
-        """Elements from ``start`` of ``name`` into ``out`` with ``preadv``: no mapping, so the file's pages
-        never count in this process's memory, and the bytes are copied once."""
-        fd, offset = self._fds[self._where[name]], self._offsets[name][0] + start * out.element_size()
-        nbytes = out.numel() * out.element_size()
-        view = memoryview((ctypes.c_char * nbytes).from_address(out.data_ptr())).cast("B") if nbytes else None
-        done = 0
-        while done < nbytes:
-            got = os.preadv(fd, [view[done:]], offset + done)
-            if got <= 0:
-                raise CheckpointError(f"'{self._where[name]}' is damaged: '{name}' ends past the end of the file "
-                                      "(truncated); copy it again")
-            done += got
-
-    def _slice(self, name: str, start: int, end: int) -> torch.Tensor:
-        handle = self._files[self._where[name]]
-        shape = self.shapes[name]
-        if len(shape) == 0:
-            return handle.get_tensor(name).reshape(1)[start:end]
-        row = math.prod(shape[1:])
-        first, last = start // row, -(-end // row) if row else 0
-        try:
-            rows = handle.get_slice(name)[first:last]
-        except Exception as e:  # noqa: BLE001
-            raise CheckpointError(f"'{self._where[name]}' is damaged: reading '{name}' failed ({type(e).__name__}: "
-                                  f"{e}); copy it again") from None
-        return rows.reshape(-1)[start - first * row:end - first * row]
-
-    def close(self) -> None:
-        self._files.clear()
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
-
-
-_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-                       "U8": torch.uint8, "BOOL": torch.bool}
-
-
-def _data_offsets(file: str) -> Dict[str, Tuple[int, torch.dtype]]:
-    """Where each tensor's bytes start in a safetensors file (already validated by ``safe_open``): the header
-    is 8 bytes of its length then JSON whose ``data_offsets`` count from the header's end."""
-    with open(file, "rb") as f:
-        length = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(length))
-    return {n: (8 + length + e["data_offsets"][0], _SAFETENSORS_DTYPES[e["dtype"]])
-            for n, e in header.items() if n != "__metadata__" and e["dtype"] in _SAFETENSORS_DTYPES}
-
-
-class TorchFileSource(TensorSource):
-    """A consolidated ``torch.save`` file: a state dict, or ``{"model": state dict, ...}`` as
-    ``python -m xla_fsdp.consolidate`` writes it. Memory-mapped and read with ``weights_only=True``."""
-
-    def __init__(self, path: str):
-        self.path = path
-        try:
-            loaded = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-        except Exception as e:  # noqa: BLE001 - torch.load's failures have no common base
-            raise CheckpointError(f"'{path}' cannot be read as a weights-only torch file ({type(e).__name__}: "
-                                  f"{str(e).splitlines()[0] if str(e) else ''}); copy it again, or consolidate "
-                                  "the checkpoint first") from None
-        state = loaded.get("model", loaded) if isinstance(loaded, dict) else None
-        if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-            raise CheckpointError(f"'{path}' holds no state dict of tensors (a dict of names to tensors, or one under "
-                                  "'model')")
-        self._state = state
-        self.shapes = {n: tuple(t.shape) for n, t in state.items()}
-
-    def read(self, name: str, start: int, end: int) -> torch.Tensor:
-        return self._state[name].reshape(-1)[start:end]
-
-    def close(self) -> None:
-        self._state = {}
-
-
-class DCPSource(TensorSource):
-    """A DCP folder's model tensors (under ``model``, ``app.model`` or the top level, as
-    ``python -m xla_fsdp.convert --from dcp`` finds them), one whole tensor read at a time."""
-
-    def __init__(self, path: str):
-        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-        from .dcp_format import _join, _model_entries, _model_prefix
-        from .dcp_reader import SafeFileSystemReader
-        self.path = path
-        self._reader = SafeFileSystemReader(path)
-        entries = self._reader.read_metadata().state_dict_metadata
-        self._prefix = _model_prefix(entries, None)
-        self._entries = {n: m for n, m in _model_entries(entries, self._prefix).items()
-                         if isinstance(m, TensorStorageMetadata)}
-        self._join = _join
-        self.shapes = {n: tuple(m.size) for n, m in self._entries.items()}
-        self._cached: Tuple[Optional[str], Optional[torch.Tensor]] = (None, None)
-
-    def read(self, name: str, start: int, end: int) -> torch.Tensor:
-        from .dcp_format import _read_dcp
-        if self._cached[0] != name:
-            self._cached = (name, None)  # the previous tensor is freed before the next is read
-            self._cached = (name, _read_dcp(self._reader, self._join(self._prefix, name), self._entries[name]))
-        return self._cached[1].reshape(-1)[start:end]
-
-    def close(self) -> None:
-        self._cached = (None, None)
-
-
-def open_source(path: str) -> TensorSource:
-    """The source at ``path``, by what is there."""
-    if os.path.isdir(path):
-        if os.path.isfile(os.path.join(path, ".metadata")):
-            return DCPSource(path)
-        return SafetensorsSource(path)
-    if not os.path.exists(path):
-        raise CheckpointError(f"'{path}' does not exist: pass a Hugging Face folder, a .safetensors file, a "
-                              "consolidated .pth, a DCP folder, or the prefix of xla_fsdp rank files")
-    with open(path, "rb") as f:
-        head = f.read(8)
-    if path.endswith(".safetensors") or (len(head) == 8 and int.from_bytes(head, "little") < 100_000_000
-                                         and not head.startswith(b"PK")):
-        return SafetensorsSource(path)
-    return TorchFileSource(path)
-
-
-# ----------------------------------------------------------------------------- the targets
 class _Slot(NamedTuple):
     """One tensor this rank holds: where its values go, and which part of which originals they are."""
     target: torch.Tensor
@@ -499,49 +288,13 @@ def source_names(path: str) -> Iterable[str]:
 def import_pretrained(path: str, world_size: int, out_prefix: str, overwrite: bool = False) -> List[str]:
     """Write rank files for ``world_size`` ranks at ``out_prefix`` from the pretrained weights at ``path``
     (any source :func:`load_pretrained` reads but rank files), one tensor in memory at a time: one shard per
-    floating-point tensor (padded flat), other tensors whole on every rank, checksums, atomic renames. The
-    ordinary loaders read them into any wrapping by name (``load_sharded_checkpoint``, ``resume_training``
-    with no optimizer state). Returns the paths."""
-    import uuid
-
-    from ..shard_names import SHARD_PREFIX, SHARD_SEPARATOR
-    from .dcp_format import _RankFileWriters, _split
-    from .files import new_folders_removed_on_error, prepare_output, rank_path, refuse_overwriting_inputs
-    from .metadata import METADATA_VERSION, _library_versions
+    floating-point tensor (padded flat), other tensors whole on every rank (``importing``). The ordinary
+    loaders read them into any wrapping by name (``load_sharded_checkpoint``, ``resume_training`` with no
+    optimizer state). Returns the paths."""
     if world_size < 1:
         raise CheckpointError(f"world size must be >= 1, got {world_size}")
     source = open_source(path)
     try:
-        out_paths = [rank_path(out_prefix, r, world_size) for r in range(world_size)]
-        inputs = [os.path.join(path, f) for f in os.listdir(path)] if os.path.isdir(path) else [path]
-        refuse_overwriting_inputs(out_paths, inputs)
-        with new_folders_removed_on_error(out_paths):
-            for out in out_paths:
-                prepare_output(out, "torch", overwrite)
-            params = [n for n in source.shapes if source.read(n, 0, 1).is_floating_point()]
-            keys = {n: SHARD_PREFIX + n.replace(".", SHARD_SEPARATOR) for n in params}
-            layout: Dict[str, Any] = {}
-            with _RankFileWriters(out_paths) as writers:
-                for name, shape in source.shapes.items():  # one full tensor in memory at a time
-                    numel = math.prod(shape) if shape else 1
-                    full = source.read(name, 0, numel).reshape(shape).clone()
-                    if name in keys:
-                        entry, shards = _split(full, world_size)
-                        layout[keys[name]] = dict(entry, names=[name])
-                        writers.add_model(keys[name], shards)
-                    else:
-                        writers.add_model(name, [full] * world_size)
-                    del full
-                run_id = uuid.uuid4().hex[:16]
-                writers.finish(lambda r: {
-                    "version": METADATA_VERSION, "world_size": world_size, "rank": r, "layout": layout,
-                    "run_id": run_id, "shard_size_multiple": 1, "flatten_parameters": False,
-                    "shard_param_on_dim_0": False, "buffer_info": {}, "param_keys": list(keys.values()),
-                    "model_param_order": list(params), "optimizer_param_keys": None,
-                    "imported_from": f"pretrained:{os.path.abspath(path)}",
-                    # safetensors keep no checksums: ours are of the values as read
-                    "unverified_source": f"pretrained weights {os.path.abspath(path)}",
-                    "library_versions": _library_versions()})
+        return import_rank_files(source.import_plan(), world_size, out_prefix, inputs_of(path), overwrite)
     finally:
         source.close()
-    return out_paths

@@ -50,16 +50,62 @@ def _parameters_order_keys(metadata: Dict[str, Any], optimizer: Any, layout: Dic
     return list(keys)
 
 
+class RankFileReader:
+    """One rank file, read memory-mapped (or whole): its archive checked first (the CRC-32 of every record,
+    whoever wrote it), its tensors against the metadata's checksums as a caller takes them."""
+
+    def __init__(self, path: str, verify: bool = True, mmap: bool = True):
+        if verify:
+            verify_archive(path)
+        self.path = path
+        self.contents: Dict[str, Any] = load_rank_file(path, mmap=mmap)
+
+    @property
+    def metadata(self) -> Dict[str, Any]:
+        return self.contents["shard_metadata"]
+
+    @property
+    def extra(self) -> Optional[Dict[str, Any]]:
+        return self.contents.get("extra")
+
+    def _sums(self, section: str) -> Mapping[str, int]:
+        return self.metadata.get("checksums", {}).get(section, {})
+
+    def check(self, section: str, key: str, tensor: torch.Tensor) -> None:
+        """Raise if ``tensor`` (``key`` of the model, or ``"{index}.{field}"`` of the optimizer) fails its checksum."""
+        sums = self._sums(section)
+        if key in sums and tensor_checksum(tensor) != sums[key]:
+            raise CheckpointError(f"'{self.path}': tensor '{readable_key(key)}' is corrupted (checksum mismatch); "
+                                  "restore this file from a backup or use an earlier checkpoint")
+
+    def model(self) -> Dict[str, Any]:
+        """The model section, every tensor checked."""
+        for key, value in self.contents["model"].items():
+            if isinstance(value, torch.Tensor):
+                self.check("model", key, value)
+        return self.contents["model"]
+
+    def optimizer(self) -> Dict[str, Any]:
+        """The optimizer section, every tensor checked; an error where the file holds none."""
+        osd = self.contents.get("optimizer")
+        if osd is None:
+            raise CheckpointError(f"'{self.path}' holds no optimizer state")
+        for idx, st in osd["state"].items():
+            for field, value in st.items():
+                if isinstance(value, torch.Tensor):
+                    self.check("optimizer", f"{idx}.{field}", value)
+        return osd
+
+
 class ShardedCheckpoint:
-    """A complete, validated set of rank files, read lazily."""
+    """A complete, validated set of rank files (each a :class:`RankFileReader`), read lazily."""
 
     def __init__(self, ckpt_prefix: str, ckpt_suffix: str = DEFAULT_SUFFIX, verify: bool = True):
         self.prefix = ckpt_prefix
         self.files = find_rank_files(ckpt_prefix, ckpt_suffix)
-        for f in self.files if verify else ():  # once, streaming: the CRC-32 of every record, whoever wrote it
-            verify_archive(f.path)
         self.world_size = len(self.files)
-        self._ckpts: Optional[List[Dict[str, Any]]] = None
+        self._readers: Optional[List[RankFileReader]] = None
+        self._verify = verify  # once, when first opened
         self._read_since_open = 0
         ckpts = self.rank_dicts()
         self.metadatas = [c["shard_metadata"] for c in ckpts]
@@ -86,14 +132,15 @@ class ShardedCheckpoint:
 
     def rank_dicts(self) -> List[Dict[str, Any]]:
         """Every rank file's dict, memory-mapped (opened again after :meth:`release`)."""
-        if self._ckpts is None:
-            self._ckpts = [load_rank_file(f.path, mmap=True) for f in self.files]
+        if self._readers is None:
+            self._readers = [RankFileReader(f.path, verify=self._verify) for f in self.files]
+            self._verify = False
             self._read_since_open = 0
-        return self._ckpts
+        return [r.contents for r in self._readers]
 
     def release(self) -> None:
         """Drop the memory maps (pages read so far stop counting against this process)."""
-        self._ckpts = None
+        self._readers = None
         gc.collect()
 
     def _account(self, nbytes: int) -> None:
@@ -103,31 +150,25 @@ class ShardedCheckpoint:
 
     def shards(self, key: str) -> List[torch.Tensor]:
         """Every rank's tensor ``key`` of the model section, each checked against its checksum."""
-        ckpts = self.rank_dicts()
+        self.rank_dicts()
         out = []
-        for f, md, c in zip(self.files, self.metadatas, ckpts):
-            t = c["model"][key]
-            self._check(f.path, md.get("checksums", {}).get("model", {}), key, t)
+        for reader in self._readers:
+            t = reader.contents["model"][key]
+            reader.check("model", key, t)
             out.append(t)
         return out
 
     def optimizer_states(self, index: int) -> List[Dict[str, Any]]:
         """Every rank's optimizer state for parameter ``index``, checked against checksums."""
+        self.rank_dicts()
         out = []
-        for f, md, c in zip(self.files, self.metadatas, self.rank_dicts()):
-            st = c["optimizer"]["state"].get(index, {})
-            sums = md.get("checksums", {}).get("optimizer", {})
+        for reader in self._readers:
+            st = reader.contents["optimizer"]["state"].get(index, {})
             for field, v in st.items():
                 if isinstance(v, torch.Tensor):
-                    self._check(f.path, sums, f"{index}.{field}", v)
+                    reader.check("optimizer", f"{index}.{field}", v)
             out.append(st)
         return out
-
-    @staticmethod
-    def _check(path: str, sums: Mapping[str, int], key: str, tensor: torch.Tensor) -> None:
-        if key in sums and tensor_checksum(tensor) != sums[key]:
-            raise CheckpointError(f"'{path}': tensor '{readable_key(key)}' is corrupted (checksum mismatch); "
-                                  "restore this file from a backup or use an earlier checkpoint")
 
     # ------------------------------------------------------------------ model
     def model_specs(self) -> List[Tuple[str, torch.dtype, Tuple[int, ...]]]:
@@ -205,7 +246,7 @@ class ShardedCheckpoint:
         """Check every tensor against its checksum and its layout; return a line per rank file."""
         report = []
         for f, md in zip(self.files, self.metadatas):
-            ckpt = load_rank_file(f.path, mmap=True)
+            ckpt = RankFileReader(f.path, verify=False).contents
             sums = md.get("checksums", {})
             checked = 0
             for key, expected in sums.get("model", {}).items():

@@ -23,8 +23,9 @@ from typing import Any, Dict, List, Mapping, Optional
 import torch
 
 from ..advice import only_warns
-from .files import CheckpointError, ModelMismatchError, atomic_write, load_rank_file, rank_path
+from .files import CheckpointError, ModelMismatchError, atomic_write, rank_path
 from .folder_lock import claim
+from .reader import RankFileReader
 from .sharded import (LoadedCheckpoint, every_rank_calls, load_sharded_checkpoint, save_sharded_checkpoint,
                       values_over_ranks)
 from ..unit.base import takes_root_unit
@@ -255,8 +256,8 @@ def resume_training(model, optimizer: Optional[torch.optim.Optimizer], ckpt_dir:
     flat_rank = model.comms.replica_rank * model.world_size + model.rank
     host_generators = not _threaded_ranks(model) or flat_rank == 0
     if training["world_size"] == model.world_size * model.comms.num_replicas and model.comms.replica_rank == 0:
-        own = load_rank_file(rank_path(latest.prefix, model.rank, model.world_size), mmap=True)
-        _set_rng_state(own["extra"]["training_state"]["rng"], device, host_generators)
+        own = RankFileReader(rank_path(latest.prefix, model.rank, model.world_size), verify=False)  # loaded above
+        _set_rng_state(own.extra["training_state"]["rng"], device, host_generators)
     else:
         seed = zlib.crc32(f"{training['step']}:{flat_rank}".encode())
         if host_generators:

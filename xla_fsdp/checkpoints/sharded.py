@@ -10,10 +10,10 @@ from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Union
 
 import torch
 
+from .reader import RankFileReader
 from .resized_load import ResizedLoad, needs_resizing
-from .files import (RANK_FILE, CheckpointError, commit, discard, load_rank_file, rank_path, stored_bytes,
-                    tensor_checksum, verify_archive, verify_checksums, write_temporary)
-from .zip_crc import save_with_crc_outside_gil
+from .files import (RANK_FILE, CheckpointError, rank_path, stored_bytes)
+from .rank_writer import RankFileWriter
 from ..unit.base import takes_root_unit
 
 
@@ -38,11 +38,6 @@ def _to_host(obj: Any, staging: Optional[Dict[tuple, torch.Tensor]] = None, path
     if isinstance(obj, (list, tuple)):
         return type(obj)(_to_host(v, staging, path + (i,)) for i, v in enumerate(obj))
     return obj
-
-
-def _optimizer_checksums(osd: Mapping[str, Any]) -> Dict[str, int]:
-    return {f"{idx}.{name}": tensor_checksum(v) for idx, st in osd.get("state", {}).items()
-            for name, v in st.items() if isinstance(v, torch.Tensor)}
 
 
 def every_rank_calls(model, call: str) -> None:
@@ -135,23 +130,27 @@ class PendingSave:
         self._model, self.prefix, self.path = model, ckpt_prefix, path
         self._ckpt: Optional[Dict[str, Any]] = ckpt
         self._error: Optional[BaseException] = None
-        self._tmp: Optional[str] = None  # written, named once every rank's file is
+        self._tmp: Optional[RankFileWriter] = None  # written, named once every rank's file is
         self._thread: Optional[threading.Thread] = None
         self._finished = False
 
     def run(self) -> None:
         """Checksum and write this rank's file (in the calling thread)."""
+        writer = None
         try:
             ckpt, self._ckpt = self._ckpt, None
-            metadata = ckpt["shard_metadata"]
-            metadata["checksums"] = {"model": {k: tensor_checksum(v) for k, v in ckpt["model"].items()},
-                                     "optimizer": _optimizer_checksums(ckpt["optimizer"]) if ckpt["optimizer"]
-                                     else {}}
             # Hybrid/NO_SHARD: replicas hold identical shards; only the first copy of each is written.
             if self._model.comms.replica_rank == 0:
                 os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)  # as DCP, make ckpt/
-                self._tmp = write_temporary(self.path, lambda tmp: save_with_crc_outside_gil(ckpt, tmp),
-                                            stored_bytes(ckpt))
+                writer = RankFileWriter(self.path, stored_bytes(ckpt))
+                for key, value in ckpt["model"].items():
+                    writer.add_model(key, value)
+                if ckpt["optimizer"] is not None:
+                    writer.set_optimizer(ckpt["optimizer"])
+                if "extra" in ckpt:
+                    writer.set_extra(ckpt["extra"])
+                writer.write(ckpt["shard_metadata"])
+                self._tmp, writer = writer, None
         except CheckpointError as e:  # reported on every rank by wait()
             self._error = e
         except Exception as e:
@@ -159,6 +158,9 @@ class PendingSave:
             self._error.__cause__ = e
         except BaseException as e:  # KeyboardInterrupt, SystemExit: raised again by wait()
             self._error = e
+        finally:
+            if writer is not None:
+                writer.discard()
 
     def start(self) -> None:
         # not a daemon: a process that ends while saving finishes the file first
@@ -185,7 +187,7 @@ class PendingSave:
         failed = [r for r, e in enumerate(errors) if e is not None]
         if failed:
             if self._tmp is not None:
-                discard(self._tmp)
+                self._tmp.discard()
             _replica_barrier(model)
             if self._error is not None and not isinstance(self._error, Exception):
                 raise self._error  # KeyboardInterrupt, SystemExit
@@ -197,7 +199,7 @@ class PendingSave:
         error = None
         if self._tmp is not None:
             try:
-                commit(self._tmp, self.path)
+                self._tmp.commit()
             except OSError as e:
                 error = e
             self._tmp = None
@@ -358,7 +360,7 @@ def _own_metadata(model, ckpt_prefix: str) -> Optional[Dict[str, Any]]:
     path = rank_path(ckpt_prefix, model.rank, model.world_size)
     if not os.path.exists(path):
         return None
-    return load_rank_file(path, mmap=True)["shard_metadata"]
+    return RankFileReader(path, verify=False).metadata
 
 
 def _read_resized(model, optimizer, ckpt_prefix: str, strict: bool = True):
@@ -441,17 +443,9 @@ def _read_checked(model, optimizer, path: str, ckpt_prefix: str) -> Dict[str, An
         else:
             hint = ""
         raise CheckpointError(f"missing rank file '{path}' for rank {model.rank} of {model.world_size}.{hint}")
-    verify_archive(path)
-    ckpt = load_rank_file(path, mmap=False)
-    saved = ckpt["shard_metadata"]
-    _check_matches_model(path, saved, model.get_shard_metadata())
-    checksums = saved.get("checksums", {})
-    verify_checksums(path, ckpt["model"], checksums.get("model"))
+    reader = RankFileReader(path, mmap=False)
+    _check_matches_model(path, reader.metadata, model.get_shard_metadata())
+    reader.model()
     if optimizer is not None:
-        if ckpt.get("optimizer") is None:
-            raise CheckpointError(f"'{path}' holds no optimizer state")
-        osd = ckpt["optimizer"]
-        flat = {f"{idx}.{name}": v for idx, st in osd["state"].items() for name, v in st.items()
-                if isinstance(v, torch.Tensor)}
-        verify_checksums(path, flat, checksums.get("optimizer"))
-    return ckpt
+        reader.optimizer()
+    return reader.contents

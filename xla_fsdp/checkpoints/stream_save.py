@@ -19,6 +19,7 @@ import torch
 
 from .files import host_bytes
 from .safe_file import NoAbortFile
+from .zip_crc import fill_zip_crcs
 
 
 class _StorageRef:
@@ -39,10 +40,25 @@ class _TensorRef:
 
 
 class _Pickler(pickle.Pickler):
+    """Tensors added earlier by reference; any other tensor in the structure (an ``extra`` entry) by its
+    storage, written as a record when the pickle meets it, as ``torch.save`` does."""
+
+    def __init__(self, file, writer: "PthStreamWriter"):
+        super().__init__(file, protocol=2)
+        self._writer = writer
+        self._written: Dict[int, str] = {}
+
     def persistent_id(self, obj):
         if isinstance(obj, _StorageRef):
             storage_type = getattr(torch, torch.storage._dtype_to_storage_type_map()[obj.dtype])
             return ("storage", storage_type, obj.key, "cpu", obj.numel)
+        if isinstance(obj, torch.storage.TypedStorage):
+            untyped = obj._untyped_storage.cpu()
+            key = self._written.get(untyped._cdata)
+            if key is None:
+                key = self._writer._write_storage(untyped)
+                self._written[untyped._cdata] = key
+            return ("storage", getattr(torch, obj._pickle_storage_type()), key, "cpu", obj._size())
         return None
 
 
@@ -53,10 +69,20 @@ class PthStreamWriter:
     tensor; by default a plain dict of them.
     """
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, crc_outside_gil: bool = True):
+        self.path = path
         self._file = NoAbortFile(path)  # a failed write raises at close(), never aborts in torch's writer
+        self._crc_later = False
         with self._file.interrupts_held():  # each call into torch's writer: Ctrl-C waits for its return
-            self._writer = torch._C.PyTorchFileWriter(self._file)
+            if crc_outside_gil:  # the records' CRC-32s filled in at close() by zlib (zip_crc), not by torch
+                try:
+                    self._writer = torch._C.PyTorchFileWriter(self._file, False,
+                                                              torch.serialization._get_storage_alignment())
+                    self._crc_later = True
+                except (AttributeError, TypeError):
+                    pass
+            if not self._crc_later:  # torch's writer computes them, holding the GIL
+                self._writer = torch._C.PyTorchFileWriter(self._file)
         self._refs: "collections.OrderedDict[str, _TensorRef]" = collections.OrderedDict()
         self._structure = None
         self._count = 0
@@ -64,26 +90,32 @@ class PthStreamWriter:
 
     def add(self, key: str, tensor: torch.Tensor) -> "_TensorRef":
         t = tensor.detach().cpu().contiguous()
-        ref = _StorageRef(str(self._count), t.dtype, t.numel())
-        self._count += 1
-        # Straight from the tensor's storage: no second copy of the bytes.
-        with self._file.interrupts_held():
-            self._writer.write_record(f"data/{ref.key}", t.untyped_storage(), t.numel() * t.element_size())
-        self.nbytes += t.numel() * t.element_size()
+        if t.storage_offset() or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+            t = t.clone()  # a view: its own bytes only, from the start of a storage of its size
+        ref = _StorageRef(self._write_storage(t.untyped_storage()), t.dtype, t.numel())
         tensor_ref = _TensorRef(ref, tuple(t.shape))
         if key is not None:
             self._refs[key] = tensor_ref
         return tensor_ref
 
+    def _write_storage(self, storage: torch.UntypedStorage) -> str:
+        """Write a storage's bytes as the next record (straight from it: no second copy); its key."""
+        key = str(self._count)
+        self._count += 1
+        with self._file.interrupts_held():
+            self._writer.write_record(f"data/{key}", storage, storage.nbytes())
+        self.nbytes += storage.nbytes()
+        return key
+
     def add_nested(self, obj):
         """Write every tensor inside dicts/lists/tuples now; returns the structure to pickle."""
         if isinstance(obj, torch.Tensor):
             return self.add(None, obj)
-        if isinstance(obj, dict):
+        if type(obj) in (dict, collections.OrderedDict):
             return type(obj)((k, self.add_nested(v)) for k, v in obj.items())
-        if isinstance(obj, (list, tuple)):
+        if type(obj) in (list, tuple):
             return type(obj)(self.add_nested(v) for v in obj)
-        return obj
+        return obj  # anything else as it is: its tensors are written when the pickle meets them
 
     def set_structure(self, structure) -> None:
         self._structure = structure
@@ -91,7 +123,7 @@ class PthStreamWriter:
     def close(self) -> None:
         obj = self._structure(self._refs) if self._structure else dict(self._refs)
         buf = io.BytesIO()
-        _Pickler(buf, protocol=2).dump(obj)
+        _Pickler(buf, self).dump(obj)
         data = buf.getvalue()
         with self._file.interrupts_held():
             self._writer.write_record("data.pkl", data, len(data))
@@ -99,6 +131,15 @@ class PthStreamWriter:
             self._writer.write_record("byteorder", sys.byteorder, len(sys.byteorder))
             self._writer.write_end_of_file()
         self._file.close()
+        if self._crc_later:
+            fill_zip_crcs(self.path)
+
+    def abandon(self) -> None:
+        """Close the file unfinished; whatever its writes met (the error being handled) is not raised again."""
+        try:
+            self._file.close()
+        except BaseException:  # noqa: BLE001 - the KeyboardInterrupt or OSError that abandoned it
+            pass
 
     def __enter__(self):
         return self
@@ -148,6 +189,8 @@ class SafetensorsStreamWriter:
         if self._next >= len(self._order) or self._order[self._next] != key:
             raise ValueError(f"tensor '{key}' added out of the declared order")
         t = tensor.detach().cpu().contiguous()
+        if t.storage_offset() or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+            t = t.clone()  # a view: its own bytes only, from the start of a storage of its size
         if t.numel():
             self._file.write(host_bytes(t))
         self._next += 1
