@@ -1,4 +1,4 @@
-"""Memory of resuming at another world size (issue 25): a >= 1 GB checkpoint (parameters + AdamW)
+"""Memory of resuming at another world size: a >= 1 GB checkpoint (parameters + AdamW)
 saved for 4 ranks is loaded by 2 gloo ranks with ``load_sharded_checkpoint``, which reshards while
 loading; each rank's resident memory is measured around the load.
 

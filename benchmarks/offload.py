@@ -1,4 +1,4 @@
-"""Host offload (issue 26): what stays on the device, and what offloading costs per step.
+"""Host offload: what stays on the device, and what offloading costs per step.
 
     python -m benchmarks.offload [--rounds 3] [--steps 10] [--layers 8] [--hidden 1024]
 

@@ -1,4 +1,4 @@
-"""Pretrained weights in at size (issue 67): a model of >= 1 B parameters saved as sharded safetensors (as
+"""Pretrained weights in at size: a model of >= 1 B parameters saved as sharded safetensors (as
 ``save_pretrained`` writes them) is loaded at world size 4 on gloo, three ways, and on 4 XLA:CPU devices
 (threads of one process), two ways, side by side in one run:
 

@@ -109,14 +109,14 @@ def ideal_bytes(row: Dict, kind: str) -> float:
 
 
 def targets(data: Dict) -> List[Tuple[str, str, Optional[float], str, bool]]:
-    """(workload, target, measured, bound, met) for every target of issue 6 measurable in this run."""
+    """(workload, target, measured, bound, met) for every performance target measurable in this run."""
     out = []
     for wl, rows in data["rows"].items():
         kind = data["workloads"][wl]["kind"]
         for ws in (2, 4):
-            # The second pair goes beyond the issue: the default layout of both packages
+            # The second pair goes beyond the flat layout: the default layout of both packages
             # (flatten_parameters=False).
-            # (flat: issue 6's step bound; per parameter: issue 41's step and peak-memory bounds)
+            # (flat: step time <= 0.95; per parameter: <= 0.90; peak memory <= 1.00 in both layouts)
             for suffix, layout, step_bound in (("", "", 0.95), (PER_PARAM, ", default per-parameter layout", 0.90)):
                 pair = ("xla_fsdp_xla" + suffix, "torchxla_fsdp" + suffix)
                 if _in_run(rows, pair, ws):
@@ -127,7 +127,7 @@ def targets(data: Dict) -> List[Tuple[str, str, Optional[float], str, bool]]:
                     m = _peak_ratio(a, b)
                     out.append((wl, f"XLA:CPU ws{ws} peak memory / torch_xla XlaFSDP{layout}", m, "<= 1.00",
                                 m is not None and m <= 1.0))
-        for ws in (2, 4):  # issue 27: our SPMD mode against torch_xla's FSDPv2, and the faster of our modes
+        for ws in (2, 4):  # our SPMD mode against torch_xla's FSDPv2, and the faster of our modes
             if _in_run(rows, ("xla_fsdp_spmd", "torchxla_spmd"), ws):
                 r = _ratio(_row(rows, "xla_fsdp_spmd", ws), _row(rows, "torchxla_spmd", ws))
                 out.append((wl, f"XLA:CPU ws{ws} SPMD step time / torch_xla FSDPv2", r, "<= 0.95",
@@ -138,7 +138,7 @@ def targets(data: Dict) -> List[Tuple[str, str, Optional[float], str, bool]]:
                     r = min(o["median_step_s"] for o in ours) / min(p["median_step_s"] for p in peers)
                     out.append((wl, f"XLA:CPU ws{ws} faster of our two modes / fastest XLA peer", r, "<= 1.00",
                                 r <= 1.0))
-        for ws in (2, 4):  # issue 43: FSDP2's API on XLA against our wrapper in the same (dim-0, per-parameter) layout
+        for ws in (2, 4):  # FSDP2's API on XLA against our wrapper in the same (dim-0, per-parameter) layout
             if _in_run(rows, ("xla_fsdp_fully_shard",), ws):
                 r = _ratio(_row(rows, "xla_fsdp_fully_shard", ws), _row(rows, "xla_fsdp_xla" + PER_PARAM, ws))
                 out.append((wl, f"XLA:CPU ws{ws} fully_shard step time / XlaFullyShardedDataParallel per-parameter",

@@ -1,5 +1,5 @@
 """What ``reshard_after_forward`` and prefetch lists change, for FSDP2's API on XLA and for PyTorch's
-FSDP2 (issue 43).
+FSDP2.
 
     python -m benchmarks.reshard [--world_sizes 2,4] [--workload transformer] [--quick]
 

@@ -35,7 +35,7 @@ from .workloads import FULL, QUICK
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
-# (contender, world sizes); ours first in each group, peers after, as the issue lists them. xla_plain
+# (contender, world sizes); ours first in each group, its peers after. xla_plain
 # at ws > 1 is the no-communication floor: the plain model on every device, no collectives.
 PLAN = [
     ("unwrapped", [1]), ("xla_fsdp", [1, 2, 4]), ("ddp", [2, 4]), ("fsdp1", [2, 4]), ("fsdp2", [2, 4]),
@@ -43,7 +43,7 @@ PLAN = [
     ("xla_fsdp_spmd", [2, 4]), ("torchxla_spmd", [2, 4]),
     # the default layout of both XLA FSDPs (flatten_parameters=False); world size 1 is in the interleaved run
     ("xla_fsdp_xla_perparam", [2, 4]), ("torchxla_fsdp_perparam", [2, 4]),
-    ("xla_fsdp_fully_shard", [2, 4]),  # FSDP2's API on XLA (issue 43)
+    ("xla_fsdp_fully_shard", [2, 4]),  # FSDP2's API on XLA
 ]
 
 # Interleaved world-size-1 rounds per workload: a few percent of overhead against a step-to-step

@@ -1,4 +1,4 @@
-"""Device memory of the compiled training step on XLA (issue 41): bytes per device, from XLA's own
+"""Device memory of the compiled training step on XLA: bytes per device, from XLA's own
 buffer assignment.
 
     python -m benchmarks.step_buffers [--world_sizes 2,4] [--workloads transformer,resnet18]

@@ -20,7 +20,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # of your own takes precedence.
 os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false")
 # Every process the suite starts (ranks, launchers, example scripts) prints its Python threads' stacks
-# if it dies by a signal (SIGABRT, SIGSEGV): a rare abort at exit (issue 42) is then diagnosable from
+# if it dies by a signal (SIGABRT, SIGSEGV): a rare abort at exit is then diagnosable from
 # the one run where it happens.
 os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 
@@ -105,7 +105,7 @@ def pytest_sessionfinish(session, exitstatus):
 # Test files by time taken on this machine, slowest first: run in this order, pytest-xdist's workers
 # (make test) finish close together instead of one running a slow file alone at the end. The Makefile
 # passes --no-loadscope-reorder: without it xdist hands files out by their number of tests instead.
-# Measured: `python tools/test_times.py` after make test (both environments, 2026-11-29, stop 76).
+# Measured: `python tools/test_times.py` after make test (both environments, 2026-11-29).
 SLOWEST_FILES = ["test_checkpoints.py", "test_llama_fsdp2_example.py", "test_docs.py", "test_examples.py",
                  "test_hf_trainer.py", "test_benchmarks.py", "test_fsdp2.py", "test_lm_example.py",
                  "test_differential.py", "test_fine_tuning.py", "test_preemption.py", "test_spmd.py",

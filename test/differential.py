@@ -282,8 +282,8 @@ def _exact(p: Program, world_size: int) -> bool:
     at all in a step: the branch layer has flat shards of its own only as its own unit, so a branch
     inside another unit's flat shard is drawn only where some rank uses it in every step. BatchNorm
     is drawn with fp32 compute only: in bf16, batch statistics of 3 samples turn rounding into
-    gradient differences of 20 % and more against the fp32 reference (README: keep BatchNorm in an
-    fp32 unit)."""
+    gradient differences of 20 % and more against the fp32 reference (docs/usage.md, "Mixed precision":
+    BatchNorm in fp32 gets its own unit)."""
     if (p.dtype == "bf16" or p.autocast) and p.batchnorm:
         return False
     if p.autocast and p.dtype == "bf16":

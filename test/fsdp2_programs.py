@@ -507,7 +507,7 @@ def meta_init_draws(me: Rank) -> Dict[str, Any]:
     model(torch.ones(2, 8, device=device))
     out["cpu_got"] = full_state_dict(model, rank0_only=False)
 
-    class Net(nn.Module):  # the program's reset_parameters, called directly (item 7 of issue 66)
+    class Net(nn.Module):  # the program's reset_parameters, called directly (not through model.apply)
         def __init__(self) -> None:
             super().__init__()
             self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4)

@@ -1,4 +1,4 @@
-"""One SPMD process (issue 27): ``python spmd_worker.py DEVICES OUT_JSON CONFIG,... [--save P] [--load P]``.
+"""One SPMD process: ``python spmd_worker.py DEVICES OUT_JSON CONFIG,... [--save P] [--load P]``.
 
 Trains each harness config with ``xla_fsdp.spmd`` on DEVICES XLA:CPU devices (the global batch of
 DEVICES x 4 samples split over them) beside the same model unsharded on the CPU, and writes per

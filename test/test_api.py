@@ -551,7 +551,7 @@ def test_the_keywords_agree_in_signature_options_and_docstring():
 
 
 def test_construction_time_settings_are_read_only_and_step_time_ones_take_effect(gloo):
-    """Issue 66 item 5. Before: ``m.compute_dtype = torch.bfloat16`` made ``m.settings`` say bf16 while
+    """Before: ``m.compute_dtype = torch.bfloat16`` made ``m.settings`` say bf16 while
     the gather groups stayed fp32, and the next forward failed ("mat1 and mat2 must have the same
     dtype"); ``m.shard_param_on_dim_0 = True`` reported True while every group stayed flat."""
     torch.manual_seed(0)

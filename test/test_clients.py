@@ -1,4 +1,4 @@
-"""Programs written for torch_xla's FSDP work unchanged (issue 22): the HF Trainer's file names and
+"""Programs written for torch_xla's FSDP work unchanged: the HF Trainer's file names and
 ``model.module.module``, keyword arguments through ``checkpoint_module``, a forward that raised,
 and rank files any torch.load(weights_only=True) reads."""
 import os

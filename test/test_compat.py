@@ -1,4 +1,4 @@
-"""torch_xla's FSDP import paths and names, served by xla_fsdp (issue 22): every public name of
+"""torch_xla's FSDP import paths and names, served by xla_fsdp: every public name of
 ``torch_xla.distributed.fsdp`` and its ``wrap``, ``utils`` and ``state_dict_utils`` modules exists
 with the same signature, and an unchanged torch_xla-FSDP program runs on xla_fsdp."""
 import importlib
@@ -13,7 +13,7 @@ pytestmark = pytest.mark.xla  # every test here needs torch_xla
 
 MODULES = ["torch_xla.distributed.fsdp", "torch_xla.distributed.fsdp.wrap", "torch_xla.distributed.fsdp.utils",
            "torch_xla.distributed.fsdp.state_dict_utils"]
-# Where our default differs on purpose (README, "Differences from torch_xla's FSDP").
+# Where our default differs on purpose (docs/migrating_from_torch_xla.md, "Differences on purpose").
 DEFAULTS_DIFFER = {
     # None keeps torch_xla's True unless sharding_strategy says otherwise
     ("XlaFullyShardedDataParallel", "reshard_after_forward"),
@@ -157,7 +157,7 @@ if __name__ == "__main__":
 
 @pytest.mark.xla
 def test_rank_0_consolidates_right_after_its_own_xm_save_as_torch_xlas_mnist_test_does(tmp_path):
-    """Issue 66 item 18. torch_xla's test_train_mp_mnist_fsdp_with_ckpt.py consolidates on rank 0
+    """torch_xla's test_train_mp_mnist_fsdp_with_ckpt.py consolidates on rank 0
     right after rank 0's ``xm.save``, which in torch_xla 2.9 meets no peer after writing: at 4
     XLA:CPU devices it failed 3 runs of 3 ("not a zip archive" for a file still being written,
     "missing rank files for ranks [2]"). Now each ``xm.save`` file appears whole, and a consolidation

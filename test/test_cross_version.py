@@ -1,4 +1,4 @@
-"""The road off torch_xla, and back (issue 38): a run trained with xla_fsdp on XLA:CPU devices (torch
+"""The road off torch_xla, and back: a run trained with xla_fsdp on XLA:CPU devices (torch
 2.9 + torch_xla) continues on the newest torch with no torch_xla, under xla_fsdp's torch transport at
 another world size and under upstream ``fully_shard`` (FSDP2) through ``xla_fsdp.convert --to dcp``;
 FSDP2's checkpoint comes back through ``--from dcp`` and continues on XLA:CPU again. Every leg equals

@@ -89,7 +89,7 @@ def _draw(strategy, n: int):
     return drawn[:n]
 
 
-# Programs each differential failure came from (issue 28), fixed: every one fails on the code
+# Programs each differential failure came from, fixed: every one fails on the code
 # before its fix (on the transports named). Only the 0-d parameter programs have one (``scalar``).
 REGRESSIONS = {
     # 1: a load after a forward that had no backward was ignored (the units it left gathered kept
@@ -117,15 +117,15 @@ REGRESSIONS = {
     "twice_remat": Program(scalar=False, twice=True, remat=True),
     "twice": Program(scalar=False, twice=True),
     "twice_flat": Program(scalar=False, twice=True, layout="flat"),
-    # 7 (issue 22, the HF Trainer's GPT-2 at 2 XLA:CPU devices): a parameter freed, then refilled for
+    # 7 (the HF Trainer's GPT-2 at 2 XLA:CPU devices): a parameter freed, then refilled for
     #    backward, kept the placeholder's 1-D strides under 2-D sizes; addmm's backward (GPT-2's Conv1D)
     #    failed on it (XLA only).
     "addmm_nested": Program(scalar=False, addmm=True),
-    # 8 (issue 22, found by drawing GPT-2's Conv1D): flat layout + activation checkpointing: the
+    # 8 (found by drawing GPT-2's Conv1D): flat layout + activation checkpointing: the
     #    backward re-gather made grad-less views, and torch's checkpoint saw 7 tensors instead of 8
     #    (gloo only; XLA uses torch_xla's reentrant checkpoint).
     "remat_flat_addmm": Program(scalar=False, layout="flat", remat=True, addmm=True),
-    # 9 (issue 22, the Trainer's GPT-2 with size wrap + grad checkpointing): a tied weight its parent
+    # 9 (the Trainer's GPT-2 with size wrap + grad checkpointing): a tied weight its parent
     #    owns, used inside torch_xla's reentrant checkpoint, got gradient in two backward passes; the
     #    first freed it under the second (XLA). Both uses checkpointed (blocks); a later root-level
     #    use first, then the block's recompute read the freed weight (late); flat: a false warning.
@@ -136,7 +136,7 @@ REGRESSIONS = {
     "tied_late_root": Program(scalar=False, tied="late", wrap="auto", optimizer="adamw"),
     # 6: frozen layer + flat + optimizer groups by name: the suggested fix kept failing.
     "frozen_flat_name_groups": Program(scalar=False, frozen=True, layout="flat", optimizer="adamw_groups", wrap="root"),
-    # Issue 42, programs users write (each failed before its fix, on gloo; test names in the note):
+    # Programs users write (each failed before its fix, on gloo; test names in the note):
     # 1: requires_grad changed after wrapping was ignored (a frozen layer moved, an unfrozen one never trained)
     "freeze_mid_run": Program(scalar=False, toggle="freeze", optimizer="adamw"),
     "freeze_mid_run_flat_root": Program(scalar=False, toggle="freeze", layout="flat", wrap="root"),
@@ -166,7 +166,7 @@ REGRESSIONS = {
     # 10: nn.LSTM in a flat shard crashed at the first forward ('NoneType' object has no attribute 'dtype')
     "lstm_flat_root": Program(scalar=False, rnn=True, layout="flat", wrap="root"),
     "lstm_auto_unit": Program(scalar=False, rnn=True, wrap="auto", optimizer="adamw"),
-    # stop 52's open bug: on XLA, bf16 with checkpoint_module around GPT-2's addmm layer failed XLA's HLO
+    # Once an open bug, now fixed: on XLA, bf16 with checkpoint_module around GPT-2's addmm layer failed XLA's HLO
     # verifier at the recompute (a bf16 LayerNorm weight re-gathered in backward was f32 in torch_xla's IR:
     # the collective order link added a 0-d f32 tensor to the bf16 shard); fp32, or no recompute, trained
     "bf16_recompute_addmm": Program(wrap="nested", layout="param", dtype="bf16", remat=True, addmm=True,
@@ -184,7 +184,7 @@ def test_regression_on_gloo_world_size_4(ranks, name):
     _check(REGRESSIONS[name], 4, ranks[4].run(REGRESSIONS[name]))
 
 
-# Issue 66: every no-decay recipe form as programs write it on the wrapped model (one group or two, by name
+# Every no-decay recipe form as programs write it on the wrapped model (one group or two, by name
 # or by dimension, each layout) and the EMA teacher frozen before wrapping, on 2 gloo ranks. Each run checks
 # its own outcome: refused at the first step exactly where the recipe splits the originals otherwise
 # (differential.recipe_splits_otherwise), equal to unsharded training everywhere else.
@@ -215,16 +215,16 @@ def test_an_ema_teacher_frozen_before_wrapping_trains_as_unsharded(ranks, name):
 
 def _xla_exact(p: Program) -> bool:
     """XLA:CPU fuses fp32 arithmetic differently from eager, and BatchNorm over 3 samples amplifies
-    that rounding beyond the 2e-5 tolerance: two programs drawn once the dimensions of issue 42 were
+    that rounding beyond the 2e-5 tolerance: two programs drawn once the user-program dimensions were
     added (dim-0, BatchNorm, a unit run twice, tied, no_sync) were off by 1.6e-4 in a loss (AdamW;
-    6.4e-6 with SGD) and by 9.2e-5 in an SGD momentum buffer, on main before issue 42 as well, and
+    6.4e-6 with SGD) and by 9.2e-5 in an SGD momentum buffer, on main before those dimensions as well, and
     pass on gloo. So XLA draws no BatchNorm here; test_equivalence's convbn configs cover it on XLA.
     Nor a weight clamped in forward: on XLA that is refused (test_user_programs covers the error)."""
     return not p.batchnorm and not p.clamp and not _known_xla_deviation(p)
 
 
 def _known_xla_deviation(p: Program) -> bool:
-    """Open bug (found by this suite's draws, stop 72): on XLA under autocast, a weight tied to a later
+    """Open bug (found by this suite's draws): on XLA under autocast, a weight tied to a later
     layer and used inside the program's own torch_xla reentrant checkpoint ends with a momentum buffer
     0.23-0.33 from unsharded (bf16 bound 0.1), in every layout and strategy; without autocast, the tie or
     the inner checkpoint it is exact, and on gloo it is within 6e-3. Kept out of the draws and pinned

@@ -1,4 +1,4 @@
-"""The docs are tested like code (issue 24): every Python or shell block in README.md,
+"""The docs are tested like code: every Python or shell block in README.md,
 CONTRIBUTING.md and docs/ is either marked ``<!-- run: RUNNER -->`` (on the line before it, or the
 line after) and run as written (a page's blocks in order, in one temporary folder, so a later block
 reads what an earlier one wrote), or marked ``<!-- not run: why -->``. Runners: ``python``, ``bash``
@@ -63,8 +63,9 @@ def command(runner, path):
     if kind == "bash":
         return ["bash", "-euo", "pipefail", path], extra
     if kind == "torchrun":
+        logs = os.path.splitext(path)[0] + "_logs"  # beside the block: torchrun's default is a temp folder it keeps
         return [python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={int(count)}",
-                path], extra
+                "--log-dir", logs, path], extra
     if kind == "xla":
         return [python, path], {**extra, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(int(count))}
     raise ValueError(f"unknown runner {runner!r}")

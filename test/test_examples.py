@@ -224,7 +224,7 @@ def test_the_commands_answer_help_with_their_own_usage():
 
 
 def test_dashed_options_mean_the_underscored_ones(tmp_path):
-    """Issue 66 item 17. Before: ``--ckpt-prefix`` was reported as a missing ``--ckpt_prefix``. The
+    """Before: ``--ckpt-prefix`` was reported as a missing ``--ckpt_prefix``. The
     commands and the examples read a dashed option as its underscored spelling; values and whatever
     follows ``--`` stay as typed."""
     from xla_fsdp.cli.consolidate import main as consolidate

@@ -70,11 +70,11 @@ def test_meta_init_in_fsdp2_order_equals_unsharded_training(world_size):
 @pytest.mark.xla
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_meta_init_draws_what_the_unsharded_program_draws(world_size):
-    """Issue 55 item 4: the program's seeded init after fully_shard on the meta device and to_empty
+    """The program's seeded init after fully_shard on the meta device and to_empty
     gives the unsharded program's values exactly: on the device with xm.set_rng_state (fully_shard's
     syncs leave the seed), and with CPUOffloadPolicy and to_empty(device="cpu") from the CPU generator
     (before: drawn on the XLA device, off by up to 4.8); the latter also with the program's
-    reset_parameters called directly instead of through model.apply (issue 66 item 7)."""
+    reset_parameters called directly instead of through model.apply."""
     for rank, r in enumerate(on_xla(programs.meta_init_draws, world_size)):
         assert r["seed_after_fully_shard"] == 101, rank
         for where in ("xla", "cpu", "direct"):
@@ -93,7 +93,7 @@ def _step_cut_runs(world_size: int) -> Dict[str, List[Dict[str, Any]]]:
 @pytest.mark.xla
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_an_fsdp2_program_without_syncs_runs_one_graph_per_step_on_xla(world_size):
-    """Issue 55 item 1: the FSDP2 tutorial's loop has no step marker. On XLA the optimizer step over a
+    """The FSDP2 tutorial's loop has no step marker. On XLA the optimizer step over a
     fully_shard module's shards now cuts the graph there (from the second step on, once the program
     has shown it marks no steps itself): from the fourth step on no step compiles a new graph
     (before: 2 new graphs every step, and on this machine step 6 took 5.8 s where a synced step
@@ -441,7 +441,7 @@ def _meta_init_cut_warnings(me) -> Dict[str, List[str]]:
 
 @pytest.mark.xla
 def test_the_cut_after_a_meta_init_says_so_not_land_gradients():
-    """Issue 66 item 17. Before: the Llama FSDP2 example on XLA warned on every run that random numbers
+    """Before: the Llama FSDP2 example on XLA warned on every run that random numbers
     differ "with host-offloaded gradients (land_gradients) and host reads inside a step", which it
     has neither of: the cut was the one before the first forward, after the meta-device init drew.
     Now the warning names that cut and the fix; with the program's own sync after its init, none."""

@@ -1,4 +1,4 @@
-"""A disk that fills up (issue 39, point 1): every tool and every training save ends in one clear error
+"""A disk that fills up: every tool and every training save ends in one clear error
 naming the folder and the bytes, leaves nothing partial and the previous checkpoint intact, and never
 aborts the process. A full disk is simulated with the file size limit (RLIMIT_FSIZE, SIGXFSZ ignored:
 writes past it fail with EFBIG, as they fail with ENOSPC on a full disk) and, for the check made before
@@ -57,7 +57,7 @@ TOOLS = {
 def test_a_tool_that_runs_out_of_room_says_so_in_one_line_and_leaves_nothing(ckpt, tmp_path, tool):
     """Before: consolidate aborted (exit 134, "unexpected pos", a 61-line traceback), resize aborted
     leaving a rank file, convert printed a 54-line traceback. Later, convert --to dcp's failure was
-    still DCP's traceback when the limit was reached inside DCP's writer (issue 53 item 7)."""
+    still DCP's traceback when the limit was reached inside DCP's writer."""
     out = tmp_path / "out"
     out.mkdir()
     (out / "earlier.pth").write_bytes(b"an earlier file")  # what a folder already holds stays as it was
@@ -70,7 +70,7 @@ def test_a_tool_that_runs_out_of_room_says_so_in_one_line_and_leaves_nothing(ckp
     assert done.returncode == 2, (done.returncode, done.stderr[-3000:])
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in done.stderr, done.stderr[-3000:]
-    # the limit and its fix, not the disk's free space (issue 53 item 8: it said "free space there")
+    # the limit and its fix, not the disk's free space (it once said "free space there")
     assert "the file size limit (ulimit -f) is reached: at most" in lines[0], lines[0]
     assert str(out) in lines[0] and "raise the limit (ulimit -f unlimited)" in lines[0], lines[0]
     assert "free space" not in lines[0] and "free in" not in lines[0], lines[0]

@@ -1,4 +1,4 @@
-"""HF-ready export (issue 25): a tiny GPT-2 from a config (no download), trained a step by xla_fsdp on 2
+"""HF-ready export: a tiny GPT-2 from a config (no download), trained a step by xla_fsdp on 2
 gloo ranks with transformer auto-wrap (the tied embedding and head in different units), consolidated
 into a Hugging Face folder with ``--format safetensors --max_shard_size``; ``from_pretrained`` of that
 folder gives the wrapped model's logits, holds the names ``save_pretrained`` writes, files respect the

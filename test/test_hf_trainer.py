@@ -1,4 +1,4 @@
-"""The Hugging Face Trainer's XLA FSDP path, unchanged, runs on xla_fsdp (issue 22): tiny GPT-2 from a
+"""The Hugging Face Trainer's XLA FSDP path, unchanged, runs on xla_fsdp: tiny GPT-2 from a
 config, synthetic tokens, ``python -m xla_fsdp.compat test/hf_trainer_xla_fsdp.py`` at 1, 2 and 4
 XLA:CPU devices, grad checkpointing on and off, size- and transformer-based wrap (a covering set of
 runs, not every combination: each run costs a launch).
@@ -8,9 +8,9 @@ run, step by step, and reach the same eval loss (Trainer logs losses rounded to 
 The rank files the Trainer saved consolidate with our CLI into a state dict that a plain GPT-2 loads
 strictly and that scores the wrapped model's eval loss (1e-4); the Trainer's own consolidated file
 holds the same tensors. A run resumed from the step-3 checkpoint (2 devices) logs the uninterrupted run's losses.
-The Trainer's FSDPv2 path (``xla_fsdp_v2``) runs on xla_fsdp's SPMD mode the same way (issue 27).
+The Trainer's FSDPv2 path (``xla_fsdp_v2``) runs on xla_fsdp's SPMD mode the same way.
 The 4-device run and the resumed run start from a ``save_pretrained`` folder holding the 1-device run's
-initial weights, the low-memory way (issue 67: meta parameters, storage only at wrap, ``LoadPretrained``
+initial weights, the low-memory way (meta parameters, storage only at wrap, ``LoadPretrained``
 when training starts): the 4-device run must log the 1-device run's losses, so the load gave every
 value and drew nothing, and the resumed run must continue from its checkpoint's weights (which
 ``LoadPretrained`` loads: the Trainer's own load before wrapping gives a meta model nothing).
@@ -198,7 +198,7 @@ def test_trainer_fsdpv2_path_runs_on_the_spmd_mode(tmp_path):
 
 
 def test_trainer_weight_decay_groups_through_shard_names_of_match_the_plain_trainer(tmp_path):
-    """Issue 54 item 2 on the Trainer's path: with weight decay, the Trainer's own grouping applied to
+    """On the Trainer's path: with weight decay, the Trainer's own grouping applied to
     the shards would decay GPT-2's LayerNorm weights (found by module type, which shards lack) and is
     refused at the first step (test_user_programs). Its decay names found on the unwrapped model and
     carried over with ``shard_names_of`` (``ShardedDecayTrainer`` in hf_trainer_xla_fsdp.py, the way

@@ -1,4 +1,4 @@
-"""The README's CPU-only install lines, as written, in a venv that has nothing else (issue 53 item 1):
+"""The README's CPU-only install lines, as written, in a venv that has nothing else:
 no test extra brings NumPy or anything else the package forgot to require. There a program trains on
 2 gloo ranks, saves training checkpoints, consolidates one (with the optimizer) and resumes from
 another with the losses of the uninterrupted run. Before: every save failed there ("Numpy is not

@@ -57,7 +57,7 @@ def _run(out_dir: str, transport: str, world_size: int, *extra: str) -> dict:
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     for misleading in ("torch.distributed is disabled", "land_gradients", "TypedStorage is deprecated"):
-        assert misleading not in done.stderr, done.stderr[-3000:]  # issue 66 item 17
+        assert misleading not in done.stderr, done.stderr[-3000:]  # none of these warnings applies to this run
     with open(os.path.join(out_dir, "metrics.json")) as f:
         return json.load(f)
 
@@ -208,7 +208,7 @@ def test_a_checkpoint_moves_between_xla_fsdp_and_pytorchs_fully_shard(seed, tmp_
 
 
 def test_init_from_a_safetensors_folder_trains_as_unsharded_from_those_weights(seed, tmp_path):
-    """Issue 67 item 4: --init_from a folder the test writes (the seed checkpoint's weights halved, as
+    """--init_from a folder the test writes (the seed checkpoint's weights halved, as
     model.safetensors with this model's names) on 2 gloo ranks under PyTorch's FSDP2: the losses of
     unsharded training from the same weights (TOL), and not those of the seed's."""
     import torch.distributed.checkpoint as dcp

@@ -1,4 +1,4 @@
-"""The language-model example past one machine (issue 26), run with README's own commands: two
+"""The language-model example past one machine, run with README's own commands: two
 torchrun agents of 2 gloo ranks each (a c10d rendezvous on this machine's loopback) train, save
 every 20 steps and finish; the consolidated model, scored in one process without FSDP, gives the
 run's eval loss; a job that lost its last checkpoint resumes from the one before, at the same and
@@ -106,7 +106,7 @@ def test_readme_block_is_two_nodes_then_consolidate_and_score():
         "port=$(python", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", "wait",
         "python", "python"]
     assert "--nnodes 2 --nproc_per_node 2 --rdzv_backend c10d --rdzv_endpoint 127.0.0.1:$port" in lines[1]
-    # the first line picks a free port (issue 66 item 17: 29400 was written in, busy if another job has it)
+    # the first line picks a free port (a port written in, 29400, is busy if another job has it)
     path = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")  # the venv's python, as activated
     picked = subprocess.run(["bash", "-c", lines[0] + "\necho $port"], capture_output=True, text=True, check=True,
                             env=dict(os.environ, PATH=path))
@@ -126,7 +126,7 @@ def test_two_nodes_train_save_and_the_consolidated_model_scores_the_same(workdir
     scored = summary(run(command(score, 0)[0], cwd, env))
     assert abs(float(scored["eval_loss"]) - float(uninterrupted["eval_loss"])) <= TOL
     assert scored["params"] == uninterrupted["params"]
-    # a rank file given instead (issue 66 item 17: it listed the shards' internal names as "missing")
+    # a rank file given instead (it once listed the shards' internal names as "missing")
     rank_file = os.path.join(ckpt, "step-000000060_rank-00000000-of-00000004.pth")
     argv = command(score, 0)[0][:-1] + [rank_file]
     done = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
@@ -189,7 +189,7 @@ def _as_shown(text):
 
 
 def test_the_example_says_what_it_did_instead_of_nan(workdir):
-    """Issue 53 item 9. Before: a run stopped by --stop_after_step printed eval_loss=nan, a run resumed
+    """Before: a run stopped by --stop_after_step printed eval_loss=nan, a run resumed
     at its --num_steps printed final_loss=nan tokens/s=nan, and the 'step N: loss' lines were written
     through the progress bar (on a terminal: 'step 10: loss 4.9327...|' over the bar's remains)."""
     cwd, env = workdir
@@ -217,7 +217,7 @@ def test_the_example_says_what_it_did_instead_of_nan(workdir):
 
 @pytest.mark.xla
 def test_a_programs_own_exit_on_xla_devices_prints_its_one_line(workdir):
-    """Issue 66 item 15. Before: SystemExit inside xla_fsdp.launch (here the example's own check of
+    """Before: SystemExit inside xla_fsdp.launch (here the example's own check of
     --data_files) printed a 15-line traceback per rank before the intended line."""
     cwd, env = workdir
     done = subprocess.run([sys.executable, "examples/train_lm_fsdp.py", "--data_files", "nope/*.txt", "--out_dir",
@@ -227,7 +227,7 @@ def test_a_programs_own_exit_on_xla_devices_prints_its_one_line(workdir):
 
 
 def test_init_from_the_consolidated_model_starts_where_it_ended(workdir, uninterrupted, tmp_path):
-    """Issue 67 item 4: --init_from the consolidated file of the run above (written here), fine-tuned one
+    """--init_from the consolidated file of the run above (written here), fine-tuned one
     step at lr 1e-9 on 2 gloo ranks: its eval loss is the trained model's (TOL), not the 5.5 of an init."""
     cwd, env = workdir
     consolidate = command(readme_lines()[4], 0)[0]

@@ -145,7 +145,7 @@ def _autocast_programs():
 @pytest.mark.xla
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_torch_autocast_on_xla_trains_as_unwrapped(world_size):
-    """Issue 54 item 6. Before: the weight-saving nn.Linear forward xla_fsdp puts on XLA got fp32
+    """Before: the weight-saving nn.Linear forward xla_fsdp puts on XLA got fp32
     weights and a bf16 gradient under autocast: XLA's HLO verifier rejected the step at 2 devices
     ("Seen floating point types of different precisions"), and at 1 device the second loss differed
     (0.056638 vs 0.056705). Under autocast the layer runs F.linear as plain torch_xla does."""

@@ -1,4 +1,4 @@
-"""Past one machine (issue 26): two torchrun "nodes" of 2 ranks each on this machine's loopback,
+"""Past one machine: two torchrun "nodes" of 2 ranks each on this machine's loopback,
 real processes and a real c10d rendezvous, the way the multi-node FSDP tutorial starts a job:
 
     torchrun --nnodes 2 --nproc_per_node 2 --rdzv_backend c10d --rdzv_endpoint 127.0.0.1:PORT ...

@@ -1,4 +1,4 @@
-"""One rule for what every tool writes (issue 39, point 4), the CLIs and the API alike: the output's
+"""One rule for what every tool writes, the CLIs and the API alike: the output's
 folders are created; an earlier output of the same kind is replaced (once the new one is complete);
 anything else at the output path is refused, left as it is, unless --overwrite; inputs are never
 written over. Nothing is created before every argument is checked."""

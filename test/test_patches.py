@@ -1,5 +1,5 @@
 """Importing xla_fsdp changes nothing outside it; what it changes later is installed by the code that
-needs it, listed by ``xla_fsdp.patches`` and undone by it (issue 40, point 1). Each check runs in a
+needs it, listed by ``xla_fsdp.patches`` and undone by it. Each check runs in a
 fresh Python process, so what other tests installed in this one cannot hide a change."""
 import json
 import os

@@ -1,4 +1,4 @@
-"""Preemption under torchrun (issue 26): one rank of the language-model example is SIGKILLed at a
+"""Preemption under torchrun: one rank of the language-model example is SIGKILLed at a
 random point of a random step (forward, backward, collectives or a checkpoint write), torchrun
 (--max_restarts 1) starts the job again, --resume auto continues from the newest complete
 checkpoint, and the job ends with the uninterrupted run's final and eval loss. TRIALS kill points;
@@ -249,7 +249,7 @@ def _read_only_folder_worker(me, ckpt):
 
 
 def test_resume_from_a_read_only_folder_is_one_clear_error_on_every_rank(tmp_path):
-    """Issue 66 item 13. Before: rank 0 raised a raw OSError ([Errno 30] ... .xla_fsdp-run.lock) and
+    """Before: rank 0 raised a raw OSError ([Errno 30] ... .xla_fsdp-run.lock) and
     rank 1 only gloo's "Connection closed by peer"."""
     from ranks import on_gloo
     ckpt = str(tmp_path / "ckpt")
@@ -288,7 +288,7 @@ def test_a_second_run_is_refused_a_folder_a_live_run_writes(tmp_path, run_id):
     first's. A live run's folder refuses a second run naming the first (run id, host, pid); once the
     first has ended (its lock goes with it) or died (its pid no longer runs), the folder is free.
     run_id "none": both are separate plain torchrun jobs, whose TORCHELASTIC_RUN_ID is torchrun's default
-    --rdzv_id; before (issue 53 item 5) the second took the live first's folder over as a restart."""
+    --rdzv_id; before, the second took the live first's folder over as a restart."""
     import socket
     import subprocess
     import sys as _sys

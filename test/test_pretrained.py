@@ -1,4 +1,4 @@
-"""Pretrained weights straight into the shards (issue 67): ``xla_fsdp.load_pretrained`` from a Hugging Face
+"""Pretrained weights straight into the shards: ``xla_fsdp.load_pretrained`` from a Hugging Face
 folder, one safetensors file, a consolidated .pth, rank files of another world size and a DCP folder, into
 the wrapper (each layout), xla_fsdp's and PyTorch's ``fully_shard``, on gloo ranks and XLA:CPU devices.
 

@@ -1,4 +1,4 @@
-"""The SPMD mode (issue 27, first step): ``xla_fsdp.spmd`` builds xla_fsdp's units at world size 1
+"""The SPMD mode: ``xla_fsdp.spmd`` builds xla_fsdp's units at world size 1
 in torch_xla's SPMD runtime and annotates their shards over the devices. Each case runs in its
 own process (SPMD and the per-device mode cannot share one): 5 steps equal unsharded training
 (1e-5 fp32, losses and parameters) at 1, 2 and 4 XLA:CPU devices for the test models

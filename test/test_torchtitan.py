@@ -1,4 +1,4 @@
-"""An FSDP2 client unchanged (issue 66): torchtitan 0.3.0's own training loop (Llama 3 debug model, 2 gloo
+"""An FSDP2 client unchanged: torchtitan 0.3.0's own training loop (Llama 3 debug model, 2 gloo
 ranks, a generated tokenizer and dataset) with ``torch.distributed.fsdp.fully_shard`` bound to xla_fsdp's
 trains as with PyTorch's FSDP2, and resumes through torchtitan's checkpointer from a checkpoint it wrote.
 torchtitan accepts PyTorch >= 2.11, so this runs in the newest environment (make test installs it there)."""

@@ -1,6 +1,6 @@
 """torch_xla's user-level collectives across several XLA:CPU devices (threads of one process),
 where torch_xla 2.9 aborts: xm.all_reduce (every form), all_gather, reduce_scatter, mesh_reduce,
-rendezvous, xm.save and the ``xla`` torch.distributed backend (issue 22)."""
+rendezvous, xm.save and the ``xla`` torch.distributed backend."""
 import os
 import threading
 import time

@@ -1,4 +1,4 @@
-"""What programs do around the training loop (issue 42): ranks that build different models, reading
+"""What programs do around the training loop: ranks that build different models, reading
 and editing a wrapped model between steps, hooks and misuse that must fail clearly on every rank.
 The training-loop patterns themselves (freezing, clipping, loss scaling, hooks, re-initialising,
 outputs) are dimensions of the differential suite (test_differential.py)."""
@@ -358,10 +358,10 @@ def _xla_dropout_programs() -> Dict[str, List[float]]:
 @pytest.mark.xla
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_xla_random_draws_are_the_unwrapped_programs(world_size):
-    """Issue 54 item 4. Before: the syncs xla_fsdp makes for itself (at wrapping, the first forward's
+    """Before: the syncs xla_fsdp makes for itself (at wrapping, the first forward's
     checks) each advanced torch_xla's seed (a graph cut does), so with the same xm.set_rng_state seed
     the first forward's dropout masks differed from the unwrapped program's (at 2 devices, loss
-    1.4513 vs 1.5214 in the issue's program). Each such sync now leaves the seed as it found it."""
+    1.4513 vs 1.5214 in the program that showed it). Each such sync now leaves the seed as it found it."""
     with xla_cpu_devices(world_size):
         by_rank = run_multiprocess(_xla_dropout_programs)
     for rank, results in by_rank.items():
@@ -404,7 +404,8 @@ def _tie_after_wrapping(rank: int, world_size: int, how: str = "wrapper", device
 
 @pytest.mark.parametrize("how", ["wrapper", "flat"])
 def test_tying_after_wrapping_is_refused_naming_both_parameters(how):
-    """Issue 54 item 1 on 2 gloo ranks (per-parameter and flat shards)."""
+    """Tying two parameters after wrapping is refused, naming both, on 2 gloo ranks (per-parameter and
+    flat shards)."""
     for outcome in run_ranks(functools.partial(_tie_after_wrapping, how=how), 2):
         assert "'head.weight' was given the parameter 'emb.weight' after wrapping" in outcome, outcome
         assert "tie them before wrapping" in outcome and "summon_full_params" in outcome, outcome
@@ -417,7 +418,7 @@ def _xla_tie_after_wrapping(how: str) -> str:
 
 @pytest.mark.xla
 def test_tying_after_wrapping_is_refused_on_xla_devices():
-    """Issue 54 item 1 on 2 XLA:CPU devices: the wrapper (per-parameter, flat) and fully_shard."""
+    """Tying after wrapping refused on 2 XLA:CPU devices: the wrapper (per-parameter, flat) and fully_shard."""
     with xla_cpu_devices(2):
         for how in ("wrapper", "flat", "fully_shard"):
             for outcome in run_multiprocess(_xla_tie_after_wrapping, how).values():
@@ -459,7 +460,7 @@ def _clamp_sharded(rank: int, world_size: int, how: str = "per_param") -> Dict[s
 
 @pytest.mark.parametrize("how", ["per_param", "zero2"])
 def test_a_module_that_edits_its_weight_in_forward_keeps_the_edit(how):
-    """Issue 54 item 3, 2 gloo ranks. Before: the clamp landed on the gathered copy and was dropped at
+    """A clamp of the weight in forward, 2 gloo ranks. Before: the clamp landed on the gathered copy and was dropped at
     the next gather (the weights came out off by up to 0.29). Now the edit becomes the shards, as
     unsharded. (Flattened on gloo, PyTorch itself refuses the in-place edit of a split view.)"""
     world_size = 2
@@ -534,7 +535,7 @@ def _xla_clamp_programs(how: str) -> Dict[str, Any]:
 
 @pytest.mark.xla
 def test_a_module_that_edits_its_weight_in_forward_is_refused_on_xla():
-    """Issue 54 item 3 on 2 XLA:CPU devices. Before: the clamp wrote through XLA's gathered parameter
+    """A clamp of the weight in forward, on 2 XLA:CPU devices. Before: the clamp wrote through XLA's gathered parameter
     (a broadcast view) to garbage, silently (loss 0.4239 at step 0 where unwrapped gives 0.1494). Now
     the first forward refuses on every rank, naming the parameter and the fix; the fix trains as the
     clamping model does unsharded (1e-6)."""
@@ -577,10 +578,10 @@ def _recipe_groups(model: nn.Module, recipe: str, drop_empty: bool = False) -> L
 @pytest.mark.parametrize("drop_empty", [False, True])
 @pytest.mark.parametrize("recipe,flat", [("by_name", False), ("by_name", True), ("by_dim", False), ("by_dim", True)])
 def test_no_decay_recipes_applied_to_shards_are_refused_at_the_first_step(gloo, recipe, flat, drop_empty):
-    """Issue 54 item 2. Before: by name, LayerNorm weights (names the unit made) got weight decay, and
+    """No-decay recipes. Before: by name, LayerNorm weights (names the unit made) got weight decay, and
     flattened nothing was excluded; by dimension (every shard 1-D) no weight was decayed: weights off
     by 6e-4 .. 1.5e-3 after a few steps, silently. The supported way gives the unsharded groups.
-    Issue 66 item 1: the recipe that drops its empty group (one group left: by name flattened, by
+    The recipe that drops its empty group (one group left: by name flattened, by
     dimension in both layouts) trained silently wrong; refused too, and a program that decays every
     parameter alike (the optimizer's own weight_decay, one group) is not."""
     torch.manual_seed(0)
@@ -685,7 +686,7 @@ def _inner_checkpoint_sharded(rank: int, world_size: int, part: str, flat: bool)
 @pytest.mark.parametrize("part", ["fc1", "mlp"])
 @pytest.mark.parametrize("flat", [True, False])
 def test_the_users_reentrant_checkpoint_inside_checkpoint_module(part, flat):
-    """Issue 54 item 5 on 2 gloo ranks: the user's reentrant torch.utils.checkpoint inside
+    """On 2 gloo ranks: the user's reentrant torch.utils.checkpoint inside
     FSDP(checkpoint_module(block)) trains as unsharded (the mean of the ranks' losses, 1e-5)."""
     world_size = 2
     results = run_ranks(functools.partial(_inner_checkpoint_sharded, part=part, flat=flat), world_size)
@@ -727,12 +728,12 @@ _BUILT = threading.Barrier(2)  # the 2 rank threads of _xla_inner_checkpoint_pro
 
 @pytest.mark.xla
 def test_the_users_reentrant_checkpoint_inside_checkpoint_module_on_xla():
-    """Issue 54 item 5 on 2 XLA:CPU devices (torch_xla's reentrant checkpoint, every rank the same
-    batches). Before, flattened with fc1 alone checkpointed: the unit reduced and freed its
-    parameters when the outer recompute's backward left fc1 without gradient, and the inner
-    recompute then found them freed ('fc1.weight' ... holds no data here). The head's gradient hook
-    was called with None in the checkpoint's backward pass (AttributeError on one rank, the other
-    aborted in a rendezvous)."""
+    """The user's reentrant checkpoint inside checkpoint_module on 2 XLA:CPU devices (torch_xla's
+    reentrant checkpoint, every rank the same batches). Before, flattened with fc1 alone checkpointed:
+    the unit reduced and freed its parameters when the outer recompute's backward left fc1 without
+    gradient, and the inner recompute then found them freed ('fc1.weight' ... holds no data here). The
+    head's gradient hook was called with None in the checkpoint's backward pass (AttributeError on one
+    rank, the other aborted in a rendezvous)."""
     with xla_cpu_devices(2):
         by_rank = run_multiprocess(_xla_inner_checkpoint_programs)
     for results in by_rank.values():
@@ -787,11 +788,11 @@ def _ema_sharded(rank: int, world_size: int, flat: bool, zero2: bool, frozen: bo
 @pytest.mark.parametrize("flat,zero2,frozen", [(True, True, False), (False, False, False), (True, True, True),
                                                (False, False, True)])
 def test_an_ema_teacher_as_a_second_root(flat, zero2, frozen):
-    """Issue 54 item 7 on 2 gloo ranks: an EMA teacher wrapped as a second root the same way as its
+    """On 2 gloo ranks: an EMA teacher wrapped as a second root the same way as its
     student (flat ZeRO-2, per-parameter ZeRO-3) trains as unsharded (losses and the teacher's
     weights, 1e-5). Deep-copying the wrapped student (DINO's ``teacher = deepcopy(student)``) is
     refused with the way to do it (before: ``_FlattenFlag.__new__() missing 1 required positional
-    argument``). Issue 66 item 6: the teacher frozen before wrapping (flat ZeRO-2: "The size of
+    argument``). And the teacher frozen before wrapping (flat ZeRO-2: "The size of
     tensor a (23) must match ..." before, its frozen shard held matrices and vectors together)."""
     world_size = 2
     results = run_ranks(functools.partial(_ema_sharded, flat=flat, zero2=zero2, frozen=frozen), world_size)
@@ -865,7 +866,7 @@ def _trainer_recipe_sharded(rank: int, world_size: int) -> Dict[str, Any]:
 
 
 def test_the_hf_trainers_decay_groups_on_shards_are_refused_and_shard_names_of_gives_its_groups():
-    """Issue 54 item 2, the Hugging Face Trainer's path (its own get_decay_parameter_names, 2 gloo
+    """No-decay groups on the Hugging Face Trainer's path (its own get_decay_parameter_names, 2 gloo
     ranks). Applied to the wrapped model, its rule decays the LayerNorm weights (found by module
     type, which shards do not have): refused at the first step. The names it gives on the unwrapped
     model, carried over with model.shard_names_of, train as the Trainer's groups unsharded (1e-5)."""
@@ -1032,7 +1033,7 @@ def _untied_checkpoint_into_tied_model(rank: int, world_size: int, folder: str, 
 
 @pytest.mark.parametrize("flat", [False, True])
 def test_a_checkpoint_saved_untied_loads_into_a_tied_model_as_pytorch_loads_it(tmp_path, flat):
-    """Issue 66 item 2. Rank files holding head.weight and wte.weight apart, loaded into the model
+    """Rank files holding head.weight and wte.weight apart, loaded into the model
     that ties them: load_state_dict on the plain model keeps head.weight (the later name in module
     order wins); the shards kept wte's value instead (eval loss 9.3643 against 3.5981)."""
     folder = str(tmp_path)
@@ -1072,7 +1073,7 @@ def _moved_then_wrapped(me) -> Dict[str, Any]:
 
 @pytest.mark.xla
 def test_a_tied_model_moved_to_xla_before_wrapping_is_said_to_be_untied():
-    """Issue 66 item 4. Before: ``FSDP(model.to(xla_device))`` of a GPT whose head is its embedding
+    """Before: ``FSDP(model.to(xla_device))`` of a GPT whose head is its embedding
     trained two matrices without a word (torch_xla's ``.to`` gives each module a new tensor; only a
     Hugging Face config's tie was checked). Now the wrapper names both and gives the fix; wrapped on
     the CPU the tie is kept through a step."""

@@ -51,7 +51,9 @@ class Net(nn.Module):
         return self.fc2(F.relu(self.fc1(x.flatten(1))))
 
 
-BUILD = threading.Lock()  # XLA:CPU devices are threads sharing the CPU RNG (README: seed and build under a lock)
+# XLA:CPU devices are threads sharing the CPU RNG (docs/usage.md, "Several XLA:CPU devices": seed and build
+# under a lock)
+BUILD = threading.Lock()
 
 
 def _mp_fn(index, flags):

@@ -469,8 +469,8 @@ def _linked(tensor: torch.Tensor) -> torch.Tensor:
         return tensor  # none, or from a graph that has run since
     # + 0 * link: XLA keeps a float multiplication by 0 (it would turn an inf into NaN), and so does
     # add's alpha (one IR node). The link is a bool, converted to the tensor's dtype in the add: 0 or 1,
-    # finite in every dtype (a float link in another dtype than the tensor's broke XLA's verifier:
-    # issue 43's bf16 recompute). (An optimization barrier over the tensor and the link, with no
+    # finite in every dtype (a float link in another dtype than the tensor's broke XLA's verifier in
+    # a bf16 recompute). (An optimization barrier over the tensor and the link, with no
     # arithmetic, does not keep the order on XLA:CPU: ranks ran two reduce-scatters in different
     # orders and XLA aborted them.)
     return (tensor.detach() if tensor.requires_grad else tensor).add(link, alpha=0)
