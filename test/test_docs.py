@@ -111,6 +111,14 @@ def sections(text):
 
 
 @pytest.mark.fast
+def test_the_docs_stay_a_reference_of_at_most_80_kb():
+    """README, CONTRIBUTING and docs/ together: a reference a reader can hold, not a log (history goes to
+    benchmarks/results and commit messages)."""
+    sizes = {page: os.path.getsize(os.path.join(ROOT, page)) for page in PAGES}
+    assert sum(sizes.values()) <= 80_000, sorted(sizes.items(), key=lambda kv: -kv[1])
+
+
+@pytest.mark.fast
 def test_no_page_repeats_a_section():
     """A section written twice (benchmarks.md held its host-time, tutorial-program and against-commit sections
     twice, the second copy stale) says one thing in two places: every heading and every body once per page."""
