@@ -161,8 +161,11 @@ def wrap_spmd(model: nn.Module, w: Workload, ws: int, name: str = "torchxla_spmd
     mesh = xs.Mesh(np.arange(ws), (ws, 1), ("fsdp", "model"))
     xs.set_global_mesh(mesh)
     model = model.to(torch_xla.device())
-    wrapped = SpmdFullyShardedDataParallel(model, mesh=mesh, auto_wrap_policy=functools.partial(
-        transformer_auto_wrap_policy, transformer_layer_cls=set(unit_classes(w))))
+    # scanned (scan_layers): the root only, as torch_xla's scan docs shard it; a wrapper per block cannot be
+    # traced by scan's functional_call ("Expected XLA tensor. Got: XLAFloatType")
+    policy = None if getattr(w, "scan", False) else functools.partial(
+        transformer_auto_wrap_policy, transformer_layer_cls=set(unit_classes(w)))
+    wrapped = SpmdFullyShardedDataParallel(model, mesh=mesh, auto_wrap_policy=policy)
 
     def shard_batch(t: torch.Tensor) -> torch.Tensor:
         xs.mark_sharding(t, mesh, ("fsdp",) + (None,) * (t.dim() - 1))

@@ -6,7 +6,7 @@ import re
 import resource
 import threading
 import time
-from typing import Dict
+from typing import Dict, List
 
 import torch
 
@@ -201,6 +201,17 @@ def xla_compiles() -> int:
         return 0
     data = met.metric_data("CompileTime")
     return int(data[0]) if data else 0
+
+
+def xla_compile_seconds() -> List[float]:
+    """Seconds of each XLA compilation so far in this process (torch_xla's CompileTime samples; the
+    metric keeps its last 1024)."""
+    try:
+        import torch_xla.debug.metrics as met
+    except ImportError:
+        return []
+    data = met.metric_data("CompileTime")
+    return [v / 1e9 for _, v in data[2]] if data else []
 
 
 def xla_ops_traced() -> int:

@@ -58,11 +58,12 @@ def _free_port() -> int:
 
 
 def run_one(contender: str, ws: int, workload, warmup: int, steps: int, timeout: int,
-            root: str = ROOT) -> Dict[str, Any]:
+            root: str = ROOT, spec_extra: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """One measurement in a fresh process; returns per-rank results or the failure. ``root``: the
-    checkout whose package and benchmark worker run (another commit's, for a same-run comparison)."""
+    checkout whose package and benchmark worker run (another commit's, for a same-run comparison);
+    ``spec_extra``: the worker's options (``phases``, ``cache_dir``)."""
     spec = {"contender": contender, "ws": ws, "workload": workload.describe(), "warmup": warmup,
-            "steps": steps, "port": _free_port()}
+            "steps": steps, "port": _free_port(), **(spec_extra or {})}
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=root)
     for key in ("PJRT_DEVICE", "CPU_NUM_DEVICES"):
         env.pop(key, None)

@@ -29,6 +29,7 @@ def train_loop(model, opt, w: Workload, spec: Dict[str, Any], rank: int, device,
     warmup, steps = spec["warmup"], spec["steps"]
     times, host_times, backward_host_times, losses = [], [], [], []
     compiles_step2 = transfers_start = ops_start = 0
+    phase_marks = []
     for step in range(warmup + steps):
         if step == 2:  # the target: no new XLA compilation after the second step
             compiles_step2 = measure.xla_compiles()
@@ -46,6 +47,9 @@ def train_loop(model, opt, w: Workload, spec: Dict[str, Any], rank: int, device,
         loss = loss_fn(model(x), y)
         backward_clock = measure.BackwardThreadTime(loss)
         loss.backward()
+        if spec.get("phases"):  # forward + backward (with the collectives) and the optimizer step as two graphs
+            sync()
+            phase_marks.append(len(measure.xla_compile_seconds()))
         opt.step()
         # the CPU time tracing the step (pytorch/xla#5280): this rank thread's, and autograd's thread's
         # for backward where that is another thread (XLA)
@@ -56,6 +60,7 @@ def train_loop(model, opt, w: Workload, spec: Dict[str, Any], rank: int, device,
         value = loss.item()
         times.append(time.perf_counter() - t0)
         losses.append(value)
+        phase_marks.append(len(measure.xla_compile_seconds()))
     barrier()  # every rank's steps traced
     compiles_end = measure.xla_compiles()
     barrier()  # XLA:CPU device threads share the counter: every rank reads it before any goes on
@@ -71,6 +76,8 @@ def train_loop(model, opt, w: Workload, spec: Dict[str, Any], rank: int, device,
         # every rank thread's ATen ops traced on XLA per measured step (the process's)
         "xla_ops_per_step": (measure.xla_ops_traced() - ops_start) / steps,
         "param_bytes": spec["param_bytes"],
+        # every XLA compilation of the process, in order, and where each step's phases ended in that list
+        "compile_seconds": measure.xla_compile_seconds(), "phase_marks": phase_marks, "all_times": times,
     }
 
 
@@ -158,6 +165,9 @@ def main(argv=None) -> None:
         mp.spawn(_gloo_rank, args=(spec, out_dir), nprocs=ws)
     elif name in contenders.XLA_THREADS:
         os.environ.update(PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(ws))
+        if spec.get("cache_dir"):  # torch_xla's persistent compilation cache, before the runtime starts
+            import torch_xla.runtime as xr
+            xr.initialize_cache(spec["cache_dir"], readonly=False)
         import xla_fsdp  # torch_xla.launch with what several XLA:CPU devices need (torch_xla's FSDP too)
         xla_fsdp.launch(_xla_rank, args=(spec, out_dir))
     elif name in contenders.SPMD:

@@ -26,6 +26,7 @@ class Workload:
     seq: int = 256
     image: int = 64
     classes: int = 100
+    scan: bool = False        # lm: the blocks run as one loop (torch_xla's scan_layers)
 
     def describe(self) -> Dict:
         return asdict(self)
@@ -68,11 +69,16 @@ class DecoderLM(nn.Module):
         self.blocks = nn.ModuleList([Block(w.d_model, w.heads) for _ in range(w.layers)])
         self.ln = nn.LayerNorm(w.d_model)
         self.head = nn.Linear(w.d_model, w.vocab, bias=False)
+        self.scan = w.scan
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.emb(ids) + self.pos(torch.arange(ids.shape[1], device=ids.device))
-        for block in self.blocks:
-            x = block(x)
+        if self.scan:  # one block traced, run as an XLA While loop over the stacked blocks' parameters
+            from torch_xla.experimental.scan_layers import scan_layers
+            x = scan_layers(self.blocks, x)
+        else:
+            for block in self.blocks:
+                x = block(x)
         return self.head(self.ln(x))
 
 

@@ -319,3 +319,30 @@ def test_pretrained_load_runs_every_way_and_each_loads_its_share_of_the_same_val
         (run,) = row["rounds"]
         assert run["own_bytes"] == data["model_bytes"] // 2  # every way ends sharded: half the model per rank
     assert "| xla_fsdp_on_xla | xla |" in out.with_suffix(".md").read_text()
+
+
+@pytest.mark.fast
+def test_the_compile_exponent_is_the_slope_of_seconds_against_depth_on_logs():
+    from benchmarks.compile_time import exponent
+    assert abs(exponent({d: {"compile_s": 3.0 * d ** 1.5} for d in (2, 4, 8, 16)}) - 1.5) < 1e-9
+    assert exponent({2: {"compile_s": 1.0}, 4: {"error": "x"}}) is None  # one point: no fit
+
+
+@pytest.mark.xla
+def test_compile_time_counts_each_graph_and_splits_the_step_by_phase(tmp_path):
+    """Two depths of xla_fsdp's wrapper with the phases apart: every compilation counted, the backward's and
+    the optimizer's seconds adding up to at most the total (the rest: the start's small graphs)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PJRT_DEVICE", "CPU_NUM_DEVICES")}
+    out = tmp_path / "ct"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.compile_time", "--depths", "1", "2", "--steps", "2",
+                           "--phases", "--contenders", "xla_fsdp wrapper", "--out", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    data = json.loads((tmp_path / "ct.json").read_text())
+    for depth in ("1", "2"):
+        row = data["rows"]["xla_fsdp wrapper"][depth]
+        assert "error" not in row, row
+        assert row["graphs"] >= 4 and row["compile_s"] > 0  # two steps, each two graphs
+        assert 0 < row["backward_compile_s"] + row["optimizer_compile_s"] <= row["compile_s"] + 1e-9
+    assert data["exponents"]["xla_fsdp wrapper"] is not None
+    assert "| xla_fsdp wrapper |" in (tmp_path / "ct.md").read_text()
