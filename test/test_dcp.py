@@ -187,6 +187,18 @@ def test_the_fsdp2_tutorials_state_dict_code_runs_on_xla_fsdp_across_world_sizes
     _close(resumed, reference, "the state dict API through DCP, 2 -> 4 ranks")
 
 
+def _through_dcp(model, opt, tmp_path) -> str:
+    """Save the rank files at tmp_path/ck, export them to DCP (tmp_path/dcp) and import that for 2 ranks at
+    tmp_path/back; returns the first prefix."""
+    import xla_fsdp
+    ck = str(tmp_path / "ck")
+    xla_fsdp.save_sharded_checkpoint(model, opt, ck)
+    assert convert_cli(["--to", "dcp", "--ckpt_prefix", ck, "--out", str(tmp_path / "dcp")]) == 0
+    assert convert_cli(["--from", "dcp", "--ckpt_dir", str(tmp_path / "dcp"), "--world_size", "2",
+                        "--out_prefix", str(tmp_path / "back")]) == 0
+    return ck
+
+
 @pytest.mark.fast
 def test_a_dcp_round_trip_keeps_the_optimizer_state_with_its_parameters(tmp_path, gloo):
     """Rank files -> --to dcp -> --from dcp -> consolidate --optimizer: the
@@ -197,7 +209,6 @@ def test_a_dcp_round_trip_keeps_the_optimizer_state_with_its_parameters(tmp_path
     import torch
     import torch.nn as nn
 
-    import xla_fsdp
     from xla_fsdp import XlaFullyShardedDataParallel as FSDP
     from xla_fsdp.consolidate_sharded_ckpts import main as consolidate_cli
 
@@ -211,11 +222,7 @@ def test_a_dcp_round_trip_keeps_the_optimizer_state_with_its_parameters(tmp_path
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model(torch.randn(2, 8)).square().sum().backward()
     opt.step()
-    ck = str(tmp_path / "ck")
-    xla_fsdp.save_sharded_checkpoint(model, opt, ck)
-    assert convert_cli(["--to", "dcp", "--ckpt_prefix", ck, "--out", str(tmp_path / "dcp")]) == 0
-    assert convert_cli(["--from", "dcp", "--ckpt_dir", str(tmp_path / "dcp"), "--world_size", "2",
-                        "--out_prefix", str(tmp_path / "back")]) == 0
+    ck = _through_dcp(model, opt, tmp_path)
     for prefix in (ck, str(tmp_path / "back")):
         assert consolidate_cli(["--ckpt_prefix", prefix, "--optimizer"]) == 0
     direct = torch.load(ck + "_consolidated.pth", weights_only=True)
@@ -275,11 +282,7 @@ def test_a_zero_d_parameters_moments_survive_dcp_and_the_full_optimizer_state(fl
             o.zero_grad()
             m(x).square().sum().backward()
             o.step()
-    ck = str(tmp_path / "ck")
-    xla_fsdp.save_sharded_checkpoint(model, opt, ck)
-    assert convert_cli(["--to", "dcp", "--ckpt_prefix", ck, "--out", str(tmp_path / "dcp")]) == 0
-    assert convert_cli(["--from", "dcp", "--ckpt_dir", str(tmp_path / "dcp"), "--world_size", "2",
-                        "--out_prefix", str(tmp_path / "back")]) == 0
+    ck = _through_dcp(model, opt, tmp_path)
     want = {n: plain_opt.state[p] for n, p in plain.named_parameters()}
     assert want["t"]["exp_avg"].dim() == 0 and want["t"]["exp_avg"].abs().item() > 0
     for prefix in (ck, str(tmp_path / "back")):
