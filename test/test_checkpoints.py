@@ -199,6 +199,33 @@ def test_a_saved_rank_file_is_a_plain_checked_archive_with_its_extra(gloo, tmp_p
     assert xla_fsdp.load_sharded_checkpoint(model, fresh, str(tmp_path / "ck"))["n"] == 3
 
 
+@pytest.mark.fast
+def test_a_file_missing_a_listed_tensor_or_a_failed_save_leaves_nothing_behind(gloo, tmp_path):
+    """A rank file whose optimizer state lost a tensor its metadata lists is refused at load, naming it (not
+    resumed with fresh moments for that parameter); a save whose extra cannot be pickled raises and leaves
+    no temporary file nor an open one."""
+    import threading
+
+    import xla_fsdp
+    from xla_fsdp import XlaFullyShardedDataParallel as FSDP
+    from xla_fsdp.checkpoints import CheckpointError
+    model = FSDP(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    path = xla_fsdp.save_sharded_checkpoint(model, opt, str(tmp_path / "ck"))
+    saved = torch.load(path, weights_only=True)
+    del saved["optimizer"]["state"][1]["exp_avg"]  # its checksum still listed in the metadata
+    torch.save(saved, path)
+    with pytest.raises(CheckpointError, match=r"'1.exp_avg' listed in the metadata is missing"):
+        xla_fsdp.load_sharded_checkpoint(model, torch.optim.AdamW(model.parameters()), str(tmp_path / "ck"))
+    before = set(os.listdir(f"/proc/{os.getpid()}/fd"))
+    with pytest.raises(CheckpointError, match="could not write"):
+        xla_fsdp.save_sharded_checkpoint(model, opt, str(tmp_path / "bad"), extra={"lock": threading.Lock()})
+    assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp") or f.startswith("bad")]
+    assert set(os.listdir(f"/proc/{os.getpid()}/fd")) <= before
+
+
 RELEASE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "release-0.1.0")
 
 

@@ -225,6 +225,9 @@ def new_temporary(path: str, size: Optional[int] = None) -> str:
         if e.errno in _NO_ROOM:
             raise write_error(e, path, size) from e
         raise CheckpointError(f"cannot write '{path}': cannot create files in '{directory}' ({e.strerror})") from e
+    except BaseException:  # interrupted right after the file was made
+        discard(tmp)
+        raise
     return tmp
 
 

@@ -8,11 +8,14 @@ of files (:class:`RankFiles`) takes its names together or not at all.
 """
 from __future__ import annotations
 
+import errno
+import os
 from typing import Any, Callable, Dict, List, Mapping, Optional
 
 import torch
 
-from .files import commit, discard, fsync_file, new_temporary, tensor_checksum, write_error
+from .files import (CheckpointError, check_free_space, commit, discard, fsync_file, new_temporary, tensor_checksum,
+                    write_error)
 from .stream_save import PthStreamWriter
 
 
@@ -84,6 +87,7 @@ class RankFileWriter:
             stream.close()
             fsync_file(self.tmp)
         except BaseException as e:
+            stream.abandon()  # closed: a failed pickle leaves no open file (nor the disk space of a deleted one)
             self.discard()
             error = write_error(e, self.path, max(stream.nbytes, self._size or 0))
             if error is e:
@@ -116,9 +120,19 @@ class RankFiles:
         self.files: List[RankFileWriter] = []
 
     def __enter__(self) -> "RankFiles":
+        folder = os.path.dirname(os.path.abspath(self.paths[0])) if self.paths else ""
+        if self._size is not None and os.path.isdir(folder):  # all of them, before any byte is written
+            check_free_space(folder, self._size * len(self.paths), f"the {len(self.paths)} files of '{self.paths[0]}'")
         try:
             for path in self.paths:
                 self.files.append(RankFileWriter(path, self._size))
+        except OSError as e:
+            self._discard()
+            if e.errno == errno.EMFILE:  # every file is open until all are written
+                raise CheckpointError(f"cannot write {len(self.paths)} rank files side by side: this process may "
+                                      "open fewer files at once (ulimit -n); raise the limit, or write for fewer "
+                                      "ranks and resize in steps") from e
+            raise
         except BaseException:
             self._discard()
             raise

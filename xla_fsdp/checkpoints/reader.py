@@ -78,8 +78,16 @@ class RankFileReader:
             raise CheckpointError(f"'{self.path}': tensor '{readable_key(key)}' is corrupted (checksum mismatch); "
                                   "restore this file from a backup or use an earlier checkpoint")
 
+    def _missing(self, section: str, present) -> None:
+        """Raise for a tensor the metadata's checksums list that the section lacks."""
+        missing = [k for k in self._sums(section) if k not in present]
+        if missing:
+            raise CheckpointError(f"'{self.path}': tensor '{readable_key(missing[0])}' listed in the metadata is "
+                                  "missing; restore this file from a backup or use an earlier checkpoint")
+
     def model(self) -> Dict[str, Any]:
-        """The model section, every tensor checked."""
+        """The model section, every tensor checked, none the metadata lists missing."""
+        self._missing("model", self.contents["model"])
         for key, value in self.contents["model"].items():
             if isinstance(value, torch.Tensor):
                 self.check("model", key, value)
@@ -90,6 +98,7 @@ class RankFileReader:
         osd = self.contents.get("optimizer")
         if osd is None:
             raise CheckpointError(f"'{self.path}' holds no optimizer state")
+        self._missing("optimizer", {f"{i}.{f}" for i, st in osd["state"].items() for f in st})
         for idx, st in osd["state"].items():
             for field, value in st.items():
                 if isinstance(value, torch.Tensor):

@@ -255,8 +255,12 @@ def resume_training(model, optimizer: Optional[torch.optim.Optimizer], ckpt_dir:
     device = model.comms.device
     flat_rank = model.comms.replica_rank * model.world_size + model.rank
     host_generators = not _threaded_ranks(model) or flat_rank == 0
+    own = None
     if training["world_size"] == model.world_size * model.comms.num_replicas and model.comms.replica_rank == 0:
         own = RankFileReader(rank_path(latest.prefix, model.rank, model.world_size), verify=False)  # loaded above
+        if own.metadata.get("resharded_from") is not None:  # a resize's files: each holds rank 0's RNG state
+            own = None
+    if own is not None:
         _set_rng_state(own.extra["training_state"]["rng"], device, host_generators)
     else:
         seed = zlib.crc32(f"{training['step']}:{flat_rank}".encode())

@@ -27,7 +27,7 @@ def _to_host(obj: Any, staging: Optional[Dict[tuple, torch.Tensor]] = None, path
         if staging is None:
             t = t.cpu()
             compact = t.is_contiguous() and t.untyped_storage().nbytes() == t.numel() * t.element_size()
-            return t if compact else t.clone()  # torch.save writes a view's whole storage
+            return t if compact else t.clone()  # a view's own bytes, in a storage of their size
         buffer = staging.get(path)
         if buffer is None or buffer.shape != t.shape or buffer.dtype != t.dtype:
             buffer = staging[path] = torch.empty(t.shape, dtype=t.dtype, device="cpu")

@@ -73,6 +73,17 @@ class PthStreamWriter:
         self.path = path
         self._file = NoAbortFile(path)  # a failed write raises at close(), never aborts in torch's writer
         self._crc_later = False
+        try:
+            self._open_writer(crc_outside_gil)
+        except BaseException:
+            self.abandon()
+            raise
+        self._refs: "collections.OrderedDict[str, _TensorRef]" = collections.OrderedDict()
+        self._structure = None
+        self._count = 0
+        self.nbytes = 0  # tensor bytes added so far
+
+    def _open_writer(self, crc_outside_gil: bool) -> None:
         with self._file.interrupts_held():  # each call into torch's writer: Ctrl-C waits for its return
             if crc_outside_gil:  # the records' CRC-32s filled in at close() by zlib (zip_crc), not by torch
                 try:
@@ -83,10 +94,6 @@ class PthStreamWriter:
                     pass
             if not self._crc_later:  # torch's writer computes them, holding the GIL
                 self._writer = torch._C.PyTorchFileWriter(self._file)
-        self._refs: "collections.OrderedDict[str, _TensorRef]" = collections.OrderedDict()
-        self._structure = None
-        self._count = 0
-        self.nbytes = 0  # tensor bytes added so far
 
     def add(self, key: str, tensor: torch.Tensor) -> "_TensorRef":
         t = tensor.detach().cpu().contiguous()

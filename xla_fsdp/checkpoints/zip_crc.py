@@ -1,4 +1,6 @@
-"""``torch.save`` whose zip CRC-32s are computed outside the GIL, for saves in a background thread.
+"""Zip CRC-32s computed outside the GIL: ``fill_zip_crcs`` for the stream writer every rank file is written
+with (a save in a background thread leaves the training thread its speed), ``save_with_crc_outside_gil``
+for whole files (the consolidated outputs).
 
 torch 2.9's zip writer (``PyTorchFileWriter``) checksums every record while holding the GIL: an
 async save of a 1 GiB checkpoint slowed the training thread's steps 1.36x, against 1.06x with the
@@ -8,7 +10,8 @@ read back from the file and written where torch's writer puts it: the record's d
 local header) and its central-directory entry.
 The result is the same standard archive: ``zipfile.testzip`` and ``unzip -t`` pass, ``torch.load``
 (mmap too) reads it. Where torch's internals or the archive's form differ from what this expects,
-it falls back to a plain ``torch.save``.
+``save_with_crc_outside_gil`` falls back to a plain ``torch.save``; a streamed file cannot be written
+again, so ``fill_zip_crcs`` raises.
 """
 from __future__ import annotations
 
