@@ -14,10 +14,7 @@ import os
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from .dcp_reader import (SafeFileSystemReader, find_prefix, join, model_entries, model_prefix, read_entry,
-                         read_param_groups)
 from .files import CheckpointError
 from .importing import ImportedOptimizer, ImportPlan
 
@@ -202,6 +199,10 @@ class DCPSource(TensorSource):
     ``optim_key``, default ``optim`` or ``optimizer`` beside the model's)."""
 
     def __init__(self, path: str, model_key: Optional[str] = None, optim_key: Optional[str] = None):
+        # torch.distributed.checkpoint is imported when a DCP folder is read, not with the package
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        from .dcp_reader import SafeFileSystemReader, model_entries, model_prefix
         if not os.path.isfile(os.path.join(path, ".metadata")):
             raise CheckpointError(f"'{path}' is not a DCP checkpoint folder (no .metadata file)")
         self.path = path
@@ -215,6 +216,7 @@ class DCPSource(TensorSource):
         self._cached: Tuple[Optional[str], Optional[torch.Tensor]] = (None, None)
 
     def read(self, name: str, start: int, end: int) -> torch.Tensor:
+        from .dcp_reader import join, read_entry
         if self._cached[0] != name:
             self._cached = (name, None)  # the previous tensor is freed before the next is read
             self._cached = (name, read_entry(self._reader, join(self._prefix, name), self._entries[name]))
@@ -224,6 +226,7 @@ class DCPSource(TensorSource):
         self._cached = (None, None)
 
     def _optim_prefix(self) -> Optional[str]:
+        from .dcp_reader import find_prefix
         parent = self._prefix.rpartition(".")[0]
         candidates = tuple(f"{parent}.{c}" if parent else c for c in ("optim", "optimizer"))
         try:
@@ -236,6 +239,9 @@ class DCPSource(TensorSource):
     def import_plan(self) -> ImportPlan:
         """The parameters (those the optimizer's groups name, else the floating-point tensors) as shards,
         then the other model entries whole; the optimizer state by parameter name."""
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        from .dcp_reader import join, read_entry, read_param_groups
         optim_prefix = self._optim_prefix()
         groups = read_param_groups(self._reader, self._all, optim_prefix) if optim_prefix else None
         trained = {p for g in groups for p in g["params"]} if groups else None
