@@ -73,6 +73,67 @@ def test_ranks_that_built_different_units_fail_fast_with_a_clear_error(monkeypat
         assert "ranks built different FSDP units" in msg and "[" in msg, msg
 
 
+_MET = threading.Barrier(2)
+
+
+def _compiles() -> int:
+    import torch_xla.debug.metrics as met
+    data = met.metric_data("CompileTime")
+    return data[0] if data else 0
+
+
+def _graphs_of_the_first_steps(api):
+    """XLA compilations while the root sets itself up (its first forward: the construction check and the
+    same-parameters check) and over two steps, counted between barriers (the metric is the process's)."""
+    import torch_xla
+    import xla_fsdp
+    dev = torch_xla.device()
+    with BUILD_LOCK:
+        torch.manual_seed(0)
+        model = models.MLP()
+        if api == "wrapper":
+            model = xla_fsdp.XlaFullyShardedDataParallel(model)
+        else:
+            for layer in (model.fc1, model.fc2, model):
+                xla_fsdp.fully_shard(layer)
+            model.to(dev)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    xla_fsdp.sync()
+    counts = []
+    for step in range(3):
+        _MET.wait()
+        counts.append(_compiles())
+        _MET.wait()
+        x = torch.randn(2, 12, generator=torch.Generator().manual_seed(step)).to(dev)
+        loss = model(x).sum()
+        if step == 0:
+            _MET.wait()
+            counts.append(_compiles())  # the root's set-up has run
+            _MET.wait()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        xla_fsdp.sync()
+    _MET.wait()
+    counts.append(_compiles())
+    return counts
+
+
+@pytest.mark.parametrize("api", ["wrapper", "fully_shard"])
+def test_the_first_forward_compiles_no_check_of_its_own(monkeypatch, api):
+    """The construction check (channel counters) and the same-parameters check (fingerprints) run on the
+    host between rank threads: the root's set-up compiles no graph (it compiled three: the counters'
+    all-gather and, on each rank thread, a stack of the fingerprints), and the steps (SGD: no state) compile
+    one graph, the first's, and nothing after."""
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")
+    monkeypatch.setenv("CPU_NUM_DEVICES", "2")
+    counts = run_multiprocess(_graphs_of_the_first_steps, api)
+    before, set_up, step2, step3, end = counts[0]
+    assert counts[0] == counts[1], counts
+    assert set_up - before == 0, counts
+    assert (step2 - set_up, step3 - step2, end - step3) == (1, 0, 0), counts
+
+
 LATE_S = 17  # XLA:CPU aborts a device rendezvous whose peers are 15 s late (5 s warning + 10 s)
 
 

@@ -206,6 +206,10 @@ class Collectives(abc.ABC):
         """Whether a step marker ran since :meth:`step_mark` made ``mark``."""
         return True
 
+    def to_host(self, tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        """Small tensors (the ranks' fingerprints) read back on the host. Default: each as ``.cpu()``."""
+        return [t.detach().cpu() for t in tensors]
+
     def sync(self, keep_rng: bool = True, why: Optional[str] = None) -> None:
         """Run pending device work (no-op for eager transports). ``keep_rng``: a cut the package makes
         for itself leaves the device's random state as the program would have it without the cut;

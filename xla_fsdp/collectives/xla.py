@@ -173,36 +173,38 @@ class XlaCollectives(Collectives):
 
         Channel ids are handed out in construction order, so ranks that built different units would
         pair unrelated collectives (wrong data) or wait for each other until XLA aborts the process.
-        One small all-gather on a reserved channel compares the counters before the first step.
+        Rank threads compare the counters on the host; across processes one small all-gather on a
+        reserved channel does, before the first step.
         """
         everyone = sorted(r for g in self.groups for r in g)
         if not self.use_channel_ids or len(everyone) == 1:
             return
-        if is_threaded_cpu():
-            self._meet_before_check(everyone)
-        mine = torch.tensor([CHANNELS.peek()], dtype=torch.int32).to(self._device)
-        counters = self._gather(mine, CHECK_CHANNEL, [everyone])
-        self.sync()
-        values = counters.cpu().tolist()
+        values = self._compare_on_host(everyone) if is_threaded_cpu() else None
+        if values is None:
+            mine = torch.tensor([CHANNELS.peek()], dtype=torch.int32).to(self._device)
+            counters = self._gather(mine, CHECK_CHANNEL, [everyone])
+            self.sync()
+            values = counters.cpu().tolist()
         if len(set(values)) > 1:
             raise RuntimeError(
                 f"xla_fsdp: ranks built different FSDP units before this first forward (channel counters by "
                 f"rank: {values}). Every rank must construct the same wrapped models, in the same order; "
                 "otherwise their collectives cannot be matched.")
 
-    def _meet_before_check(self, everyone: List[int]) -> None:
-        """The check is the first collective after whatever each rank did on its own (building the
-        model, a Trainer loading its rank files), so rank threads can reach it far apart, and XLA:CPU
-        aborts a device rendezvous whose peers are 10 s late ("Termination timeout ... of 10 seconds
-        exceeded"). Run this rank's pending work in a graph of its own (it holds no collective, so no
-        rank waits while another compiles it), then meet on the host, where waiting is free; the
-        check's graph is then tiny and the same on every rank."""
+    def _compare_on_host(self, everyone: List[int]) -> Optional[List[int]]:
+        """Rank threads of one process: the counters are compared on the host, where waiting is free
+        and nothing compiles (the check is the first meeting after whatever each rank did on its own,
+        so threads can reach it far apart; XLA:CPU aborts a device rendezvous whose peers are 10 s
+        late). This rank's pending work runs first in a graph of its own, so that the first step's
+        graph is the same on every rank (one compile, not one per rank). None: a subset of the
+        process's devices, which the device all-gather checks (a host meeting would wait for ranks
+        not in it)."""
         import torch_xla.runtime as xr
 
         self.sync()
         if everyone != list(range(xr.world_size())):
-            return  # a subset of the process's devices: the meeting would wait for ranks not in it
-        thread_exchange("construction check", len(everyone)).gather(self.global_rank, None)
+            return None
+        return thread_exchange("construction check", len(everyone)).gather(self.global_rank, CHANNELS.peek())
 
     def _channel_kwargs(self, channel: int) -> dict:
         if not self.use_channel_ids:
@@ -409,6 +411,19 @@ class XlaCollectives(Collectives):
         except RuntimeError:  # "XlaTensor does not have data handle": still pending
             return False
         return True
+
+    def to_host(self, tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        """Host tensors as they are, XLA ones in one transfer: values a sync already made are copied
+        without compiling anything (a ``torch.stack(...).cpu()`` compiled a graph of its own, on each
+        rank thread); what is still pending compiles once, together."""
+        import torch_xla
+
+        out = list(tensors)
+        lazy = [i for i, t in enumerate(out) if t.device.type == "xla"]
+        if lazy:
+            for i, value in zip(lazy, torch_xla._XLAC._xla_get_cpu_tensors([out[i].detach() for i in lazy])):
+                out[i] = value
+        return out
 
     def sync(self, keep_rng: bool = True, why: Optional[str] = None) -> None:
         if not keep_rng:

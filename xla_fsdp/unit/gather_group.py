@@ -428,7 +428,7 @@ def finish_late_init(group: GatherGroup) -> None:
     if group.shard._version == version:
         values = module_values(group)
         write_back(group, values)
-        group.initial.fingerprint = fingerprint(values).to(group.comms.device)
+        group.initial.fingerprint = fingerprint(values)
         group.initial.version = group.shard._version
         group.initial.storage_only = False  # the program's init gave the values
     freeing.after_write_back(group)

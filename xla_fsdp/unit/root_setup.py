@@ -67,7 +67,7 @@ def _check_same_parameters_on_every_rank(rt: UnitRuntime) -> None:
         return
     prints = [gather_group.current_fingerprint(group) for _, group in named]
     zero = torch.zeros((), dtype=torch.float32)
-    bits = torch.stack([(p if p is not None else zero).to(rt.comms.device) for p in prints]).cpu()
+    bits = torch.stack(rt.comms.to_host([p if p is not None else zero for p in prints]))
     # small numbers (sums over ranks stay in int32); 0 for a group loaded since it was built
     own = [b & 0xFFFFF if p is not None else 0 for b, p in zip(bits.view(torch.int32).tolist(), prints)]
     totals = rt.comms.start_sum_over_ranks(own)()
