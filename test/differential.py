@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import threading
 import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -521,10 +522,17 @@ def recipe_splits_otherwise(p: Program, model: nn.Module, originals: nn.Module) 
     return False
 
 
+#: transformers' lazy module is not safe to import from two threads at once: an XLA:CPU rank thread got
+#: "cannot import name 'Trainer' from 'transformers'" while the other imported it, and its partner then
+#: waited 600 s at the construction check
+_TRANSFORMERS_IMPORT = threading.Lock()
+
+
 def trainer_decay_names(model: nn.Module) -> list:
     """transformers' Trainer.get_decay_parameter_names itself (imported, not copied, so that a wrong reading
     of its rule in the package cannot pass here as well)."""
-    from transformers import Trainer
+    with _TRANSFORMERS_IMPORT:
+        from transformers import Trainer
     return Trainer.get_decay_parameter_names(None, model)
 
 
