@@ -130,6 +130,38 @@ def test_an_unchanged_torch_xla_fsdp_program_runs_on_xla_fsdp(tmp_path):
     assert not [str(p.relative_to(temp)) for p in temp.rglob("*")]
 
 
+LAZY_STARTUP = """
+import importlib.util, subprocess, sys
+HEAVY = ("torch", "torch_xla", "xla_fsdp")
+assert importlib.util.find_spec("torch_xla") is not None  # a lookup, as libraries check what is installed
+print("START", [m for m in HEAVY if m in sys.modules])
+helper = "import sys; print([m for m in %r if m in sys.modules])" % (HEAVY,)
+print("HELPER", subprocess.run([sys.executable, "-c", helper], capture_output=True, text=True).stdout.strip())
+import torch_xla.distributed.fsdp as fsdp
+import xla_fsdp
+print("SERVED", fsdp.XlaFullyShardedDataParallel.__module__,
+      any("_run_thread_per_device" in p.target for p in xla_fsdp.patches.installed()),
+      [type(f).__name__ for f in sys.meta_path if type(f).__name__ == "_AfterTorchXla"])
+"""
+
+
+@pytest.mark.xla
+def test_processes_that_never_import_torch_xla_import_nothing_of_it(tmp_path):
+    """Under ``python -m xla_fsdp.compat`` every Python process runs the startup hook, the program's
+    helpers too (multiprocessing's resource tracker, tools it starts): they import neither torch nor
+    xla_fsdp (each import of torch_xla and xla_fsdp costs about 6 s of CPU). The program that imports
+    torch_xla gets xla_fsdp's FSDP names and the XLA:CPU rank threads, after a lookup of torch_xla
+    (``importlib.util.find_spec``, as Lightning makes) too, and the hook's finder is gone."""
+    script = tmp_path / "lazy.py"
+    script.write_text(LAZY_STARTUP)
+    env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="2")
+    proc = subprocess.run([sys.executable, "-m", "xla_fsdp.compat", str(script)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.splitlines() == ["START []", "HELPER []",
+                                        "SERVED xla_fsdp.fully_sharded_data_parallel True []"], proc.stdout
+
+
 SAVE_THEN_CONSOLIDATE = """
 import os, sys, time, torch, torch.nn as nn
 import torch_xla, torch_xla.core.xla_model as xm, torch_xla.runtime as xr

@@ -6,7 +6,7 @@ the code that needs it, through this module, with its reason:
 
 - several XLA:CPU devices as threads of one process (tests, laptops; not TPU):
   :func:`xla_fsdp.enable_xla_cpu_devices`, called by :func:`xla_fsdp.launch`, ``python -m
-  xla_fsdp.compat`` and the examples;
+  xla_fsdp.compat`` (in each process, once it imports torch_xla) and the examples;
 - the first XLA unit built: torch_xla's ``xm.optimizer_step`` must not all-reduce FSDP shard gradients
   again (``XLA_FSDP_PATCH_TORCH_XLA=0`` keeps it out);
 - the first unit built: one optimizer step pre-hook that refuses an optimizer built before wrapping;
