@@ -8,6 +8,8 @@ run, step by step, and reach the same eval loss (Trainer logs losses rounded to 
 The rank files the Trainer saved consolidate with our CLI into a state dict that a plain GPT-2 loads
 strictly and that scores the wrapped model's eval loss (1e-4); the Trainer's own consolidated file
 holds the same tensors. A run resumed from the step-3 checkpoint (2 devices) logs the uninterrupted run's losses.
+The runs train with the Trainer's weight decay, its groups kept on the shards by ``shard_names_of``: the
+2-device run logs the plain Trainer's losses (no FSDP, 1 device).
 The Trainer's FSDPv2 path (``xla_fsdp_v2``) runs on xla_fsdp's SPMD mode the same way.
 The 4-device run and the resumed run start from a ``save_pretrained`` folder holding the 1-device run's
 initial weights, the low-memory way (meta parameters, storage only at wrap, ``LoadPretrained``
@@ -33,6 +35,9 @@ RUNS = {  # name: (devices, wrap, grad checkpointing, from a save_pretrained fol
     "4dev_transformer_ckpt": (4, "transformer", True, True),
 }  # every device count, both wrap policies, checkpointing on and off, both ways in
 LOSS_TOL, EVAL_TOL = 2e-4, 1e-4
+#: the runs above train with the Trainer's weight decay (every step takes 1.5 % of each decayed weight), its
+#: groups carried to the shards by ShardedDecayTrainer: the plain Trainer's run checks them too
+WEIGHT_DECAY = 5.0
 
 pytestmark = pytest.mark.xla  # every test here runs on XLA:CPU devices
 
@@ -89,7 +94,8 @@ def pretrained(tmp_path_factory):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, pretrained):
     folder = tmp_path_factory.mktemp("hf_trainer")
-    return {name: (folder / name, _launch(folder / name, devices, wrap, ckpt, init_from=pretrained if low else None))
+    return {name: (folder / name, _launch(folder / name, devices, wrap, ckpt, init_from=pretrained if low else None,
+                                          weight_decay=WEIGHT_DECAY))
             for name, (devices, wrap, ckpt, low) in RUNS.items()}
 
 
@@ -150,7 +156,7 @@ def test_trainer_resumes_from_its_checkpoint(runs, pretrained, tmp_path):
     out, full = runs["2dev_size_ckpt"]
     devices, wrap, grad_ckpt, _ = RUNS["2dev_size_ckpt"]
     resumed = _launch(tmp_path / "resumed", devices, wrap, grad_ckpt, init_from=pretrained,
-                      resume=out / f"checkpoint-{SAVE_STEPS}")
+                      resume=out / f"checkpoint-{SAVE_STEPS}", weight_decay=WEIGHT_DECAY)
     assert full["steps_run"] == STEPS and resumed["steps_run"] == STEPS - SAVE_STEPS, (full, resumed)
     # The log history holds the checkpoint's steps and the ones this run computed.
     assert sorted(resumed["losses"]) == list(range(1, STEPS + 1)), resumed["losses"]
@@ -197,15 +203,15 @@ def test_trainer_fsdpv2_path_runs_on_the_spmd_mode(tmp_path):
     assert abs(resumed["eval_loss"] - v2["eval_loss"]) <= EVAL_TOL
 
 
-def test_trainer_weight_decay_groups_through_shard_names_of_match_the_plain_trainer(tmp_path):
+def test_trainer_weight_decay_groups_through_shard_names_of_match_the_plain_trainer(runs, tmp_path):
     """On the Trainer's path: with weight decay, the Trainer's own grouping applied to
     the shards would decay GPT-2's LayerNorm weights (found by module type, which shards lack) and is
     refused at the first step (test_user_programs). Its decay names found on the unwrapped model and
     carried over with ``shard_names_of`` (``ShardedDecayTrainer`` in hf_trainer_xla_fsdp.py, the way
-    docs/usage.md gives) log the losses and eval loss of the plain Trainer without FSDP, 2 devices
-    against 1 (weight decay 5.0: every step takes 1.5 % of each decayed weight)."""
-    plain = _launch(tmp_path / "plain", 1, "transformer", False, weight_decay=5.0, plain=True)
-    sharded = _launch(tmp_path / "sharded", 2, "transformer", False, weight_decay=5.0)
+    docs/usage.md gives) log the losses and eval loss of the plain Trainer without FSDP: the 2-device run
+    above (size-based wrap, grad checkpointing) against 1 device unwrapped."""
+    plain = _launch(tmp_path / "plain", 1, "transformer", False, weight_decay=WEIGHT_DECAY, plain=True)
+    _, sharded = runs["2dev_size_ckpt"]
     assert plain["fsdp_class"] == "transformers.models.gpt2.modeling_gpt2.GPT2LMHeadModel", plain
     assert sharded["fsdp_class"] == "xla_fsdp.fully_sharded_data_parallel.XlaFullyShardedDataParallel", sharded
     assert sorted(sharded["losses"]) == list(range(1, STEPS + 1))
